@@ -1,0 +1,31 @@
+"""Entry point of the ``prorsa`` command. Each command group lives in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from prorsa.cli import traces as traces_cli
+from prorsa.cli.common import set_debug
+
+app = typer.Typer(
+    name="prorsa",
+    help="Forecast-driven prefill/decode allocation for agentic RL rollout.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks.")) -> None:
+    set_debug(debug)
+
+
+app.add_typer(traces_cli.app, name="traces", help="Import and summarise real agent traces.")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
