@@ -88,7 +88,9 @@ class Recorder:
         self._segment_index = self._next_free_segment()
         self._file = None
         self._open_segment()
-        self._thread = threading.Thread(target=self._flush_loop, name="prorsa-recorder", daemon=True)
+        self._thread = threading.Thread(
+            target=self._flush_loop, name="prorsa-recorder", daemon=True
+        )
         self._thread.start()
         _live_recorders.add(self)
 

@@ -73,8 +73,7 @@ class EventValidator:
         if last is not None:
             if time < last[0]:
                 raise InputError(
-                    f"time goes backwards within trajectory {row[_TRAJ]!r}: "
-                    f"{time} after {last[0]}",
+                    f"time goes backwards within trajectory {row[_TRAJ]!r}: {time} after {last[0]}",
                     source=self.source,
                     record=record,
                     field="time",
@@ -128,7 +127,9 @@ def find_violations(table: pa.Table, *, limit: int | None = None) -> list[tuple[
         problems += [
             (int(i), "time", "time goes backwards within its trajectory") for i in index[back]
         ]
-        problems += [(int(i), "turn", "turn out of order within its trajectory") for i in index[down]]
+        problems += [
+            (int(i), "turn", "turn out of order within its trajectory") for i in index[down]
+        ]
     problems.sort()
     return problems[:limit] if limit is not None else problems
 

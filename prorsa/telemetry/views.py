@@ -46,10 +46,7 @@ _KEY = ["run_id", "trajectory_id"]
 
 def to_frame(events: pa.Table | pd.DataFrame) -> pd.DataFrame:
     """Events as a pandas frame with ``kind`` as plain strings, in recorded order."""
-    if isinstance(events, pa.Table):
-        df = events.to_pandas()
-    else:
-        df = events.copy()
+    df = events.to_pandas() if isinstance(events, pa.Table) else events.copy()
     df["kind"] = df["kind"].astype(str)
     return df.reset_index(drop=True)
 
@@ -93,10 +90,18 @@ def turn_table(events: pa.Table | pd.DataFrame) -> pd.DataFrame:
     attempts = starts.groupby(key, sort=False).size().rename("prefill_attempts")
     prefill_engine = starts.groupby(key, sort=False)["engine_id"].last().rename("prefill_engine")
     decode = df[df["kind"] == EventKind.DECODE_END].groupby(key, sort=False)
-    decode_cols = decode.agg(output_tokens=("output_tokens", "last"), decode_engine=("engine_id", "last"))
+    decode_cols = decode.agg(
+        output_tokens=("output_tokens", "last"), decode_engine=("engine_id", "last")
+    )
 
     out = meta.join([prefill_first, times, attempts, prefill_engine, decode_cols], how="left")
-    for col in ("context_tokens", "new_tokens", "cached_tokens", "output_tokens", "prefill_attempts"):
+    for col in (
+        "context_tokens",
+        "new_tokens",
+        "cached_tokens",
+        "output_tokens",
+        "prefill_attempts",
+    ):
         out[col] = out[col].fillna(0).astype(np.int64)
     for col in ("prefill_engine", "decode_engine"):
         out[col] = out[col].fillna(-1).astype(np.int64)
