@@ -172,7 +172,7 @@ def test_survives_kill_9_mid_write(tmp_path):
     table, report = read_telemetry(tmp_path)
     assert report.segments >= 3
     n = table.num_rows
-    assert n > 10_000
+    assert n >= 4_000  # at least two full frames made it
     # Every recovered record is complete and nothing in the middle is missing.
     assert table.column("time").to_pylist() == [float(k) for k in range(n)]
     assert report.truncated_bytes >= 0  # a kill between frames leaves a clean tail
