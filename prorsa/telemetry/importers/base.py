@@ -1,0 +1,171 @@
+"""What every importer shares: the turn record, the event builder and the import result.
+
+An importer parses its format into :class:`Turn` tuples per trajectory and hands them to
+:class:`TraceBuilder`, which writes the lifecycle events as plain row tuples (one
+``rows_to_table`` call at the end is far cheaper than an object per event), counts what
+was skipped and remembers which quantities were derived rather than read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import pyarrow as pa
+
+from prorsa.errors import InputError
+from prorsa.telemetry.schema import EventKind
+
+MAX_SKIPPED_EXAMPLES = 5
+
+_Q, _PS, _PE = (
+    EventKind.PREFILL_QUEUED.value,
+    EventKind.PREFILL_START.value,
+    EventKind.PREFILL_END.value,
+)
+_DS, _DE = EventKind.DECODE_START.value, EventKind.DECODE_END.value
+_TS, _TE = EventKind.TOOL_START.value, EventKind.TOOL_END.value
+_START, _END = EventKind.TRAJ_START.value, EventKind.TRAJ_END.value
+_NO_TOKENS = (0, 0, 0, 0)
+
+
+class Turn(NamedTuple):
+    """One LLM call of a trajectory, with absolute times in seconds (any origin).
+
+    There is no KV transfer in a public trace, so prefill ends when decoding starts.
+    ``tool_end_s`` is ``None`` on the last turn (no tool follows it) and the time the next
+    call was queued on every other turn. Details are ``detail_json`` strings placed on
+    ``prefill_start`` (token provenance), ``decode_end`` (generation) and ``tool_end``.
+    """
+
+    queued_s: float
+    prefill_start_s: float
+    decode_start_s: float
+    decode_end_s: float
+    tool_end_s: float | None
+    context_tokens: int
+    new_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    prefill_detail: str = ""
+    decode_detail: str = ""
+    tool_detail: str = ""
+
+
+@dataclass
+class ImportResult:
+    """An imported trace: validated events plus what was skipped and what was derived."""
+
+    table: pa.Table
+    fmt: str
+    source: str
+    trajectories: int
+    turns: int
+    skipped: int
+    skipped_examples: list[str]
+    #: quantity -> how it was derived (quantities not listed were read from the trace)
+    derived: dict[str, str]
+    #: choices a user should know about when reading the numbers
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def events(self) -> int:
+        return self.table.num_rows
+
+
+@dataclass(frozen=True)
+class TraceFormat:
+    """A registered trace format: how to read it and where the shared copy lives."""
+
+    name: str
+    description: str
+    read: Callable[[Path, TraceBuilder], None]
+    #: path of the public example under the shared data folder
+    shared_path: str
+
+
+class TraceBuilder:
+    """Collects lifecycle rows for one import and the report that goes with them."""
+
+    def __init__(self, run_id: str, *, skip_bad: bool = False) -> None:
+        self.run_id = run_id
+        self.skip_bad = skip_bad
+        self.rows: list[tuple] = []
+        self.trajectories = 0
+        self.turns = 0
+        self.skipped = 0
+        self.skipped_examples: list[str] = []
+        self.first_error: InputError | None = None
+        self.derived: dict[str, str] = {}
+        self.notes: list[str] = []
+
+    def derive(self, quantity: str, how: str) -> None:
+        """Record (once) that ``quantity`` is derived and how."""
+        self.derived.setdefault(quantity, how)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def skip(self, error: InputError, what: str) -> None:
+        """Raise ``error``, or with ``skip_bad`` count it as one skipped ``what``.
+
+        ``what`` says what was dropped because of the bad record, e.g. ``"line"`` or
+        ``"trajectory 'x' (its turns depend on each other)"``.
+        """
+        if not self.skip_bad:
+            raise error
+        self.skipped += 1
+        self.first_error = self.first_error or error
+        if len(self.skipped_examples) < MAX_SKIPPED_EXAMPLES:
+            record = str(error.record).removeprefix("line ") if error.record is not None else None
+            where = f"{error.source}:{record}" if record is not None else str(error.source)
+            self.skipped_examples.append(
+                f"{where}: {error.field or '-'}: {error.reason} [skipped {what}]"
+            )
+
+    def add_trajectory(
+        self,
+        trajectory_id: str,
+        group_id: str,
+        task: str,
+        turns: Sequence[Turn],
+        *,
+        start_s: float | None = None,
+        end_s: float | None = None,
+        start_detail: str = "",
+        end_detail: str = "",
+    ) -> None:
+        """Append one trajectory's events: start, per-turn stages, tools between, end."""
+        if not turns:
+            raise ValueError("a trajectory needs at least one turn")
+        head = (self.run_id, trajectory_id, group_id, task)
+        rows = self.rows
+        clock = turns[0].queued_s if start_s is None else start_s
+
+        def add(time: float, turn: int, kind: str, tokens: tuple, detail: str) -> None:
+            nonlocal clock
+            # Stage times come from sums like `arrival + gap`; a running max keeps float
+            # rounding from ever putting an event before the one it follows.
+            clock = time if time > clock else clock
+            rows.append((clock, *head, turn, kind, -1, *tokens, detail))
+
+        add(clock, 0, _START, _NO_TOKENS, start_detail)
+        last = len(turns) - 1
+        for index, t in enumerate(turns):
+            prompt = (t.context_tokens, t.new_tokens, t.cached_tokens, 0)
+            add(t.queued_s, index, _Q, prompt, "")
+            add(t.prefill_start_s, index, _PS, prompt, t.prefill_detail)
+            add(t.decode_start_s, index, _PE, prompt, "")
+            add(t.decode_start_s, index, _DS, (t.context_tokens, 0, 0, 0), "")
+            add(t.decode_end_s, index, _DE, (0, 0, 0, t.output_tokens), t.decode_detail)
+            if index < last:
+                if t.tool_end_s is None:
+                    raise ValueError(f"turn {index} of {trajectory_id!r} needs tool_end_s")
+                add(t.decode_end_s, index, _TS, _NO_TOKENS, "")
+                add(t.tool_end_s, index, _TE, _NO_TOKENS, t.tool_detail)
+        add(turns[-1].decode_end_s if end_s is None else end_s, last, _END, _NO_TOKENS, end_detail)
+        self.trajectories += 1
+        self.turns += len(turns)
