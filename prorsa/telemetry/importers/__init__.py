@@ -19,7 +19,7 @@ from prorsa.errors import ConfigError, InputError
 from prorsa.registry import Registry
 from prorsa.telemetry.importers import azure, mini_swe_agent, mooncake, swe_agent, tau2, tracelab
 from prorsa.telemetry.importers.base import ImportResult, TraceBuilder, TraceFormat, Turn
-from prorsa.telemetry.schema import rows_to_table
+from prorsa.telemetry.schema import ARROW_SCHEMA, rows_to_table
 from prorsa.telemetry.validation import find_violations
 
 IMPORTERS: Registry[TraceFormat] = Registry("trace format")
@@ -110,7 +110,7 @@ def _finish(rows: list[tuple]) -> pa.Table:
     """Events as a table in time order, times shifted to start at the first event."""
     table = rows_to_table(rows)
     time = table.column("time")
-    table = table.set_column(0, "time", pc.subtract(time, pc.min(time)))
+    table = table.set_column(0, ARROW_SCHEMA.field("time"), pc.subtract(time, pc.min(time)))
     # Arrow's sort is stable: events at the same time keep their lifecycle order.
     return table.take(pc.sort_indices(table, sort_keys=[("time", "ascending")]))
 

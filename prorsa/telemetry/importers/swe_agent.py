@@ -23,7 +23,7 @@ from prorsa.telemetry.schema import detail_json
 TASK = "swe"
 RATES = FRONTIER_API
 CHARS_PER_TOKEN = 4.0  # typical for English text and code with BPE tokenizers
-# Used only when a trajectory has no execution_time at all: the median per-step time of
+# Used for steps without execution_time: the median per-step time of
 # SWE-agent's own recorded trajectory in the shared data (swea_marsh.traj: 0.138 s).
 NOMINAL_TOOL_S = 0.14
 
@@ -47,6 +47,7 @@ def read(src: Path, out: TraceBuilder) -> None:
         "cached_tokens",
         "previous call's context + output (the history so far), capped at this context",
     )
+    out.derive("new_tokens", "derived context_tokens - derived cached_tokens")
     for path in list_files(src, "*.traj"):
         try:
             _add(path, out)
@@ -86,7 +87,8 @@ def _add(path: Path, out: TraceBuilder) -> None:
     contexts = _tokens(context_chars, round(sent * share))
     outputs = _tokens(output_chars, round(received * share))
 
-    measured_tools = any(t is not None for t in tool_s)
+    if None in tool_s:
+        out.derive("tool_latency_s", f"steps without execution_time: {NOMINAL_TOOL_S} s (nominal)")
     turns: list[Turn] = []
     clock = 0.0
     prev_total = 0
@@ -95,7 +97,7 @@ def _add(path: Path, out: TraceBuilder) -> None:
         prev_total = context + output
         prefill_s = RATES.prefill_s(context - cached)
         decode_end = clock + prefill_s + RATES.decode_s(output)
-        tool = tool_s[i] if tool_s[i] is not None else (0.0 if measured_tools else NOMINAL_TOOL_S)
+        tool = NOMINAL_TOOL_S if tool_s[i] is None else tool_s[i]
         last = i == len(steps) - 1
         turns.append(
             Turn(

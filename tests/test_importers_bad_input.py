@@ -1,0 +1,245 @@
+"""Malformed trace records: a clear InputError without --skip-bad, counted skips with it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.telemetry.importers import import_trace
+from prorsa.telemetry.validation import find_violations
+
+DATA = Path(__file__).resolve().parent / "data" / "importers"
+MINI = "traces/mini-swe-agent-swebench"
+GOOD_MINI = "django__django-16667.traj.json"  # 19 calls
+OTHER_MINI = "django__django-14559.traj.json"  # 24 calls
+
+
+def _copy_mini(shared_data: Path, folder: Path, *names: str) -> Path:
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        shutil.copy(shared_data / MINI / name, folder / name)
+    return folder
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _assistant(data: dict, nth: int) -> dict:
+    return [m for m in data["messages"] if m["role"] == "assistant"][nth]
+
+
+# ---------------------------------------------------------------- mini-swe-agent
+def test_truncated_json_names_file_and_line(shared_data, tmp_path):
+    folder = _copy_mini(shared_data, tmp_path / "trajs", GOOD_MINI)
+    text = (shared_data / MINI / OTHER_MINI).read_text()
+    (folder / OTHER_MINI).write_text(text[: len(text) // 2])
+    with pytest.raises(InputError) as err:
+        import_trace(folder, "mini-swe-agent")
+    assert err.value.source.endswith(OTHER_MINI)
+    assert str(err.value.record).startswith("line ")
+    assert "truncated JSON" in err.value.reason
+
+    result = import_trace(folder, "mini-swe-agent", skip_bad=True)
+    assert (result.trajectories, result.turns, result.skipped) == (1, 19, 1)
+    assert OTHER_MINI in result.skipped_examples[0]
+    assert "skipped trajectory 'django__django-14559'" in result.skipped_examples[0]
+    assert find_violations(result.table) == []
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "reason"),
+    [
+        (
+            lambda m: m["extra"]["response"]["usage"].__setitem__("prompt_tokens", "12"),
+            "extra.response.usage.prompt_tokens",
+            "non-negative integer",
+        ),
+        (
+            lambda m: m["extra"]["response"]["usage"].__setitem__("completion_tokens", -4),
+            "extra.response.usage.completion_tokens",
+            "non-negative integer",
+        ),
+        (
+            lambda m: m["extra"]["response"].pop("usage"),
+            "extra.response.usage.prompt_tokens",
+            "missing",
+        ),
+        (
+            lambda m: m["extra"]["response"].__setitem__("created", "yesterday"),
+            "extra.response.created",
+            "must be a number",
+        ),
+        (
+            lambda m: m["extra"]["response"]["usage"]["prompt_tokens_details"].__setitem__(
+                "cached_tokens", 10**9
+            ),
+            "extra.response.usage.prompt_tokens_details.cached_tokens",
+            "exceed",
+        ),
+    ],
+)
+def test_mini_swe_agent_bad_fields(shared_data, tmp_path, edit, field, reason):
+    folder = _copy_mini(shared_data, tmp_path / "trajs", GOOD_MINI, OTHER_MINI)
+    _edit_json(folder / OTHER_MINI, lambda d: edit(_assistant(d, 3)))
+    with pytest.raises(InputError) as err:
+        import_trace(folder, "mini-swe-agent")
+    assert err.value.field == field and reason in err.value.reason
+    assert err.value.record == "messages[8]"  # system, user, then 3 x (assistant, user)
+    result = import_trace(folder, "mini-swe-agent", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (1, 1)
+    assert result.skipped_examples[0].startswith(f"{folder / OTHER_MINI}:messages[8]: {field}:")
+
+
+def test_single_bad_file_with_skip_bad_still_fails(shared_data, tmp_path):
+    path = tmp_path / GOOD_MINI
+    path.write_text((shared_data / MINI / GOOD_MINI).read_text()[:1000])
+    with pytest.raises(InputError, match="truncated JSON"):
+        import_trace(path, "mini-swe-agent", skip_bad=True)
+
+
+# ---------------------------------------------------------------- mooncake / azure fixtures
+def test_mooncake_bad_lines():
+    path = DATA / "mooncake_bad.jsonl"
+    with pytest.raises(InputError) as err:
+        import_trace(path, "mooncake")
+    assert (err.value.record, err.value.field) == ("line 2", "input_length")
+    result = import_trace(path, "mooncake", skip_bad=True)
+    # lines 1 and 3 share block 0: one session of two turns
+    assert (result.trajectories, result.turns, result.skipped) == (1, 2, 4)
+    fields = [example.split(": ")[1] for example in result.skipped_examples]
+    assert fields == ["input_length", "output_length", "hash_ids[1]", "-"]
+    assert result.skipped_examples[3].startswith(f"{path}:6: -: invalid or truncated JSON")
+    cached = result.table.to_pandas().query("kind == 'prefill_start'")["cached_tokens"]
+    assert cached.tolist() == [0, 1000]  # 2 shared blocks x 512, capped at the 1000 input
+    assert result.table.to_pandas().query("kind == 'prefill_start'")["new_tokens"].tolist() == [
+        1000,
+        0,
+    ]
+
+
+def test_azure_bad_rows():
+    path = DATA / "azure_bad.csv"
+    with pytest.raises(InputError) as err:
+        import_trace(path, "azure")
+    assert (err.value.record, err.value.field) == ("line 3", "ContextTokens")
+    result = import_trace(path, "azure", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (2, 4)
+    fields = [example.split(": ")[1] for example in result.skipped_examples]
+    assert fields == ["ContextTokens", "TIMESTAMP", "GeneratedTokens", "GeneratedTokens"]
+
+
+def test_azure_missing_column(tmp_path):
+    path = tmp_path / "trace_code.csv"
+    path.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9,10\n")
+    with pytest.raises(InputError) as err:
+        import_trace(path, "azure")
+    assert err.value.field == "GeneratedTokens" and err.value.record == "line 1"
+
+
+# ---------------------------------------------------------------- tracelab
+def _tracelab_lines(shared_data: Path) -> list[dict]:
+    text = (shared_data / "traces" / "tracelab" / "round_trace.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _write_lines(path: Path, records: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_tracelab_wrong_type_skips_its_session(shared_data, tmp_path):
+    rows = _tracelab_lines(shared_data)
+    rows[12]["output_tokens"] = 59.5  # a codex round
+    path = _write_lines(tmp_path / "rounds.jsonl", rows)
+    with pytest.raises(InputError) as err:
+        import_trace(path, "tracelab")
+    assert (err.value.record, err.value.field) == ("line 13", "output_tokens")
+    result = import_trace(path, "tracelab", skip_bad=True)
+    # the bad line, then the codex session with its round 2 missing
+    assert (result.trajectories, result.turns, result.skipped) == (1, 10, 2)
+    assert "round 2 is missing" in result.skipped_examples[1]
+    assert "skipped session 'codex:" in result.skipped_examples[1]
+
+
+def test_tracelab_truncated_line_and_bad_timestamp(shared_data, tmp_path):
+    rows = _tracelab_lines(shared_data)
+    rows[3]["timing_events"][1]["timestamp"] = "soon"
+    lines = [json.dumps(r) for r in rows]
+    lines[5] = lines[5][:40]  # both bad lines belong to the claude session (lines 1-10)
+    path = _write_lines(tmp_path / "rounds.jsonl", lines)
+    with pytest.raises(InputError) as err:
+        import_trace(path, "tracelab")
+    assert err.value.field == "timing_events[1].timestamp" and err.value.record == "line 4"
+    result = import_trace(path, "tracelab", skip_bad=True)
+    # two lines, then the claude session for its missing rounds; codex stays whole
+    assert (result.trajectories, result.turns, result.skipped) == (1, 9, 3)
+    assert result.skipped_examples[1].startswith(f"{path}:6: -: invalid or truncated JSON")
+    assert "round 3 is missing" in result.skipped_examples[2]
+
+
+def test_nothing_left_after_skipping_raises_the_first_error(shared_data, tmp_path):
+    rows = _tracelab_lines(shared_data)
+    rows[0]["output_tokens"] = -1
+    rows[10]["output_tokens"] = -1
+    path = _write_lines(tmp_path / "rounds.jsonl", rows)
+    with pytest.raises(InputError) as err:
+        import_trace(path, "tracelab", skip_bad=True)
+    assert (err.value.record, err.value.field) == ("line 1", "output_tokens")
+
+
+def test_tracelab_token_split_must_add_up(shared_data, tmp_path):
+    rows = _tracelab_lines(shared_data)
+    rows[0]["prefix_tokens"] += 1
+    path = _write_lines(tmp_path / "rounds.jsonl", rows)
+    with pytest.raises(InputError, match="input_tokens_total") as err:
+        import_trace(path, "tracelab")
+    assert err.value.field == "newly_append_tokens"
+
+
+# ---------------------------------------------------------------- tau2 / swe-agent
+def test_tau2_bad_usage_skips_one_simulation(shared_data, tmp_path):
+    path = tmp_path / "tau2.json"
+    shutil.copy(shared_data / "traces" / "tau2-bench" / "tau2_telecom_gpt4o.json", path)
+    _edit_json(path, lambda d: d["simulations"][4]["messages"][2]["usage"].pop("prompt_tokens"))
+    with pytest.raises(InputError) as err:
+        import_trace(path, "tau2")
+    assert err.value.record == "simulations[4].messages[2]"
+    assert err.value.field == "usage.prompt_tokens"
+    result = import_trace(path, "tau2", skip_bad=True)
+    assert (result.trajectories, result.turns, result.skipped) == (19, 217 - 9, 1)
+
+
+def test_swe_agent_negative_execution_time(shared_data, tmp_path):
+    folder = tmp_path / "swe"
+    shutil.copytree(shared_data / "traces" / "swe-agent", folder)
+    _edit_json(folder / "swea_marsh.traj", lambda d: d["trajectory"][5].update(execution_time=-1))
+    with pytest.raises(InputError) as err:
+        import_trace(folder, "swe-agent")
+    assert (err.value.record, err.value.field) == ("trajectory[5]", "execution_time")
+    result = import_trace(folder, "swe-agent", skip_bad=True)
+    assert (result.trajectories, result.turns, result.skipped) == (1, 12, 1)
+
+
+def test_swe_agent_history_must_match_steps(shared_data, tmp_path):
+    path = tmp_path / "one.traj"
+    shutil.copy(shared_data / "traces" / "swe-agent" / "swea_pydicom.traj", path)
+    _edit_json(path, lambda d: d["trajectory"].pop())
+    with pytest.raises(InputError, match="12 assistant messages but 11 trajectory steps"):
+        import_trace(path, "swe-agent")
+
+
+# ---------------------------------------------------------------- entry point
+def test_unknown_format_and_missing_source(tmp_path):
+    with pytest.raises(ConfigError, match="unknown trace format"):
+        import_trace(tmp_path, "nope")
+    with pytest.raises(InputError, match="no such file"):
+        import_trace(tmp_path / "absent", "tau2")
+    with pytest.raises(InputError, match=r"no \*\.traj\.json files"):
+        import_trace(tmp_path, "mini-swe-agent")
