@@ -1,0 +1,163 @@
+"""How the router talks to an engine: a small async protocol and its Ray implementation.
+
+The router depends only on :class:`EngineClient`, so its routing, switching and failure
+handling are tested against in-process fakes; :class:`RayEngineClient` adapts an
+:class:`~prorsa.runtime.ray.engine.EngineServer` actor and turns Ray's errors into
+:class:`EngineUnavailable` (the engine is gone: re-route) or the original
+:class:`~prorsa.errors.ProrsaError` (the request is bad: report it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from prorsa.errors import ProrsaError
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine died or stopped answering; its requests must be served elsewhere."""
+
+    def __init__(self, engine_id: int, reason: str) -> None:
+        super().__init__(f"engine {engine_id} unavailable: {reason}")
+        self.engine_id = engine_id
+        self.reason = reason
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Async handle on one engine. See ``EngineServer`` for each method's contract."""
+
+    engine_id: int
+
+    def generate_stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]: ...
+
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+    async def pause(self, mode: str = "keep") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool: ...
+
+    async def release_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None: ...
+
+    async def health(self) -> dict[str, Any]: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class RayEngineClient:
+    """:class:`EngineClient` over an ``EngineServer`` Ray actor handle."""
+
+    def __init__(self, engine_id: int, actor: Any) -> None:
+        self.engine_id = engine_id
+        self.actor = actor
+
+    async def generate_stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[dict[str, Any]]:
+        stream = self.actor.generate_stream.options(num_returns="streaming").remote(
+            request_id, prompt_token_ids, max_tokens, temperature, kv_transfer_params, **sampling
+        )
+        try:
+            async for ref in stream:
+                yield await self._wait(ref)
+        except BaseException:
+            _cancel(stream)
+            raise
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        ref = self.actor.generate.remote(
+            request_id, prompt_token_ids, max_tokens, temperature, kv_transfer_params, **sampling
+        )
+        try:
+            return await self._wait(ref)
+        except BaseException:
+            _cancel(ref)
+            raise
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._call("abort", list(request_ids))
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._call("reset_prefix_cache"))
+
+    async def release_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        await self._call("release_kv", request_id, kv_transfer_params)
+
+    async def health(self) -> dict[str, Any]:
+        return await self._call("health")
+
+    async def shutdown(self) -> None:
+        await self._call("shutdown")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await self._wait(getattr(self.actor, method).remote(*args))
+
+    async def _wait(self, ref: Any) -> Any:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return await ref
+        except RayActorError as exc:  # died, killed, or unreachable
+            raise EngineUnavailable(self.engine_id, type(exc).__name__) from exc
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ProrsaError):
+                raise cause from None
+            if _is_engine_dead(cause):
+                raise EngineUnavailable(self.engine_id, f"vLLM engine dead: {cause}") from exc
+            raise
+
+
+def _is_engine_dead(exc: BaseException | None) -> bool:
+    return exc is not None and type(exc).__name__ == "EngineDeadError"
+
+
+def _cancel(ref: Any) -> None:
+    """Cancel a Ray task or stream, ignoring a task that already finished."""
+    import ray
+
+    # Best effort: the task may be done or the actor gone.
+    with contextlib.suppress(Exception):
+        ray.cancel(ref)

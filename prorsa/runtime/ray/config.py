@@ -1,0 +1,157 @@
+"""Configuration of one vLLM engine hosted in a Ray actor, and the KV-connector choice."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from prorsa.errors import ConfigError
+
+ConnectorName = Literal["auto", "nixl", "example"]
+CONNECTORS: tuple[str, ...] = ("auto", "nixl", "example")
+
+
+@dataclass
+class EngineConfig:
+    """One model replica. Every field's ``help`` metadata doubles as CLI help text."""
+
+    model: str = field(metadata={"help": "Model folder or name (loaded offline)."})
+    device: str | None = field(
+        default=None,
+        metadata={"help": "Torch device type; None lets vLLM pick (cuda on GPU, cpu here)."},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Weight/activation dtype; 'float32' on CPU (bf16 crashes there)."},
+    )
+    max_model_len: int = field(default=1024, metadata={"help": "Longest context in tokens."})
+    max_num_seqs: int = field(default=8, metadata={"help": "Most sequences per batch."})
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata={"help": "Token budget per step; None uses vLLM's default."}
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "KV block size in tokens; None uses vLLM's default."}
+    )
+    enforce_eager: bool = field(
+        default=True, metadata={"help": "Skip graph capture (faster start, slower steps)."}
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "Keep prompt prefixes for later turns."}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "Share of GPU memory vLLM may use (GPU only)."}
+    )
+    tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine."})
+    connector: ConnectorName | None = field(
+        default="auto",
+        metadata={
+            "help": "KV connector for prefill->decode handoff: 'nixl' (NixlConnector), "
+            "'example' (ExampleConnector via a shared folder), 'auto' (nixl when importable), "
+            "or None (no handoff; colocated only)."
+        },
+    )
+    kv_buffer_device: str | None = field(
+        default=None,
+        metadata={"help": "NIXL buffer device; None means 'cpu' on CPU, the device otherwise."},
+    )
+    kv_storage_dir: str | None = field(
+        default=None, metadata={"help": "Shared folder for the 'example' connector."}
+    )
+    side_channel_host: str = field(
+        default="127.0.0.1", metadata={"help": "Host NIXL peers reach this engine's side channel."}
+    )
+    side_channel_port: int | None = field(
+        default=None, metadata={"help": "NIXL side-channel port; None picks a free one."}
+    )
+    kv_cache_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "KV cache per engine in GiB (kv_cache_memory_bytes); None uses "
+            "gpu_memory_utilization on GPU and 1 GiB on CPU."
+        },
+    )
+    cpu_threads_bind: str = field(
+        default="nobind",
+        metadata={"help": "VLLM_CPU_OMP_THREADS_BIND; 'nobind' lets engines share cores."},
+    )
+    cpu_threads: int = field(
+        default=1, metadata={"help": "OpenMP threads per engine on CPU (OMP_NUM_THREADS)."}
+    )
+    inline_worker: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the model worker inside the EngineCore process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0): one process fewer per engine on CPU."
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Engine sampling seed."})
+    env: dict[str, str] = field(
+        default_factory=dict, metadata={"help": "Extra environment variables for the engine."}
+    )
+    engine_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Extra AsyncEngineArgs keyword arguments."}
+    )
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` for an inconsistent configuration."""
+        if self.connector is not None and self.connector not in CONNECTORS:
+            raise ConfigError(
+                f"unknown connector {self.connector!r}",
+                hint=f"choose one of: {', '.join(CONNECTORS)} or None",
+            )
+        if self.max_model_len <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("max_model_len and max_num_seqs must be > 0")
+        if self.resolved_connector() == "example" and not self.kv_storage_dir:
+            raise ConfigError(
+                "the 'example' connector needs kv_storage_dir",
+                hint="give every engine the same shared folder",
+            )
+
+    def resolved_connector(self) -> str | None:
+        """The connector this engine will use after resolving ``'auto'``."""
+        if self.connector == "auto":
+            return "nixl" if nixl_available() else "example"
+        return self.connector
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Field name -> help text."""
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+def nixl_available() -> bool:
+    """Whether the NIXL Python bindings can be imported here."""
+    return importlib.util.find_spec("nixl") is not None
+
+
+def engine_environment(config: EngineConfig, side_channel_port: int | None) -> dict[str, str]:
+    """Environment variables the engine (and its spawned EngineCore) must see before start."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": config.cpu_threads_bind,
+        "OMP_NUM_THREADS": str(config.cpu_threads),
+    }
+    if config.inline_worker:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.side_channel_host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    env.update(config.env)
+    return env
+
+
+def kv_transfer_config(config: EngineConfig, device_type: str) -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` dict for ``AsyncEngineArgs`` (None without a connector)."""
+    connector = config.resolved_connector()
+    if connector is None:
+        return None
+    if connector == "nixl":
+        buffer = config.kv_buffer_device or ("cpu" if device_type == "cpu" else device_type)
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": buffer}
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": config.kv_storage_dir},
+    }

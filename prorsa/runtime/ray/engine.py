@@ -1,0 +1,310 @@
+"""A vLLM ``AsyncLLM`` engine hosted in one Ray actor, with token-in/token-out generation.
+
+The class below is plain Python; :func:`engine_actor_class` wraps it with ``ray.remote`` so
+that the module imports without Ray, and tests can drive it in-process too. All public
+methods are coroutines: Ray runs them concurrently on the actor's event loop, so one engine
+serves many requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.runtime.ray.config import EngineConfig, engine_environment, kv_transfer_config
+
+logger = logging.getLogger(__name__)
+
+#: ``kv_transfer_params`` for a prefill leg whose KV a remote decode engine will pull.
+PREFILL_FOR_REMOTE_DECODE: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EngineServer:
+    """Host one vLLM engine; the body of the Ray actor.
+
+    Args:
+        engine_id: cluster-wide engine number (telemetry ``engine_id``).
+        config: engine configuration; validated here.
+    """
+
+    def __init__(self, engine_id: int, config: EngineConfig) -> None:
+        config.validate()
+        self.engine_id = engine_id
+        self.config = config
+        self.connector = config.resolved_connector()
+        self.side_channel_port: int | None = None
+        if self.connector == "nixl":
+            self.side_channel_port = config.side_channel_port or free_port(config.side_channel_host)
+        os.environ.update(engine_environment(config, self.side_channel_port))
+        self._llm: Any = None
+        self._in_flight: dict[str, float] = {}
+        self._paused = False
+        self.start_s: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> dict[str, Any]:
+        """Build the engine (idempotent). Returns :meth:`health`."""
+        if self._llm is None:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            cfg = self.config
+            device_type = cfg.device or current_platform.device_type
+            args: dict[str, Any] = {
+                "model": cfg.model,
+                "dtype": cfg.dtype,
+                "max_model_len": cfg.max_model_len,
+                "max_num_seqs": cfg.max_num_seqs,
+                "enforce_eager": cfg.enforce_eager,
+                "enable_prefix_caching": cfg.enable_prefix_caching,
+                "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                "tensor_parallel_size": cfg.tensor_parallel_size,
+                "seed": cfg.seed,
+                "kv_transfer_config": kv_transfer_config(cfg, device_type),
+            }
+            kv_cache_gib = cfg.kv_cache_gib
+            if kv_cache_gib is None and device_type == "cpu":
+                kv_cache_gib = 1.0
+            if kv_cache_gib is not None:
+                args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            if cfg.max_num_batched_tokens is not None:
+                args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+            if cfg.block_size is not None:
+                args["block_size"] = cfg.block_size
+            args.update(cfg.engine_kwargs)
+            started = time.perf_counter()
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            self.start_s = time.perf_counter() - started
+            logger.info("engine %d ready in %.1f s", self.engine_id, self.start_s)
+        return await self.health()
+
+    async def health(self) -> dict[str, Any]:
+        """Liveness and load: raises if the engine died; cheap enough to poll."""
+        if self._llm is None:
+            return {"engine_id": self.engine_id, "ready": False}
+        await self._llm.check_health()
+        return {
+            "engine_id": self.engine_id,
+            "ready": True,
+            "pid": os.getpid(),
+            "child_pids": _child_pids(),
+            "connector": self.connector,
+            "side_channel_port": self.side_channel_port,
+            "in_flight": len(self._in_flight),
+            "paused": self._paused,
+            "start_s": self.start_s,
+            "max_model_len": self._llm.model_config.max_model_len,
+            "vocab_size": self._llm.model_config.get_vocab_size(),
+        }
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling: ``keep`` freezes in-flight requests, ``wait`` drains, ``abort``."""
+        await self._engine().pause_generation(mode=mode, clear_cache=False)
+        self._paused = True
+
+    async def resume(self) -> None:
+        """Resume scheduling after :meth:`pause`."""
+        await self._engine().resume_generation()
+        self._paused = False
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (e.g. after a role switch). True when the reset happened."""
+        return bool(await self._engine().reset_prefix_cache())
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests; their ``generate`` calls return with finish_reason ``abort``."""
+        await self._engine().abort(list(request_ids))
+
+    async def release_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """Free KV a prefill leg pinned for a decode that will never pull it."""
+        await self._engine().notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
+
+    async def in_flight(self) -> list[str]:
+        """Ids of requests this engine is serving now."""
+        return list(self._in_flight)
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its EngineCore process (idempotent)."""
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+
+    # ------------------------------------------------------------------ serving
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        """Generate from token ids; returns tokens, KV params, finish reason and timings.
+
+        Args:
+            request_id: unique among this engine's in-flight requests.
+            prompt_token_ids: the full context.
+            max_tokens: tokens to generate (1 for a prefill leg).
+            temperature: 0 is greedy.
+            kv_transfer_params: connector parameters (``PREFILL_FOR_REMOTE_DECODE`` on a
+                prefill leg, the prefill leg's returned params on a decode leg).
+            **sampling: ``top_p``, ``seed``, ``ignore_eos``, ``stop_token_ids``.
+
+        Returns:
+            ``output_token_ids``, ``kv_transfer_params`` (None unless a connector set them),
+            ``finish_reason`` (``abort`` when aborted), ``num_cached_tokens``,
+            ``prompt_tokens``, ``engine_id`` and ``timings`` with ``queue_s``/``prefill_s``
+            (engine-core clock, None when not reported), ``first_token_s`` and ``total_s``
+            (wall clock inside the actor).
+        """
+        result: dict[str, Any] = {}
+        async for item in self.generate_stream(
+            request_id, prompt_token_ids, max_tokens, temperature, kv_transfer_params, **sampling
+        ):
+            result = item
+        return result
+
+    async def generate_stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        *,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Like :meth:`generate`, but first yields ``{"event": "first_token", ...}`` as soon as
+        the first token exists (the KV handoff is over by then), then the result with
+        ``"event": "done"``. Use with ``num_returns="streaming"``."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        self.check_request(prompt_token_ids, max_tokens)
+        if request_id in self._in_flight:
+            raise InputError(f"request id {request_id!r} is already in flight", field="request_id")
+        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stop_token_ids,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
+        )
+        started = time.perf_counter()
+        self._in_flight[request_id] = started
+        tokens: list[int] = []
+        first_token_s = None
+        final: Any = None
+        try:
+            stream = self._engine().generate(
+                {"prompt_token_ids": list(prompt_token_ids)}, params, request_id
+            )
+            async for out in stream:
+                tokens.extend(out.outputs[0].token_ids)
+                final = out
+                if tokens and first_token_s is None:
+                    first_token_s = time.perf_counter() - started
+                    if not out.finished:
+                        yield {
+                            "event": "first_token",
+                            "first_token_s": first_token_s,
+                            "num_cached_tokens": int(out.num_cached_tokens or 0),
+                        }
+        except ValueError as exc:  # vLLM's request validation errors subclass ValueError
+            raise InputError(str(exc), record=request_id) from None
+        finally:
+            self._in_flight.pop(request_id, None)
+        result = self._result(request_id, prompt_token_ids, tokens, final, started, first_token_s)
+        yield {"event": "done", **result}
+
+    def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Raise :class:`InputError` for a request this engine can never serve."""
+        if not prompt_token_ids:
+            raise InputError("prompt is empty", field="prompt_token_ids")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise InputError(
+                f"prompt has {len(prompt_token_ids)} tokens; engine max_model_len is "
+                f"{self.config.max_model_len}",
+                field="prompt_token_ids",
+                hint="shorten the context or raise EngineConfig.max_model_len",
+            )
+        if max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1, got {max_tokens}", field="max_tokens")
+
+    def _result(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        tokens: list[int],
+        final: Any,
+        started: float,
+        first_token_s: float | None,
+    ) -> dict[str, Any]:
+        total_s = time.perf_counter() - started
+        completion = final.outputs[0] if final is not None else None
+        metrics = getattr(final, "metrics", None)
+        queue_s = prefill_s = None
+        if metrics is not None and metrics.scheduled_ts and metrics.first_token_ts:
+            queue_s = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
+            prefill_s = max(0.0, metrics.first_token_ts - metrics.scheduled_ts)
+        return {
+            "request_id": request_id,
+            "engine_id": self.engine_id,
+            "prompt_tokens": len(prompt_token_ids),
+            "output_token_ids": tokens,
+            "finish_reason": completion.finish_reason if completion is not None else "abort",
+            "kv_transfer_params": getattr(final, "kv_transfer_params", None),
+            "num_cached_tokens": int(getattr(final, "num_cached_tokens", 0) or 0),
+            "timings": {
+                "queue_s": queue_s,
+                "prefill_s": prefill_s,
+                "first_token_s": first_token_s if first_token_s is not None else total_s,
+                "total_s": total_s,
+            },
+        }
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise ConfigError(f"engine {self.engine_id} is not started", hint="call start() first")
+        return self._llm
+
+
+def _child_pids() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def engine_actor_class(num_cpus: float = 1, num_gpus: float = 0) -> Any:
+    """``EngineServer`` as a Ray actor class with the given resources."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000)(EngineServer)

@@ -1,0 +1,212 @@
+"""Role pools: which engine serves which role, what each is running, and who is alive.
+
+The router reads the pools to pick engines and records every leg it runs as a
+:class:`Lease`; the role switcher changes roles and waits on leases to drain. State changes
+wake waiters through :meth:`RolePools.wait_until` (all on one asyncio event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from prorsa.errors import ConfigError
+from prorsa.runtime.ray.client import EngineClient
+
+
+class Role(StrEnum):
+    """What an engine does. ``switching`` engines take no new work."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+    SWITCHING = "switching"
+
+
+SERVING_ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE, Role.COLOCATED)
+
+
+def parse_role(value: str | Role, *, serving: bool = True) -> Role:
+    """``value`` as a :class:`Role`; ``serving`` rejects ``switching``."""
+    try:
+        role = Role(value)
+    except ValueError:
+        role = None
+    if role is None or (serving and role is Role.SWITCHING):
+        allowed = SERVING_ROLES if serving else tuple(Role)
+        raise ConfigError(
+            f"unknown role {value!r}", hint=f"choose one of: {', '.join(r.value for r in allowed)}"
+        )
+    return role
+
+
+@dataclass(eq=False)
+class Lease:
+    """One leg (prefill, decode or a whole colocated turn) running on one engine."""
+
+    request_id: str
+    engine_id: int
+    role: Role
+    trajectory_id: str
+    tokens: int
+    evicted: bool = False  # a role switch aborted it; the router serves it elsewhere
+
+
+@dataclass(eq=False)
+class EngineState:
+    """What the router knows about one engine."""
+
+    engine_id: int
+    client: EngineClient
+    role: Role
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    alive: bool = True
+    switching_from: Role | None = None
+    switching_to: Role | None = None
+    leases: dict[str, Lease] = field(default_factory=dict)
+    # Prefill engines: handoffs whose KV the decode engine has not pulled yet.
+    kv_pending: set[str] = field(default_factory=set)
+    switches: int = 0
+
+    @property
+    def busy(self) -> int:
+        """Legs running plus KV handoffs waiting to be pulled."""
+        return len(self.leases) + len(self.kv_pending)
+
+    def load_key(self) -> tuple[int, int, int]:
+        """Sort key for least-loaded choice: legs, then tokens, then id (deterministic)."""
+        return (self.busy, sum(lease.tokens for lease in self.leases.values()), self.engine_id)
+
+
+class RolePools:
+    """All engines of one cluster, grouped by role.
+
+    Args:
+        engines: the engines' clients.
+        roles: initial role per engine id (serving roles only).
+        limits: optional per-engine ``{"max_model_len": ..., "vocab_size": ...}`` (what
+            ``EngineServer.health`` reports), used to reject requests before dispatch.
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[EngineClient],
+        roles: Mapping[int, str | Role],
+        limits: Mapping[int, Mapping[str, int | None]] | None = None,
+    ) -> None:
+        self._engines: dict[int, EngineState] = {}
+        limits = limits or {}
+        for client in engines:
+            if client.engine_id in self._engines:
+                raise ConfigError(f"engine id {client.engine_id} is used twice")
+            if client.engine_id not in roles:
+                raise ConfigError(f"no role given for engine {client.engine_id}")
+            limit = limits.get(client.engine_id, {})
+            self._engines[client.engine_id] = EngineState(
+                engine_id=client.engine_id,
+                client=client,
+                role=parse_role(roles[client.engine_id]),
+                max_model_len=limit.get("max_model_len"),
+                vocab_size=limit.get("vocab_size"),
+            )
+        unknown = set(roles) - set(self._engines)
+        if unknown:
+            raise ConfigError(f"roles given for unknown engine(s) {sorted(unknown)}")
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ queries
+    def get(self, engine_id: int) -> EngineState:
+        """The engine's state; :class:`ConfigError` for an unknown id."""
+        try:
+            return self._engines[engine_id]
+        except (KeyError, TypeError):
+            raise ConfigError(
+                f"unknown engine id {engine_id!r}", hint=f"engines are {sorted(self._engines)}"
+            ) from None
+
+    def engines(self) -> list[EngineState]:
+        return list(self._engines.values())
+
+    def members(self, role: Role) -> list[EngineState]:
+        """Live engines that currently serve ``role``."""
+        return [e for e in self._engines.values() if e.alive and e.role is role]
+
+    def roles(self) -> dict[int, Role]:
+        """Current role of every live engine (``switching`` while a switch runs)."""
+        return {e.engine_id: e.role for e in self._engines.values() if e.alive}
+
+    def counts(self) -> dict[str, int]:
+        """Live engines per role, plus ``dead``."""
+        out = {role.value: 0 for role in Role}
+        out["dead"] = 0
+        for e in self._engines.values():
+            out[e.role.value if e.alive else "dead"] += 1
+        return out
+
+    def least_loaded(self, role: Role) -> EngineState | None:
+        members = self.members(role)
+        return min(members, key=EngineState.load_key) if members else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [e.max_model_len for e in self._engines.values() if e.max_model_len]
+        return min(lens) if lens else None
+
+    @property
+    def vocab_size(self) -> int | None:
+        sizes = [e.vocab_size for e in self._engines.values() if e.vocab_size]
+        return min(sizes) if sizes else None
+
+    # ------------------------------------------------------------------ changes
+    def set_role(self, engine_id: int, role: Role) -> None:
+        self.get(engine_id).role = role
+        self.notify()
+
+    def mark_dead(self, engine_id: int) -> bool:
+        """Take the engine out of every pool. True when it was alive until now."""
+        engine = self.get(engine_id)
+        was_alive, engine.alive = engine.alive, False
+        self.notify()
+        return was_alive
+
+    def lease(
+        self, engine: EngineState, request_id: str, role: Role, trajectory_id: str, tokens: int
+    ) -> Lease:
+        lease = Lease(request_id, engine.engine_id, role, trajectory_id, tokens)
+        engine.leases[request_id] = lease
+        self.notify()
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        self._engines[lease.engine_id].leases.pop(lease.request_id, None)
+        self.notify()
+
+    def add_kv_pending(self, engine_id: int, request_id: str) -> None:
+        self._engines[engine_id].kv_pending.add(request_id)
+        self.notify()
+
+    def clear_kv_pending(self, engine_id: int, request_id: str) -> None:
+        self._engines[engine_id].kv_pending.discard(request_id)
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake everything waiting in :meth:`wait_until`."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Wait until ``predicate()`` holds after some change; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not predicate():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return predicate()
+        return True
