@@ -1,0 +1,17 @@
+"""Allocation policies: how many GPUs serve prefill, decode, or both, tick by tick."""
+
+from prorsa.policy import baselines  # noqa: F401  (registers built-in policies)
+from prorsa.policy.base import POLICIES, ClusterSpec, Policy, make_policy
+from prorsa.policy.types import ROLES, Allocation, ClusterObservation, Forecast, SlotView
+
+__all__ = [
+    "POLICIES",
+    "ROLES",
+    "Allocation",
+    "ClusterObservation",
+    "ClusterSpec",
+    "Forecast",
+    "Policy",
+    "SlotView",
+    "make_policy",
+]

@@ -1,0 +1,62 @@
+"""The Policy interface and the policy registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+from prorsa.registry import Registry
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Static facts about the cluster a policy controls.
+
+    ``slot_gpus`` GPUs switch roles together; ``role_tp`` is the tensor-parallel degree an
+    engine of each role runs with, so a slot hosts ``slot_gpus // role_tp[role]`` engines.
+    """
+
+    num_slots: int
+    slot_gpus: int
+    role_tp: dict[str, int]
+    prefill_tokens_per_s_per_gpu: float
+    decode_tokens_per_s_per_gpu: float
+    switch_latency_s: float
+    min_dwell_s: float
+
+    @property
+    def total_gpus(self) -> int:
+        return self.num_slots * self.slot_gpus
+
+
+class Policy(ABC):
+    """Decides how many GPUs serve prefill, decode or both.
+
+    ``decide`` must be a pure function of the observation, the forecast and the policy's
+    own state: no clocks, no I/O, no cluster mutation (actuators do that).
+    """
+
+    #: True when the policy needs a forecast at every tick.
+    needs_forecast: bool = False
+    #: False for fixed allocations: the controller then never ticks (saves time).
+    dynamic: bool = True
+
+    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
+        """Forget state; called once before a run."""
+        self.cluster_ = cluster
+        self.seed_ = seed
+
+    @abstractmethod
+    def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
+        """Return the target allocation for this tick."""
+
+
+POLICIES: Registry[type[Policy]] = Registry("policy")
+
+
+def make_policy(name: str, **params: object) -> Policy:
+    """Instantiate the policy registered as ``name`` with ``params``."""
+    import prorsa.policy  # noqa: F401  (registers the built-ins)
+
+    return POLICIES.get(name)(**params)

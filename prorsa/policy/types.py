@@ -1,0 +1,116 @@
+"""What a policy sees (ClusterObservation, Forecast) and what it returns (Allocation).
+
+These types are shared by the simulator and the Ray runtime, so they hold plain numbers
+and strings only: no engine objects, no clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prorsa.errors import ConfigError
+
+ROLES = ("prefill", "decode", "colocated")
+SWITCHING = "switching"
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One GPU group that switches roles as a unit (hosts one or more engines)."""
+
+    slot_id: int
+    role: str  # one of ROLES, or SWITCHING
+    target_role: str | None  # where a switching slot is heading
+    gpus: int
+    engines: int
+    queued_prefill_tokens: int
+    running_sequences: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    busy: bool
+    since_s: float  # time the slot entered its current role (or began switching)
+
+
+@dataclass(frozen=True)
+class ClusterObservation:
+    """The cluster at one control tick.
+
+    ``trajectory_state`` counts live trajectories per lifecycle state (the design's
+    ``cluster_state_at``) and ``trajectory_tokens`` sums their context tokens.
+    ``live`` optionally carries per-trajectory detail for forecasters that need it.
+    """
+
+    time_s: float
+    slots: tuple[SlotView, ...]
+    trajectory_state: dict[str, int]
+    trajectory_tokens: dict[str, int]
+    prefill_tokens_per_s: dict[str, float]  # profile throughput per role at the slot TP
+    decode_tokens_per_s: dict[str, float]
+    completed_trajectories: int = 0
+    total_trajectories: int | None = None
+    local_prefill_threshold: int = 0
+    live: object | None = None
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(s.gpus for s in self.slots)
+
+    def gpus_by_role(self, *, include_target: bool = True) -> dict[str, int]:
+        """GPUs per role; switching slots count toward their target when ``include_target``."""
+        out = dict.fromkeys(ROLES, 0)
+        out[SWITCHING] = 0
+        for s in self.slots:
+            role = s.target_role if (s.role == SWITCHING and include_target) else s.role
+            out[role or SWITCHING] += s.gpus
+        return out
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Forecast demand: ``point[target][i]`` for ``horizons_s[i]``; optional quantiles.
+
+    Targets (per horizon h): ``prefill_tokens`` arriving in (t, t+h], ``decode_tokens``
+    generated in (t, t+h], ``decode_sequences`` and ``decode_kv_tokens`` averaged over it.
+    """
+
+    time_s: float
+    horizons_s: tuple[float, ...]
+    point: dict[str, np.ndarray]
+    quantiles: dict[float, dict[str, np.ndarray]] = field(default_factory=dict)
+
+    def at(self, target: str, horizon_s: float, quantile: float | None = None) -> float:
+        try:
+            i = self.horizons_s.index(horizon_s)
+        except ValueError:
+            raise ConfigError(f"horizon {horizon_s} not in forecast {self.horizons_s}") from None
+        table = self.point if quantile is None else self.quantiles[quantile]
+        return float(table[target][i])
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A policy's decision: GPUs per role (counts), or an explicit role per slot.
+
+    With ``gpus`` the actuator picks which slots switch (the least busy ones);
+    ``slot_roles`` pins them. ``local_prefill_threshold`` (tokens), when set, changes the
+    size under which a turn is prefilled on its decode engine.
+    """
+
+    gpus: dict[str, int] | None = None
+    slot_roles: dict[int, str] | None = None
+    local_prefill_threshold: int | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.gpus is None) == (self.slot_roles is None):
+            raise ConfigError("an Allocation sets exactly one of gpus or slot_roles")
+        roles = self.gpus.keys() if self.gpus is not None else self.slot_roles.values()
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise ConfigError(f"unknown role(s) in allocation: {sorted(unknown)}")
+        if self.gpus is not None and any(v < 0 for v in self.gpus.values()):
+            raise ConfigError("allocation GPU counts must be >= 0")
+        if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
+            raise ConfigError("local_prefill_threshold must be >= 0")

@@ -1,0 +1,209 @@
+"""The control loop: observe -> forecast -> decide -> actuate, on an injected clock.
+
+The same :class:`Controller` drives the simulator and the Ray + vLLM runtime; only the
+clock and the actuator differ. It never reads the wall clock and never sleeps: the clock
+calls it back. It turns a policy's :class:`Allocation` into per-slot switch orders,
+respecting a minimum dwell time and never touching a slot that is already switching.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prorsa.errors import ConfigError
+from prorsa.policy.base import Policy
+from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
+
+logger = logging.getLogger(__name__)
+
+
+class Clock(Protocol):
+    """Simulated or wall time, and a way to be called back later."""
+
+    def now(self) -> float: ...
+
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> None: ...
+
+
+class Actuator(Protocol):
+    """The only thing that changes the cluster (simulator or Ray runtime)."""
+
+    def observe(self) -> ClusterObservation: ...
+
+    def switch(self, slot_id: int, role: str) -> bool: ...
+
+    def set_local_prefill_threshold(self, tokens: int) -> None: ...
+
+    def note_allocation(self, gpus: dict[str, int], reason: str) -> None: ...
+
+
+class ForecastProvider(Protocol):
+    """Turns the observation stream into forecasts (keeps its own history)."""
+
+    def forecast(self, obs: ClusterObservation) -> Forecast | None: ...
+
+
+@dataclass
+class Decision:
+    """One tick's outcome, kept for reports and plots."""
+
+    time_s: float
+    gpus_now: dict[str, int]
+    gpus_target: dict[str, int]
+    switches: list[tuple[int, str]]
+    forecast: Forecast | None = field(default=None, repr=False)
+    reason: str = ""
+
+
+def plan_switches(
+    obs: ClusterObservation, alloc: Allocation, *, min_dwell_s: float
+) -> list[tuple[int, str]]:
+    """Slot switch orders that move the cluster toward ``alloc``.
+
+    Pure. Slots already switching count toward their target and are never re-ordered;
+    slots that entered their role less than ``min_dwell_s`` ago stay put; among eligible
+    donors the least loaded switch first.
+    """
+    now = obs.time_s
+    movable = [
+        s for s in obs.slots if s.role != SWITCHING and now - s.since_s >= min_dwell_s - 1e-9
+    ]
+    if alloc.slot_roles is not None:
+        ids = {s.slot_id for s in movable}
+        return sorted(
+            (sid, role)
+            for sid, role in alloc.slot_roles.items()
+            if sid in ids and next(s.role for s in obs.slots if s.slot_id == sid) != role
+        )
+    target = {role: alloc.gpus.get(role, 0) for role in ROLES}
+    total = obs.total_gpus
+    if sum(target.values()) != total:
+        raise ConfigError(f"allocation {target} does not add up to the cluster's {total} GPUs")
+    current = obs.gpus_by_role(include_target=True)
+    slot_gpus = obs.slots[0].gpus
+    # Whole slots only: round each role's deficit down so a policy asking for a fraction of
+    # a slot does not make slots oscillate.
+    need = {r: math.floor((target[r] - current[r]) / slot_gpus) for r in ROLES}
+    surplus = {r: math.floor((current[r] - target[r]) / slot_gpus) for r in ROLES}
+    donors = {
+        r: sorted(
+            (s for s in movable if s.role == r),
+            key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
+        )
+        for r in ROLES
+    }
+    orders: list[tuple[int, str]] = []
+    for receiver in ROLES:
+        for _ in range(max(need[receiver], 0)):
+            donor_role = max(
+                (r for r in ROLES if surplus[r] > 0 and donors[r]),
+                key=lambda r: (surplus[r], -ROLES.index(r)),
+                default=None,
+            )
+            if donor_role is None:
+                break
+            slot = donors[donor_role].pop(0)
+            surplus[donor_role] -= 1
+            orders.append((slot.slot_id, receiver))
+    return orders
+
+
+def roles_for_allocation(alloc: Allocation, num_slots: int, slot_gpus: int) -> list[str]:
+    """Initial role of every slot for ``alloc`` (no switching: the cluster starts this way)."""
+    if alloc.slot_roles is not None:
+        missing = set(range(num_slots)) - set(alloc.slot_roles)
+        if missing:
+            raise ConfigError(f"initial allocation leaves slots {sorted(missing)} without a role")
+        return [alloc.slot_roles[i] for i in range(num_slots)]
+    counts = {r: alloc.gpus.get(r, 0) for r in ROLES}
+    if sum(counts.values()) != num_slots * slot_gpus:
+        raise ConfigError(
+            f"allocation {counts} does not add up to the cluster's {num_slots * slot_gpus} GPUs"
+        )
+    roles: list[str] = []
+    for role in ("prefill", "decode", "colocated"):
+        roles += [role] * (counts[role] // slot_gpus)
+    if len(roles) != num_slots:
+        raise ConfigError(f"allocation {counts} is not a whole number of {slot_gpus}-GPU slots")
+    return roles
+
+
+class Controller:
+    """Runs a policy every ``interval_s`` on an injected clock against an actuator."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        actuator: Actuator,
+        clock: Clock,
+        *,
+        interval_s: float = 1.0,
+        min_dwell_s: float = 10.0,
+        forecaster: ForecastProvider | None = None,
+        keep_forecasts: bool = False,
+    ) -> None:
+        if interval_s <= 0:
+            raise ConfigError("control interval_s must be > 0")
+        if min_dwell_s < 0:
+            raise ConfigError("min_dwell_s must be >= 0")
+        if policy.needs_forecast and forecaster is None:
+            raise ConfigError(
+                f"policy {type(policy).__name__} needs a forecaster",
+                hint="pass --forecaster NAME (see `prorsa forecast list`)",
+            )
+        self.policy = policy
+        self.actuator = actuator
+        self.clock = clock
+        self.interval_s = interval_s
+        self.min_dwell_s = min_dwell_s
+        self.forecaster = forecaster
+        self.keep_forecasts = keep_forecasts
+        self.decisions: list[Decision] = []
+        self._stopped = False
+
+    def start(self) -> None:
+        self._stopped = False
+        self.clock.call_later(self.interval_s, self._tick_and_reschedule)
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def _tick_and_reschedule(self) -> None:
+        if self._stopped:
+            return
+        self.tick()
+        self.clock.call_later(self.interval_s, self._tick_and_reschedule)
+
+    def tick(self) -> Decision:
+        """One observe -> forecast -> decide -> actuate round."""
+        obs = self.actuator.observe()
+        forecast = self.forecaster.forecast(obs) if self.forecaster is not None else None
+        alloc = self.policy.decide(obs, forecast)
+        if alloc.local_prefill_threshold is not None:
+            self.actuator.set_local_prefill_threshold(alloc.local_prefill_threshold)
+        orders = plan_switches(obs, alloc, min_dwell_s=self.min_dwell_s)
+        done = [(sid, role) for sid, role in orders if self.actuator.switch(sid, role)]
+        target = alloc.gpus if alloc.gpus is not None else _gpus_of(obs, alloc.slot_roles)
+        if done:
+            self.actuator.note_allocation(dict(target), alloc.reason)
+        decision = Decision(
+            time_s=obs.time_s,
+            gpus_now=obs.gpus_by_role(include_target=False),
+            gpus_target=dict(target),
+            switches=done,
+            forecast=forecast if self.keep_forecasts else None,
+            reason=alloc.reason,
+        )
+        self.decisions.append(decision)
+        return decision
+
+
+def _gpus_of(obs: ClusterObservation, slot_roles: dict[int, str]) -> dict[str, int]:
+    out = dict.fromkeys(ROLES, 0)
+    for s in obs.slots:
+        out[slot_roles.get(s.slot_id, s.target_role or s.role)] += s.gpus
+    return out

@@ -1,0 +1,476 @@
+"""One simulated engine: continuous batching with chunked prefill, advanced in closed form.
+
+An engine alternates between two kinds of segments:
+
+* a *step*: one iteration that decodes every running sequence once and fills the rest of
+  the token budget with prefill chunks (decode first, as vLLM schedules). Used while
+  prefill work is waiting; one event per step.
+* an *epoch*: decode-only iterations while the batch is fixed. Step ``j`` of an epoch
+  costs ``max(a + b*B + c*(S + j*B), floor)`` (every sequence grows by one token per
+  step), so the time of ``k`` steps is an arithmetic series and the next batch change
+  (first completion, or KV exhaustion) is found without ticking per token.
+
+New work during an epoch cuts it at the end of the step in progress, exactly where a
+real engine would pick the work up. KV admission waits while memory is short; if running
+sequences outgrow memory, the most recently admitted one is preempted and recomputed
+(vLLM's default recompute preemption).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import deque
+from typing import TYPE_CHECKING
+
+from prorsa.runtime.sim.core import PRIORITY_COMPLETE, PRIORITY_PLAN
+from prorsa.runtime.sim.prefix_cache import PrefixCache
+from prorsa.runtime.sim.request import TurnRequest
+
+if TYPE_CHECKING:
+    from prorsa.runtime.sim.cluster import SimCluster
+    from prorsa.runtime.sim.cost import CostProfile
+
+IDLE, STEP, EPOCH = 0, 1, 2
+
+
+class StepCosts:
+    """The cost profile's coefficients as plain floats (attribute access is the hot path)."""
+
+    __slots__ = ("da", "db", "dc", "floor", "mix", "pa", "pb", "pc", "profile")
+
+    def __init__(self, profile: CostProfile, dp_ranks: int = 1) -> None:
+        if dp_ranks > 1:
+            # With data-parallel attention the batch is spread over the ranks, which step
+            # in lock-step: a step costs one rank's share of sequences and context.
+            profile = dataclasses.replace(
+                profile,
+                decode_per_seq_s=profile.decode_per_seq_s / dp_ranks,
+                decode_per_ctx_token_s=profile.decode_per_ctx_token_s / dp_ranks,
+            )
+        self.profile = profile
+        self.pa = profile.prefill_base_s
+        self.pb = profile.prefill_per_token_s
+        self.pc = profile.prefill_attn_s_per_token2
+        self.da = profile.decode_base_s
+        self.db = profile.decode_per_seq_s
+        self.dc = profile.decode_per_ctx_token_s
+        self.floor = profile.decode_floor_s
+        self.mix = profile.mixed_overhead_s
+
+    def chunk(self, tokens: int, prior: int) -> float:
+        """Prefill part of a chunk of ``tokens`` on top of ``prior`` tokens of context."""
+        return self.pb * tokens + self.pc * tokens * (prior + tokens / 2)
+
+    def epoch_time(self, k: int, batch: int, ctx_sum: int) -> float:
+        """Time of ``k`` decode-only steps from batch ``batch`` with context ``ctx_sum``."""
+        return self.profile.decode_run_time_s(batch, ctx_sum, k)
+
+    def steps_within(self, elapsed: float, k_max: int, batch: int, ctx_sum: int) -> int:
+        """Largest number of whole steps (<= k_max) completed within ``elapsed`` seconds."""
+        lo, hi = 0, k_max
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.epoch_time(mid, batch, ctx_sum) <= elapsed + 1e-12:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class SimEngine:
+    """A model replica of tensor-parallel degree ``tp`` in one role."""
+
+    def __init__(
+        self,
+        cluster: SimCluster,
+        engine_id: int,
+        slot_id: int,
+        role: str,
+        tp: int,
+        costs: StepCosts,
+        kv_capacity_tokens: int,
+        max_batch: int,
+        max_step_tokens: int,
+    ) -> None:
+        self.cluster = cluster
+        self.env = cluster.env
+        self.engine_id = engine_id
+        self.slot_id = slot_id
+        self.role = role
+        self.tp = tp
+        self.costs = costs
+        self.kv_capacity = kv_capacity_tokens
+        self.max_batch = max_batch
+        self.budget = max_step_tokens
+        self.accepting = True  # false while draining for a role switch
+        self.owned = 0  # live trajectories whose decode side sticks to this engine
+        self.cache = PrefixCache()
+        self.prefill_queue: deque[TurnRequest] = deque()  # waiting for KV admission
+        self.prefill_active: deque[TurnRequest] = deque()  # admitted, chunked FCFS
+        self.queued_prefill_tokens = 0
+        self.decode_waiting: deque[TurnRequest] = deque()  # KV present, joins next boundary
+        self.incoming: deque[TurnRequest] = deque()  # remote KV waiting for room here
+        self.incoming_tokens = 0
+        self.running: dict[TurnRequest, None] = {}  # admission order (for preemption)
+        self._finish_heap: list[tuple[int, int, TurnRequest]] = []
+        self._heap_seq = 0
+        self.steps = 0  # decode steps executed so far (sequence finish times key off it)
+        self.ctx_sum = 0  # context tokens of running sequences, now
+        self.kv_used = 0  # in-use KV tokens: prefills, holds for transfer, decodes, reserves
+        self.held_for_transfer = 0
+        self.transfers_in = 0  # reserved here, bytes still on the wire
+        self.migrate_requested = False
+        self.phase = IDLE
+        self.version = 0
+        self.plan_pending = False
+        self.boundary_pending = False
+        self.epoch_start = 0.0
+        self.epoch_k = 0
+        self.epoch_batch = 0
+        self.epoch_ctx = 0
+        self.step_chunks: list[tuple[TurnRequest, int]] = []
+        self.step_started = 0.0
+        self.busy_s = 0.0
+        self.preemptions = 0
+        self.recompute_tokens = 0
+
+    # ----------------------------------------------------------------- load view
+    @property
+    def running_count(self) -> int:
+        return len(self.running)
+
+    def decode_load(self) -> int:
+        """Sequences this engine is or will be decoding (router's balance metric)."""
+        return len(self.running) + len(self.decode_waiting) + len(self.incoming)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.running
+            or self.decode_waiting
+            or self.incoming
+            or self.prefill_queue
+            or self.prefill_active
+            or self.held_for_transfer
+            or self.transfers_in
+            or self.phase != IDLE
+        )
+
+    # --------------------------------------------------------------- submission
+    def submit_prefill(self, req: TurnRequest) -> None:
+        """Queue ``req``'s prefill here (remote prefill or local prefill-then-decode)."""
+        self.prefill_queue.append(req)
+        self.queued_prefill_tokens += req.prefill_left
+        self._wake()
+
+    def submit_incoming(self, req: TurnRequest) -> None:
+        """A remote prefill finished: reserve KV here, then pull it over a link."""
+        self.incoming.append(req)
+        self.incoming_tokens += req.context
+        self.pump_incoming()
+
+    def pump_incoming(self) -> None:
+        """Start transfers for incoming requests while KV can be reserved (FIFO)."""
+        incoming = self.incoming
+        while incoming:
+            req = incoming[0]
+            cached = self.cache.take(req.traj.traj_key)
+            if not self._reserve(req.context):
+                if cached:
+                    self.cache.put(req.traj.traj_key, cached)
+                return
+            incoming.popleft()
+            self.incoming_tokens -= req.context
+            self.transfers_in += 1
+            self.cluster.start_transfer(req, self, min(cached, req.context))
+
+    def transfer_arrived(self, req: TurnRequest) -> None:
+        """KV of ``req`` landed here (reserved at pump time); decode from the next boundary."""
+        self.transfers_in -= 1
+        self.decode_waiting.append(req)
+        self._wake()
+
+    def release_hold(self, req: TurnRequest) -> None:
+        """The KV this prefill engine held for ``req``'s transfer has been copied out."""
+        self.kv_used -= req.context
+        self.held_for_transfer -= 1
+        self.cache.put(req.traj.traj_key, req.context)
+        self._after_free()
+
+    # ---------------------------------------------------------------- scheduling
+    def _wake(self) -> None:
+        if self.phase == IDLE:
+            if not self.plan_pending:
+                self.plan_pending = True
+                # Planned at PRIORITY_PLAN so that work arriving at the same instant is
+                # batched into one step, as a real scheduler would see it.
+                self.env.schedule(self.env.now, self._plan_event, priority=PRIORITY_PLAN)
+        elif self.phase == EPOCH and not self.boundary_pending:
+            self._cut_epoch()
+
+    def _cut_epoch(self) -> None:
+        elapsed = self.env.now - self.epoch_start
+        done = self.costs.steps_within(elapsed, self.epoch_k, self.epoch_batch, self.epoch_ctx)
+        boundary = min(done + 1, self.epoch_k)
+        self.boundary_pending = True
+        if boundary < self.epoch_k:
+            self.epoch_k = boundary
+            self.version += 1
+            end = self.epoch_start + self.costs.epoch_time(
+                boundary, self.epoch_batch, self.epoch_ctx
+            )
+            self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
+
+    def _plan_event(self) -> None:
+        self.plan_pending = False
+        if self.phase == IDLE:
+            self._plan()
+
+    def _plan(self) -> None:
+        now = self.env.now
+        self.boundary_pending = False
+        if self.migrate_requested:
+            self.migrate_requested = False
+            self.cluster.on_migrate(self, self._take_decodes())
+        while self.decode_waiting and len(self.running) < self.max_batch:
+            self._join(self.decode_waiting.popleft())
+        self._admit_prefills()
+        batch = len(self.running)
+        if self.prefill_active:
+            budget = max(self.budget - batch, 1)
+            costs = self.costs
+            chunks = []
+            prefill_s = 0.0
+            for req in self.prefill_active:
+                if budget <= 0:
+                    break
+                n = req.prefill_left if req.prefill_left < budget else budget
+                done_before = req.prefill_tokens - req.prefill_left
+                prefill_s += costs.chunk(n, req.cached + done_before)
+                chunks.append((req, n))
+                budget -= n
+                if req.prefill_left == req.prefill_tokens:
+                    self.cluster.on_prefill_start(req, self)
+            if batch:
+                decode_s = costs.da + costs.db * batch + costs.dc * self.ctx_sum
+                duration = max(costs.mix + prefill_s + decode_s - costs.da, costs.floor)
+            else:
+                duration = costs.pa + prefill_s
+            self.phase = STEP
+            self.step_chunks = chunks
+            self.step_started = now
+            self.version += 1
+            self.env.schedule(
+                now + duration, self._end_step, self.version, priority=PRIORITY_COMPLETE
+            )
+        elif batch:
+            first_finish = self._finish_heap[0][0] - self.steps
+            free = self.kv_capacity - self.kv_used - self.cache.total
+            if free < batch:
+                # Running sequences grow by one token per step: make room for a stretch
+                # of steps at once so eviction does not happen one step at a time.
+                free = self.cache.evict_until(batch * 64, free)
+            if free < batch:
+                self._preempt_last()
+                self._plan()
+                return
+            k_kv = free // batch
+            k = first_finish if first_finish < k_kv else k_kv
+            self.phase = EPOCH
+            self.epoch_start = now
+            self.epoch_k = k
+            self.epoch_batch = batch
+            self.epoch_ctx = self.ctx_sum
+            self.version += 1
+            end = now + self.costs.epoch_time(k, batch, self.ctx_sum)
+            self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
+        else:
+            self.phase = IDLE
+            self.cluster.on_engine_idle(self)
+
+    def _end_step(self, version: int) -> None:
+        if version != self.version:
+            return
+        now = self.env.now
+        self.busy_s += now - self.step_started
+        batch = len(self.running)
+        if batch:
+            self.steps += 1
+            self.ctx_sum += batch
+            self.kv_used += batch
+        for req, n in self.step_chunks:
+            req.prefill_left -= n
+            self.queued_prefill_tokens -= n
+            if req.prefill_left == 0:
+                self.prefill_active.remove(req)
+                self._prefill_done(req)
+        self.step_chunks = []
+        self.phase = IDLE
+        self._complete_finished()
+        self._plan()
+
+    def _end_epoch(self, version: int) -> None:
+        if version != self.version:
+            return
+        k = self.epoch_k
+        self.busy_s += self.env.now - self.epoch_start
+        self.steps += k
+        grown = k * self.epoch_batch
+        self.ctx_sum += grown
+        self.kv_used += grown
+        self.phase = IDLE
+        self._complete_finished()
+        self._plan()
+
+    # -------------------------------------------------------------- prefill side
+    def _admit_prefills(self) -> None:
+        queue = self.prefill_queue
+        cache = self.cache
+        while queue:
+            req = queue[0]
+            footprint = req.context + req.decoded if req.recomputing else req.context
+            if footprint > self.kv_capacity:
+                self.cluster.fail_capacity(req, self)
+            traj = req.traj
+            pinned = cache.take(traj.traj_key)
+            # Keep headroom for the running batch to grow a while, so an admission does not
+            # immediately force a preemption (vLLM's watermark plays the same role).
+            headroom = 16 * len(self.running)
+            if not self._reserve(footprint - pinned, headroom):
+                if pinned:
+                    cache.put(traj.traj_key, pinned)
+                return
+            self.kv_used += pinned
+            queue.popleft()
+            if req.recomputing:
+                cached = 0
+            else:
+                shared = cache.peek(traj.group_key) if traj.group_key else 0
+                # At least one token is always computed: the engine needs fresh logits.
+                cached = min(max(pinned, shared), footprint - 1)
+            self.queued_prefill_tokens -= req.prefill_left
+            req.cached = cached
+            req.prefill_tokens = req.prefill_left = footprint - cached
+            self.queued_prefill_tokens += req.prefill_left
+            self.prefill_active.append(req)
+
+    def _prefill_done(self, req: TurnRequest) -> None:
+        if req.local or req.recomputing:
+            # KV stays here: this engine decodes the turn.
+            req.recomputing = False
+            self.cluster.on_prefill_end(req, self, local=True)
+            self.decode_waiting.append(req)
+        else:
+            self.held_for_transfer += 1
+            self.cluster.on_prefill_end(req, self, local=False)
+
+    # --------------------------------------------------------------- decode side
+    def _join(self, req: TurnRequest) -> None:
+        remaining = req.output - req.decoded
+        req.active = True
+        req.join_step = self.steps
+        req.ctx_at_join = req.context + req.decoded
+        req.finish_step = self.steps + remaining
+        self._heap_seq += 1
+        heapq.heappush(self._finish_heap, (req.finish_step, self._heap_seq, req))
+        self.running[req] = None
+        self.ctx_sum += req.ctx_at_join
+        self.cluster.on_decode_start(req, self)
+
+    def _leave(self, req: TurnRequest) -> int:
+        """Remove ``req`` from the batch; returns its current context length."""
+        req.active = False
+        del self.running[req]
+        ctx = req.ctx_at_join + (self.steps - req.join_step)
+        self.ctx_sum -= ctx
+        return ctx
+
+    def _complete_finished(self) -> None:
+        heap = self._finish_heap
+        steps = self.steps
+        while heap and heap[0][0] <= steps:
+            _, _, req = heapq.heappop(heap)
+            if not req.active:
+                continue  # preempted or migrated earlier; stale heap entry
+            ctx = self._leave(req)
+            req.decoded = req.output
+            self.kv_used -= ctx
+            self.cache.put(req.traj.traj_key, ctx)
+            self.cluster.on_decode_end(req, self)
+        self._after_free()
+
+    def _preempt_last(self) -> None:
+        req = next(reversed(self.running))
+        ctx = self._leave(req)
+        req.decoded = ctx - req.context
+        self.kv_used -= ctx
+        # Recompute: drop its KV and prefill context plus generated tokens again here.
+        req.recomputing = True
+        req.cached = 0
+        req.prefill_tokens = req.prefill_left = ctx
+        req.recompute_tokens += ctx
+        self.recompute_tokens += ctx
+        self.preemptions += 1
+        self.prefill_queue.appendleft(req)
+        self.queued_prefill_tokens += ctx
+        self.cluster.on_preempt(req, self)
+
+    def request_migration(self) -> None:
+        """Hand every running and waiting decode to the cluster at the next step boundary."""
+        self.migrate_requested = True
+        self._wake()
+
+    def _take_decodes(self) -> list[tuple[TurnRequest, int]]:
+        moved = []
+        for req in list(self.running):
+            ctx = self._leave(req)
+            req.decoded = ctx - req.context
+            self.kv_used -= ctx
+            moved.append((req, ctx))
+        while self.decode_waiting:
+            req = self.decode_waiting.popleft()
+            ctx = req.context + req.decoded
+            self.kv_used -= ctx
+            moved.append((req, ctx))
+        return moved
+
+    def take_queued_prefills(self) -> list[TurnRequest]:
+        """Remove prefills not yet admitted (they can be routed elsewhere)."""
+        taken = list(self.prefill_queue)
+        self.prefill_queue.clear()
+        for req in taken:
+            self.queued_prefill_tokens -= req.prefill_left
+        return taken
+
+    def take_incoming(self) -> list[TurnRequest]:
+        """Remove incoming transfers that have not started (they can go elsewhere)."""
+        taken = list(self.incoming)
+        self.incoming.clear()
+        self.incoming_tokens = 0
+        return taken
+
+    # ------------------------------------------------------------------- memory
+    def _reserve(self, tokens: int, headroom: int = 0) -> bool:
+        free = self.kv_capacity - self.kv_used - self.cache.total
+        if free < tokens + headroom:
+            free = self.cache.evict_until(tokens + headroom, free)
+            if free < tokens + headroom:
+                return False
+        self.kv_used += tokens
+        return True
+
+    def reserve_migrated(self, tokens: int) -> bool:
+        return self._reserve(tokens)
+
+    def _after_free(self) -> None:
+        if self.incoming:
+            self.pump_incoming()
+        if self.prefill_queue and self.phase == IDLE:
+            self._wake()
+
+    def accept_migrated(self, req: TurnRequest) -> None:
+        self.decode_waiting.append(req)
+        self._wake()
+
+    def drop_prefix_cache(self) -> None:
+        self.cache.clear()

@@ -1,0 +1,93 @@
+"""Run metrics from simulator telemetry and engine accounting."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from prorsa.policy.types import ROLES, SWITCHING
+from prorsa.runtime.sim.cluster import SimCluster
+from prorsa.runtime.sim.drivers import DriverResult
+from prorsa.telemetry.views import trajectory_table, turn_table
+
+
+def _pct(values: pd.Series | np.ndarray, q: float) -> float | None:
+    arr = np.asarray(values, dtype=float)
+    arr = arr[np.isfinite(arr)]
+    return float(np.percentile(arr, q)) if len(arr) else None
+
+
+def role_gpu_seconds(cluster: SimCluster, end_s: float) -> dict[str, float]:
+    """GPU-seconds each role (and switching) held over ``[0, end_s]``."""
+    out = dict.fromkeys((*ROLES, SWITCHING), 0.0)
+    for slot in cluster.slots:
+        marks = [*slot.history, (end_s, None)]
+        for (t0, role), (t1, _) in itertools.pairwise(marks):
+            out[role] += max(min(t1, end_s) - t0, 0.0) * slot.gpus
+    return out
+
+
+def busy_fractions(cluster: SimCluster, end_s: float) -> dict[str, float | None]:
+    """Share of each role's GPU-time spent executing steps."""
+    busy = dict.fromkeys(ROLES, 0.0)
+    for role, engine in cluster.retired:
+        busy[role] += engine.busy_s * engine.tp
+    for slot in cluster.slots:
+        if slot.role in ROLES:
+            for engine in slot.engines:
+                busy[slot.role] += engine.busy_s * engine.tp
+    held = role_gpu_seconds(cluster, end_s)
+    return {r: (busy[r] / held[r] if held[r] > 0 else None) for r in ROLES}
+
+
+def compute_metrics(
+    cluster: SimCluster, driver: DriverResult, telemetry: pa.Table | None
+) -> dict[str, object]:
+    """The numbers `prorsa simulate` reports (see the CLI help for their meaning)."""
+    end_s = driver.end_s or cluster.env.now
+    metrics: dict[str, object] = {
+        "mode": driver.mode,
+        "end_s": end_s,
+        "trajectories_started": driver.started,
+        "trajectories_completed": driver.completed,
+        "switches_started": cluster.switches,
+        "switches_completed": sum(
+            1 for s in cluster.slots for _, r in s.history[1:] if r != SWITCHING
+        ),
+        "preemptions": cluster.preemptions,
+        "migrations": cluster.migrations,
+        "recompute_tokens": sum(e.recompute_tokens for e in cluster.engines.values())
+        + sum(e.recompute_tokens for _, e in cluster.retired),
+        "busy_fraction": busy_fractions(cluster, end_s),
+        "gpu_seconds_by_role": role_gpu_seconds(cluster, end_s),
+    }
+    if driver.mode == "sync":
+        metrics["makespan_s"] = float(sum(driver.step_makespans_s))
+        metrics["step_makespans_s"] = list(driver.step_makespans_s)
+    else:
+        metrics["throughput_traj_per_hour"] = driver.completed / end_s * 3600 if end_s > 0 else 0.0
+        metrics["trainer_steps"] = driver.trainer_steps
+    if telemetry is not None and telemetry.num_rows:
+        turns = turn_table(telemetry)
+        trajs = trajectory_table(telemetry)
+        done = trajs[trajs["done"]]
+        metrics.update(
+            {
+                "turns": len(turns),
+                "prefill_tokens_computed": int(turns["new_tokens"].sum()),
+                "prefill_tokens_cached": int(turns["cached_tokens"].sum()),
+                "decode_tokens": int(turns["output_tokens"].sum()),
+                "completion_s_p50": _pct(done["completion_s"], 50),
+                "completion_s_p99": _pct(done["completion_s"], 99),
+                "ttft_s_p50": _pct(turns["ttft_s"], 50),
+                "ttft_s_p99": _pct(turns["ttft_s"], 99),
+                "tpot_s_p50": _pct(turns["tpot_s"], 50),
+                "tpot_s_p99": _pct(turns["tpot_s"], 99),
+            }
+        )
+        if driver.mode == "async" and end_s > 0:
+            metrics["decode_tokens_per_s"] = metrics["decode_tokens"] / end_s
+    return metrics

@@ -1,0 +1,87 @@
+"""Per-trajectory and per-turn state inside the simulator (plain slotted objects: hot path)."""
+
+from __future__ import annotations
+
+from prorsa.workload.spec import TrajectorySpec
+
+
+class TrajState:
+    """A live trajectory: its spec, where it is, and which engines hold its KV."""
+
+    __slots__ = (
+        "decode_engine",
+        "done_turns",
+        "group_key",
+        "prefill_engine",
+        "prev_context",
+        "prev_output",
+        "spec",
+        "start_s",
+        "state",
+        "state_since_s",
+        "tokens",
+        "traj_key",
+        "turn",
+    )
+
+    def __init__(self, spec: TrajectorySpec, start_s: float) -> None:
+        self.spec = spec
+        self.traj_key = "t:" + spec.trajectory_id
+        self.group_key = "g:" + spec.group_id if spec.group_id and spec.shared_prompt_tokens else ""
+        self.turn = 0
+        self.done_turns = 0
+        self.start_s = start_s
+        self.state = "queued"
+        self.state_since_s = start_s
+        self.tokens = 0  # current context tokens (for cluster-state token sums)
+        self.decode_engine = None  # SimEngine owning the full context (sticky)
+        self.prefill_engine = None  # SimEngine that last prefilled it (prefix cache)
+        self.prev_context = 0
+        self.prev_output = 0
+
+
+class TurnRequest:
+    """One turn of one trajectory as it moves through prefill, transfer and decode."""
+
+    __slots__ = (
+        "active",
+        "cached",
+        "context",
+        "ctx_at_join",
+        "decode_engine",
+        "decoded",
+        "finish_step",
+        "join_step",
+        "local",
+        "output",
+        "prefill_engine",
+        "prefill_left",
+        "prefill_tokens",
+        "queued_s",
+        "recompute_tokens",
+        "recomputing",
+        "retries",
+        "traj",
+        "turn",
+    )
+
+    def __init__(self, traj: TrajState, turn: int, context: int, output: int) -> None:
+        self.traj = traj
+        self.turn = turn
+        self.context = context
+        self.output = output
+        self.cached = 0
+        self.prefill_tokens = 0
+        self.prefill_left = 0
+        self.decoded = 0
+        self.prefill_engine = None
+        self.decode_engine = None
+        self.local = False
+        self.active = False
+        self.finish_step = 0
+        self.join_step = 0
+        self.ctx_at_join = 0
+        self.queued_s = 0.0
+        self.recompute_tokens = 0
+        self.recomputing = False
+        self.retries = 0

@@ -1,0 +1,240 @@
+"""Assemble and run one simulation: cluster + driver + policy (+ controller, forecaster)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from prorsa.errors import ConfigError
+from prorsa.policy.base import ClusterSpec, Policy
+from prorsa.runtime.controller import Controller, ForecastProvider, roles_for_allocation
+from prorsa.runtime.sim.cluster import SimCluster
+from prorsa.runtime.sim.config import ClusterConfig
+from prorsa.runtime.sim.core import PRIORITY_CONTROL, Environment
+from prorsa.runtime.sim.drivers import AsyncDriver, DriverResult, SyncDriver
+from prorsa.runtime.sim.metrics import compute_metrics
+from prorsa.telemetry.schema import rows_to_table
+
+logger = logging.getLogger(__name__)
+
+
+def profile_name_for_tp(name: str, tp: int) -> str:
+    """``h200-qwen2.5-7b-tp1`` -> ``h200-qwen2.5-7b-tp2`` (other suffixes kept)."""
+    if not re.search(r"-tp\d+", name):
+        if tp != 1:
+            raise ConfigError(f"profile '{name}' has no -tpN in its name; cannot derive TP{tp}")
+        return name
+    return re.sub(r"-tp\d+", f"-tp{tp}", name, count=1)
+
+
+def load_profiles(config: ClusterConfig) -> dict[int, object]:
+    """Cost profile per tensor-parallel degree used by any role."""
+    from prorsa.runtime.sim.cost import get_profile
+
+    return {
+        tp: get_profile(profile_name_for_tp(config.profile, tp))
+        for tp in set(config.role_tp.values())
+    }
+
+
+class SimClock:
+    """The controller's clock inside a simulation."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+
+    def now(self) -> float:
+        return self.env.now
+
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self.env.schedule(self.env.now + delay_s, callback, priority=PRIORITY_CONTROL)
+
+
+class SimActuator:
+    """Applies controller orders to a :class:`SimCluster`."""
+
+    def __init__(self, cluster: SimCluster, spec: ClusterSpec, total: int | None) -> None:
+        self.cluster = cluster
+        self.spec = spec
+        self.total = total
+        self._prefill_tps = {"prefill": spec.prefill_tokens_per_s_per_gpu}
+        self._decode_tps = {"decode": spec.decode_tokens_per_s_per_gpu}
+
+    def observe(self):
+        return self.cluster.observe(self._prefill_tps, self._decode_tps, self.total)
+
+    def switch(self, slot_id: int, role: str) -> bool:
+        return self.cluster.switch_slot(slot_id, role)
+
+    def set_local_prefill_threshold(self, tokens: int) -> None:
+        self.cluster.set_local_prefill_threshold(tokens)
+
+    def note_allocation(self, gpus: dict[str, int], reason: str) -> None:
+        import json
+
+        self.cluster.emit(
+            None, 0, "allocation", -1, detail=json.dumps({"gpus": gpus, "reason": reason})
+        )
+
+
+@dataclass
+class SimulationResult:
+    """Telemetry, metrics and the controller's decisions of one run."""
+
+    telemetry: pa.Table | None
+    metrics: dict[str, object]
+    driver: DriverResult
+    decisions: list = field(default_factory=list)
+    cluster: SimCluster | None = field(default=None, repr=False)
+
+
+def cluster_spec(
+    config: ClusterConfig, profiles: dict[int, object], min_dwell_s: float
+) -> ClusterSpec:
+    """Static facts a policy may use, with throughput numbers from the cost profiles."""
+    p_tp, d_tp = config.role_tp["prefill"], config.role_tp["decode"]
+    prefill_profile, decode_profile = profiles[p_tp], profiles[d_tp]
+    chunk = 2048
+    prefill_tps = chunk / float(prefill_profile.prefill_time_s(chunk, 8192)) / p_tp
+    batch = max(decode_profile.max_batch // 2, 1)
+    decode_tps = batch / float(decode_profile.decode_step_time_s(batch, batch * 8192)) / d_tp
+    return ClusterSpec(
+        num_slots=config.num_slots,
+        slot_gpus=config.slot_gpus,
+        role_tp=dict(config.role_tp),
+        prefill_tokens_per_s_per_gpu=prefill_tps,
+        decode_tokens_per_s_per_gpu=decode_tps,
+        switch_latency_s=config.switch_latency_s,
+        min_dwell_s=min_dwell_s,
+    )
+
+
+class Simulation:
+    """One simulated rollout.
+
+    Args:
+        config: cluster shape and behaviour.
+        policy: allocation policy (its first decision sets the initial roles for free).
+        driver: :class:`SyncDriver` or :class:`AsyncDriver`.
+        forecaster: feeds forecasts to policies that need them.
+        interval_s / min_dwell_s: control loop period and minimum time between switches of
+            one slot.
+        profiles: cost profile per TP (default: looked up from ``config.profile``).
+        record: keep full lifecycle telemetry (turn off for the fastest sweeps).
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        policy: Policy,
+        driver: SyncDriver | AsyncDriver,
+        *,
+        forecaster: ForecastProvider | None = None,
+        interval_s: float = 1.0,
+        min_dwell_s: float = 10.0,
+        seed: int = 0,
+        run_id: str = "sim",
+        record: bool = True,
+        profiles: dict[int, object] | None = None,
+        keep_forecasts: bool = False,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.policy = policy
+        self.driver = driver
+        self.forecaster = forecaster
+        self.interval_s = interval_s
+        self.min_dwell_s = min_dwell_s
+        self.seed = seed
+        self.run_id = run_id
+        self.record = record
+        self.profiles = profiles or load_profiles(config)
+        missing = set(config.role_tp.values()) - set(self.profiles)
+        if missing:
+            raise ConfigError(f"no cost profile for TP {sorted(missing)}")
+        self.keep_forecasts = keep_forecasts
+
+    def run(
+        self,
+        *,
+        max_time_s: float | None = None,
+        progress: Callable[[float, int], None] | None = None,
+    ) -> SimulationResult:
+        """Run to completion (or ``max_time_s``); ``progress(sim_time, completed)`` is called
+        every simulated 10 seconds when given."""
+        env = Environment(self.seed)
+        spec = cluster_spec(self.config, self.profiles, self.min_dwell_s)
+        self.policy.reset(spec, self.seed)
+        total = getattr(self.driver, "total", None)
+        probe = SimCluster(env, self.config, self.profiles, run_id=self.run_id, record=False)
+        first = self.policy.decide(SimActuator(probe, spec, total).observe(), None)
+        roles = roles_for_allocation(first, self.config.num_slots, self.config.slot_gpus)
+        cluster = SimCluster(
+            env,
+            self.config,
+            self.profiles,
+            run_id=self.run_id,
+            record=self.record,
+            initial_roles=roles,
+        )
+        if first.local_prefill_threshold is not None:
+            cluster.set_local_prefill_threshold(first.local_prefill_threshold)
+        self._check_fits(cluster)
+        actuator = SimActuator(cluster, spec, total)
+        controller = None
+        if getattr(self.policy, "dynamic", True):
+            controller = Controller(
+                self.policy,
+                actuator,
+                SimClock(env),
+                interval_s=self.interval_s,
+                min_dwell_s=self.min_dwell_s,
+                forecaster=self.forecaster,
+                keep_forecasts=self.keep_forecasts,
+            )
+            controller.start()
+        cluster.on_trajectory_done = self.driver.on_done
+        if progress is not None:
+            self._schedule_progress(env, cluster, progress)
+        self.driver.start(env, cluster.start_trajectory)
+        env.run(until=max_time_s)
+        if controller is not None:
+            controller.stop()
+        telemetry = rows_to_table(cluster.rows) if self.record else None
+        metrics = compute_metrics(cluster, self.driver.result, telemetry)
+        return SimulationResult(
+            telemetry=telemetry,
+            metrics=metrics,
+            driver=self.driver.result,
+            decisions=controller.decisions if controller else [],
+            cluster=cluster,
+        )
+
+    def _check_fits(self, cluster: SimCluster) -> None:
+        specs = getattr(self.driver, "batches", None)
+        if specs is None:
+            return
+        capacity = cluster.kv_capacity_tokens
+        for batch in specs:
+            for s in batch:
+                need = int(s.new_tokens.sum() + s.output_tokens.sum())
+                if need > capacity:
+                    raise ConfigError(
+                        f"trajectory {s.trajectory_id} reaches {need} tokens of context but an "
+                        f"engine holds only {capacity} KV tokens",
+                        hint="use a larger-memory profile or TP, or cap the profile's context",
+                    )
+
+    @staticmethod
+    def _schedule_progress(
+        env: Environment, cluster: SimCluster, progress: Callable[[float, int], None]
+    ) -> None:
+        def tick() -> None:
+            progress(env.now, cluster.completed)
+            env.schedule(env.now + 10.0, tick, priority=PRIORITY_CONTROL)
+
+        env.schedule(0.0, tick, priority=PRIORITY_CONTROL)
