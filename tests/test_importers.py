@@ -15,6 +15,7 @@ import pytest
 
 from prorsa.errors import ConfigError
 from prorsa.telemetry.importers import IMPORTERS, import_trace, shared_data_dir
+from prorsa.telemetry.reader import read_telemetry
 from prorsa.telemetry.schema import ARROW_SCHEMA
 from prorsa.telemetry.validation import find_violations
 from prorsa.telemetry.views import trajectory_table, turn_table
@@ -191,3 +192,21 @@ def test_shared_data_dir(monkeypatch, tmp_path, shared_data):
         shared_data_dir()
     (tmp_path / "traces").mkdir()
     assert shared_data_dir() == tmp_path.resolve()
+
+
+SHIPPED = {
+    "mini-swe-agent-swebench": ("mini-swe-agent", "traces/mini-swe-agent-swebench"),
+    "tau2-telecom-gpt4o": ("tau2", "traces/tau2-bench/tau2_telecom_gpt4o.json"),
+    "tracelab-round-trace": ("tracelab", "traces/tracelab/round_trace.jsonl"),
+    "swe-agent": ("swe-agent", "traces/swe-agent"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_slices_match_a_fresh_import(shared_data, name):
+    fmt, path = SHIPPED[name]
+    shipped = Path(__file__).resolve().parents[1] / "datasets" / "traces" / f"{name}.parquet"
+    table, _ = read_telemetry(shipped, validate=True)
+    assert table.equals(import_trace(shared_data / path, fmt).table), (
+        f"{shipped} is stale: regenerate it (datasets/traces/README.md)"
+    )
