@@ -43,7 +43,9 @@ class StaticPolicy(Policy):
         if self.prefill_gpus is not None:
             if self.prefill_gpus % size or not 0 < self.prefill_gpus < cluster.total_gpus:
                 total = cluster.total_gpus
-                raise ConfigError(f"static: prefill_gpus must be a multiple of {size} in (0, {total})")
+                raise ConfigError(
+                    f"static: prefill_gpus must be a multiple of {size} in (0, {total})"
+                )
             prefill_slots = self.prefill_gpus // size
         else:
             prefill_slots = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
