@@ -9,6 +9,7 @@ derived, listed in ``ImportResult.derived`` and marked per event in ``detail``
 
 from __future__ import annotations
 
+import csv
 import os
 from pathlib import Path
 
@@ -77,7 +78,10 @@ def import_trace(
     if not path.exists():
         raise InputError("no such file or directory", source=str(path))
     builder = TraceBuilder(run_id or _default_run_id(path), skip_bad=skip_bad)
-    trace_format.read(path, builder)
+    try:
+        trace_format.read(path, builder)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise InputError(f"not a readable {fmt} trace: {exc}", source=str(path)) from None
     if not builder.rows:
         if builder.first_error is not None:
             raise builder.first_error

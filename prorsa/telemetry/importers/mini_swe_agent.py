@@ -85,9 +85,8 @@ def _parse(path: Path) -> tuple[dict, list[tuple]]:
                 "extra.response.created", f"{created} is earlier than the previous call's"
             )
         choices = rec.get(message, "extra.response.choices", [])
-        finish = (
-            choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
-        )
+        first_choice = choices[0] if isinstance(choices, list) and choices else None
+        finish = first_choice.get("finish_reason") if isinstance(first_choice, dict) else None
         model = model or rec.get(message, "extra.response.model", None)
         calls.append((created, prompt, cached, completion, reasoning, finish))
     if not calls:
