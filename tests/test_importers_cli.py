@@ -60,3 +60,17 @@ def test_formats_and_unknown_format(tmp_path):
         assert name in listed.output
     bad = runner.invoke(app, ["traces", "import", str(tmp_path), "-f", "nope", "-o", "x.parquet"])
     assert bad.exit_code == 1 and "unknown trace format 'nope'" in bad.output
+
+
+def test_summary_of_a_recorder_directory(shared_data, tmp_path):
+    from prorsa.telemetry import Recorder
+
+    table = import_trace(
+        shared_data / "traces" / "tracelab" / "round_trace.jsonl", "tracelab"
+    ).table
+    with Recorder(tmp_path / "tel", run_id="round_trace") as recorder:
+        for row in table.to_pylist():
+            recorder.append_row(tuple(row.values()))
+    shown = runner.invoke(app, ["traces", "summary", str(tmp_path / "tel"), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["turns"] == 19
