@@ -162,10 +162,10 @@ def test_tracelab_wrong_type_skips_its_session(shared_data, tmp_path):
         import_trace(path, "tracelab")
     assert (err.value.record, err.value.field) == ("line 13", "output_tokens")
     result = import_trace(path, "tracelab", skip_bad=True)
-    # the bad line, then the codex session with its round 2 missing
-    assert (result.trajectories, result.turns, result.skipped) == (1, 10, 2)
-    assert "round 2 is missing" in result.skipped_examples[1]
-    assert "skipped session 'codex:" in result.skipped_examples[1]
+    # the bad round names its session, which is skipped whole; claude stays
+    assert (result.trajectories, result.turns, result.skipped) == (1, 10, 1)
+    assert "output_tokens: must be a non-negative integer, got 59.5" in result.skipped_examples[0]
+    assert "[skipped session 'codex:" in result.skipped_examples[0]
 
 
 def test_tracelab_truncated_line_and_bad_timestamp(shared_data, tmp_path):
@@ -178,10 +178,20 @@ def test_tracelab_truncated_line_and_bad_timestamp(shared_data, tmp_path):
         import_trace(path, "tracelab")
     assert err.value.field == "timing_events[1].timestamp" and err.value.record == "line 4"
     result = import_trace(path, "tracelab", skip_bad=True)
-    # two lines, then the claude session for its missing rounds; codex stays whole
-    assert (result.trajectories, result.turns, result.skipped) == (1, 9, 3)
+    # the claude session (named by line 4), then line 6 whose session is unknown
+    assert (result.trajectories, result.turns, result.skipped) == (1, 9, 2)
+    assert "[skipped session 'claude:" in result.skipped_examples[0]
     assert result.skipped_examples[1].startswith(f"{path}:6: -: invalid or truncated JSON")
-    assert "round 3 is missing" in result.skipped_examples[2]
+
+
+def test_tracelab_unreadable_line_leaving_a_gap_skips_its_session(shared_data, tmp_path):
+    lines = [json.dumps(r) for r in _tracelab_lines(shared_data)]
+    lines[12] = lines[12][:30]  # codex round 2: its session shows only as a gap
+    path = _write_lines(tmp_path / "rounds.jsonl", lines)
+    result = import_trace(path, "tracelab", skip_bad=True)
+    assert (result.trajectories, result.turns, result.skipped) == (1, 10, 2)
+    assert "round 2 is missing" in result.skipped_examples[1]
+    assert "[skipped session 'codex:" in result.skipped_examples[1]
 
 
 def test_nothing_left_after_skipping_raises_the_first_error(shared_data, tmp_path):

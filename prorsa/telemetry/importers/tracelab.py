@@ -43,22 +43,26 @@ def read(src: Path, out: TraceBuilder) -> None:
     )
     for path in list_files(src, "*.jsonl"):
         sessions: dict[str, list[tuple]] = {}
+        broken: set[str] = set()
         for line, record in iter_jsonl(path):
             if isinstance(record, InputError):
-                out.skip(
-                    record,
-                    "line (its session cannot be identified; that session "
-                    "is then skipped too, for the missing round)",
-                )
+                out.skip(record, "line (session unknown; a gap it leaves skips that session)")
                 continue
             rec = Fields(str(path), f"line {line}")
             try:
                 session, round_index, parsed = _parse_round(record, rec)
             except InputError as exc:
-                out.skip(exc, "line (and then its session, for the missing round)")
+                session = record.get("session_id") if isinstance(record, dict) else None
+                if not isinstance(session, str):
+                    out.skip(exc, "line (session unknown; a gap it leaves skips that session)")
+                    continue
+                broken.add(session)
+                out.skip(exc, f"session {session!r} (its rounds' times depend on each other)")
                 continue
             sessions.setdefault(session, []).append((round_index, rec, parsed))
         for session, rounds in sessions.items():
+            if session in broken:
+                continue
             try:
                 _add_session(session, rounds, out)
             except InputError as exc:
