@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,6 +34,10 @@ class FleetSpec:
     gpus_per_engine: float | None = field(
         default=None,
         metadata={"help": "GPUs per engine; None means tensor_parallel_size if GPUs exist."},
+    )
+    overrides: Mapping[int, Mapping[str, Any]] = field(
+        default_factory=dict,
+        metadata={"help": "Per-engine EngineConfig fields that differ, by engine index."},
     )
     placement_strategy: str = field(
         default="PACK", metadata={"help": "Ray placement strategy (PACK, SPREAD, ...)."}
@@ -70,7 +74,15 @@ class EngineFleet:
         roles = [parse_role(r) for r in spec.roles]
         if not roles:
             raise ConfigError("a fleet needs at least one engine")
-        spec.engine.validate()
+        unknown = set(spec.overrides) - set(range(len(roles)))
+        if unknown:
+            raise ConfigError(f"overrides name engines {sorted(unknown)} outside the fleet")
+        try:
+            configs = [replace(spec.engine, **spec.overrides.get(i, {})) for i in range(len(roles))]
+        except TypeError as exc:
+            raise ConfigError(f"bad engine override: {exc}") from None
+        for config in configs:
+            config.validate()
         if not ray.is_initialized():
             raise ConfigError("Ray is not initialised", hint="call ray.init() first")
         gpus = spec.gpus_per_engine
@@ -93,7 +105,7 @@ class EngineFleet:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=i
                 ),
-            ).remote(i, replace(spec.engine))
+            ).remote(i, configs[i])
             for i in range(len(roles))
         }
         fleet = cls(spec, actors, group)

@@ -70,16 +70,19 @@ class EngineState:
     leases: dict[str, Lease] = field(default_factory=dict)
     # Prefill engines: handoffs whose KV the decode engine has not pulled yet.
     kv_pending: set[str] = field(default_factory=set)
+    # Decode legs planned here whose prefill leg is still running elsewhere.
+    reserved: int = 0
     switches: int = 0
 
     @property
-    def busy(self) -> int:
-        """Legs running plus KV handoffs waiting to be pulled."""
-        return len(self.leases) + len(self.kv_pending)
+    def idle(self) -> bool:
+        """No leg running and no KV handoff waiting to be pulled."""
+        return not self.leases and not self.kv_pending
 
     def load_key(self) -> tuple[int, int, int]:
-        """Sort key for least-loaded choice: legs, then tokens, then id (deterministic)."""
-        return (self.busy, sum(lease.tokens for lease in self.leases.values()), self.engine_id)
+        """Sort key for least-loaded choice: legs (running or planned), tokens, then id."""
+        tokens = sum(lease.tokens for lease in self.leases.values())
+        return (len(self.leases) + self.reserved, tokens, self.engine_id)
 
 
 class RolePools:
@@ -180,6 +183,10 @@ class RolePools:
         engine.leases[request_id] = lease
         self.notify()
         return lease
+
+    def reserve(self, engine: EngineState, count: int = 1) -> None:
+        """Count a planned leg toward the engine's load before it starts."""
+        engine.reserved = max(0, engine.reserved + count)
 
     def release(self, lease: Lease) -> None:
         self._engines[lease.engine_id].leases.pop(lease.request_id, None)

@@ -395,6 +395,7 @@ class PDRouter:
             **attempt,
         )
         lease = self.pools.lease(prefill, prefill_id, Role.PREFILL, request.trajectory_id, context)
+        self.pools.reserve(decode)  # so concurrent new trajectories spread over decode engines
         try:
             first = await prefill.client.generate(
                 prefill_id,
@@ -406,6 +407,7 @@ class PDRouter:
             )
         finally:
             self.pools.release(lease)
+            self.pools.reserve(decode, -1)
         self._check_aborted(first, lease)
         cached = first["num_cached_tokens"]
         self._event(

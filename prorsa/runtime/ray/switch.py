@@ -97,11 +97,8 @@ class RoleSwitcher:
     ) -> dict[str, Any]:
         pools = self.pools
 
-        def idle() -> bool:
-            return not engine.leases and not engine.kv_pending
-
         with clock("drain"):
-            drained = await pools.wait_until(idle, drain_timeout_s)
+            drained = await pools.wait_until(lambda: engine.idle, drain_timeout_s)
         in_flight_at_abort = len(engine.leases)
         evicted: list[str] = []
         if not drained:
@@ -111,7 +108,7 @@ class RoleSwitcher:
                     evicted.append(lease.request_id)
                 if evicted:
                     await engine.client.abort(evicted)
-                await pools.wait_until(idle, self.config.abort_grace_s)
+                await pools.wait_until(lambda: engine.idle, self.config.abort_grace_s)
         with clock("pause"):
             await engine.client.pause("abort")
         reset = None

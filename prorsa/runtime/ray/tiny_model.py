@@ -113,7 +113,12 @@ def make_tiny_model(
     spec = spec or TinyModelSpec()
     spec.validate()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create model folder {out}: {exc.strerror}", hint="choose a writable folder"
+        ) from None
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(spec.vocab_size),

@@ -1,0 +1,199 @@
+"""Router logic against in-process fake engines: paths, stickiness, switches, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.runtime.ray.pools import Role, RolePools
+from prorsa.runtime.ray.router import PDRouter, RouterConfig, RoutingError, TurnRequest
+from prorsa.telemetry import Recorder, read_telemetry
+from tests.runtime.fakes import VOCAB, FakeEngine, expected_tokens
+
+LIMITS = {"max_model_len": 1024, "vocab_size": VOCAB}
+
+
+def make_router(roles: list[str], config: RouterConfig | None = None, recorder=None, **fake_kw):
+    engines = [FakeEngine(i, **fake_kw) for i in range(len(roles))]
+    pools = RolePools(engines, dict(enumerate(roles)), {i: LIMITS for i in range(len(roles))})
+    return PDRouter(pools, config or RouterConfig(route_timeout_s=5), recorder=recorder), engines
+
+
+def prompt(n: int, start: int = 3) -> list[int]:
+    return [(start + i) % VOCAB for i in range(n)]
+
+
+def test_disaggregated_turn_uses_prefill_then_decode():
+    router, engines = make_router(["prefill", "decode"])
+    result = asyncio.run(router.generate(TurnRequest("t", prompt(40), 8)))
+    assert result.path == "disaggregated"
+    assert (result.prefill_engine_id, result.decode_engine_id) == (0, 1)
+    assert result.output_token_ids == expected_tokens(prompt(40), 8)
+    assert [c[0] for c in engines[0].calls] == ["prefill"]
+    assert [c[0] for c in engines[1].calls] == ["decode"]
+
+
+def test_sticky_multi_turn_and_least_loaded_spread():
+    router, _engines = make_router(["prefill", "decode", "decode"])
+
+    async def run():
+        first = await asyncio.gather(
+            *(router.generate(TurnRequest(f"t{i}", prompt(30, i), 20)) for i in range(4))
+        )
+        ctx = prompt(30, 0) + first[0].output_token_ids + prompt(5, 99)
+        second = await router.generate(TurnRequest("t0", ctx, 4, turn=1))
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert sorted(r.decode_engine_id for r in first) == [1, 1, 2, 2]
+    assert second.decode_engine_id == first[0].decode_engine_id
+    assert second.num_cached_tokens > 0
+
+
+def test_local_prefill_threshold_is_live():
+    router, _engines = make_router(["prefill", "decode"], RouterConfig(route_timeout_s=5))
+
+    async def run():
+        ctx = prompt(64)
+        r0 = await router.generate(TurnRequest("t", ctx, 4))
+        router.set_local_prefill_threshold(32)
+        ctx = ctx + r0.output_token_ids + prompt(8, 200)  # 12 new tokens on the decode engine
+        r1 = await router.generate(TurnRequest("t", ctx, 4, turn=1))
+        router.set_local_prefill_threshold(0)
+        ctx = ctx + r1.output_token_ids + prompt(8, 300)
+        r2 = await router.generate(TurnRequest("t", ctx, 4, turn=2))
+        return r0, r1, r2
+
+    r0, r1, r2 = asyncio.run(run())
+    assert [r.path for r in (r0, r1, r2)] == ["disaggregated", "local_prefill", "disaggregated"]
+    assert r1.decode_engine_id == r0.decode_engine_id
+    with pytest.raises(ConfigError):
+        router.set_local_prefill_threshold(-1)
+
+
+def test_colocated_mode_and_auto_fallback():
+    router, _engines = make_router(["colocated", "colocated"])
+    r = asyncio.run(router.generate(TurnRequest("t", prompt(20), 5)))
+    assert r.path == "colocated" and r.prefill_engine_id == -1
+    r2 = asyncio.run(router.generate(TurnRequest("t", prompt(25), 5, turn=1, mode="colocated")))
+    assert r2.decode_engine_id == r.decode_engine_id
+
+
+def test_bad_requests_raise_clear_errors_while_good_one_completes():
+    router, _ = make_router(["prefill", "decode"], step_s=0.005)
+
+    async def run():
+        good = asyncio.ensure_future(router.generate(TurnRequest("good", prompt(30), 30)))
+        await asyncio.sleep(0.01)
+        errors = []
+        bad = [
+            TurnRequest("empty", [], 4),
+            TurnRequest("long", prompt(1024), 4),
+            TurnRequest("vocab", [VOCAB + 5], 4),
+            TurnRequest("pinned", prompt(5), 4, engine_id=42),
+            TurnRequest("mode", prompt(5), 4, mode="sideways"),  # type: ignore[arg-type]
+            TurnRequest("zero", prompt(5), 0),
+        ]
+        for request in bad:
+            with pytest.raises((InputError, ConfigError)) as info:
+                await router.generate(request)
+            errors.append(str(info.value))
+        return await good, errors
+
+    result, errors = asyncio.run(run())
+    assert result.output_token_ids == expected_tokens(prompt(30), 30)
+    assert "prompt is empty" in errors[0]
+    assert "1024 tokens" in errors[1] and "1023" in errors[1]
+    assert "unknown engine id 42" in errors[3]
+
+
+def test_role_switch_in_flight_loses_and_duplicates_nothing(tmp_path):
+    recorder = Recorder(tmp_path / "tel", run_id="switch")
+    router, engines = make_router(
+        ["prefill", "decode", "decode"], RouterConfig(route_timeout_s=5), recorder, step_s=0.004
+    )
+    prompts = {f"t{i}": prompt(20 + i, i) for i in range(8)}
+
+    async def run():
+        tasks = [
+            asyncio.ensure_future(router.generate(TurnRequest(t, p, 40)))
+            for t, p in prompts.items()
+        ]
+        await router.pools.wait_until(lambda: router.pools.get(1).leases, 5)
+        summary = await router.switch_role(1, "prefill", drain_timeout_s=0.01)
+        return await asyncio.gather(*tasks), summary
+
+    results, summary = asyncio.run(run())
+    recorder.close()
+    assert summary["aborted"] > 0 and summary["to"] == "prefill" and summary["error"] is None
+    assert router.pools.roles() == {0: Role.PREFILL, 1: Role.PREFILL, 2: Role.DECODE}
+    assert sorted(r.trajectory_id for r in results) == sorted(prompts)
+    for r in results:
+        assert r.output_token_ids == expected_tokens(prompts[r.trajectory_id], 40)
+    assert sum(r.reroutes for r in results) == summary["aborted"]
+    assert engines[1].resets == 1 and not engines[1].paused
+    table, _ = read_telemetry(tmp_path / "tel", validate=True)
+    kinds = table.column("kind").to_pylist()
+    assert kinds.count("role_switch_start") == 1 and kinds.count("role_switch_end") == 1
+    end = json.loads(table.column("detail").to_pylist()[kinds.index("role_switch_end")])
+    assert set(end["stages_s"]) >= {"drain", "abort", "pause", "reset", "resume"}
+    assert kinds.count("decode_end") == len(prompts)
+
+
+def test_switch_refusals():
+    router, _engines = make_router(["prefill", "decode"], step_s=0.01)
+
+    async def run():
+        task = asyncio.ensure_future(router.generate(TurnRequest("t", prompt(10), 30)))
+        await router.pools.wait_until(lambda: router.pools.get(1).leases, 5)
+        switch = asyncio.ensure_future(router.switch_role(1, "colocated", drain_timeout_s=5))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ConfigError, match="already switching"):
+            await router.switch_role(1, "prefill")
+        with pytest.raises(ConfigError, match="unknown role"):
+            await router.switch_role(0, "janitor")
+        with pytest.raises(ConfigError, match="unknown engine"):
+            await router.switch_role(9, "decode")
+        return await task, await switch
+
+    result, summary = asyncio.run(run())
+    assert summary["drained"] is True and summary["aborted"] == 0
+    assert result.reroutes == 0 and result.decode_engine_id == 1
+
+
+def test_engine_death_mid_decode_reroutes_with_retry_count(tmp_path):
+    recorder = Recorder(tmp_path / "tel", run_id="kill")
+    router, engines = make_router(
+        ["prefill", "decode", "decode"], RouterConfig(route_timeout_s=5), recorder, step_s=0.004
+    )
+    prompts = {f"t{i}": prompt(16 + i, 7 * i) for i in range(6)}
+
+    async def run():
+        tasks = [
+            asyncio.ensure_future(router.generate(TurnRequest(t, p, 30)))
+            for t, p in prompts.items()
+        ]
+        await router.pools.wait_until(lambda: len(router.pools.get(2).leases) >= 2, 5)
+        engines[2].kill()
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    recorder.close()
+    assert all(r.output_token_ids == expected_tokens(prompts[r.trajectory_id], 30) for r in results)
+    assert all(r.decode_engine_id == 1 for r in results if r.retries)
+    assert sum(r.retries for r in results) >= 2
+    assert router.pools.counts()["dead"] == 1
+    assert engines[1].released  # the dead decode's pinned prefill KV was released via a peer
+    table, _ = read_telemetry(tmp_path / "tel", validate=True)
+    details = [json.loads(d) for d in table.column("detail").to_pylist() if d]
+    assert any(d.get("retry") for d in details)
+
+
+def test_all_decode_engines_dead_gives_routing_error():
+    router, engines = make_router(["prefill", "decode"], RouterConfig(route_timeout_s=0.2))
+    engines[1].kill()
+    with pytest.raises(RoutingError, match=r"no .*engine"):
+        asyncio.run(router.generate(TurnRequest("t", prompt(10), 4)))
