@@ -154,3 +154,37 @@ class AsyncDriver:
         self.result.trainer_steps += 1
         self._maybe_train()
         self._fill()
+
+
+class ArrivalDriver:
+    """Open-loop arrivals: trajectory ``i`` starts at ``arrival_s[i]`` (e.g. a replayed
+    request trace such as Azure's). The run ends when all have completed."""
+
+    mode = "sync"
+
+    def __init__(self, specs: Sequence[TrajectorySpec], arrival_s: Sequence[float]) -> None:
+        if len(specs) != len(arrival_s) or not specs:
+            raise ConfigError("arrival driver needs one arrival time per spec (and at least one)")
+        if any(t < 0 for t in arrival_s):
+            raise ConfigError("arrival times must be >= 0")
+        self.specs = specs
+        self.arrival_s = arrival_s
+        self.total = len(specs)
+        self.batches = [specs]  # for capacity checks
+        self.result = DriverResult(mode="sync")
+
+    def start(self, env: Environment, launch: Callable[[TrajectorySpec], TrajState]) -> None:
+        self.env = env
+        for spec, t in zip(self.specs, self.arrival_s, strict=True):
+            env.schedule(t, self._launch, spec, launch, priority=PRIORITY_ARRIVAL)
+
+    def _launch(self, spec: TrajectorySpec, launch: Callable[[TrajectorySpec], TrajState]) -> None:
+        self.result.started += 1
+        launch(spec)
+
+    def on_done(self, traj: TrajState) -> None:
+        self.result.completed += 1
+        if self.result.completed == self.total:
+            self.result.end_s = self.env.now
+            self.result.step_makespans_s.append(self.env.now)
+            self.env.stop()
