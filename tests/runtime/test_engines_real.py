@@ -1,0 +1,263 @@
+"""Real vLLM engines in Ray actors: KV handoff, prefix reuse, live role switch, failures.
+
+One fleet for the whole module (engine 0 prefill, 1 and 2 decode, 3 colocated). The tests
+run in file order; the last two kill an engine and shut the fleet down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.runtime.ray.config import EngineConfig, nixl_available
+from prorsa.runtime.ray.router import PDRouter, RouterConfig, TurnRequest
+from prorsa.telemetry import Recorder, read_telemetry
+
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROLES = ["prefill", "decode", "decode", "colocated"]
+COLOCATED = 3
+VOCAB = 512
+
+
+def tokens(n: int, start: int = 7) -> list[int]:
+    return [(start + 13 * i) % (VOCAB - 10) + 5 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_session, tiny_model_dir, tmp_path_factory):
+    from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
+
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_gib=0.125,
+        connector="auto",
+        kv_storage_dir=str(tmp_path_factory.mktemp("kv")),
+    )
+    fleet = EngineFleet.start(FleetSpec(config, roles=ROLES))
+    yield fleet
+    fleet.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(fleet):
+    """Greedy tokens from the colocated engine alone, memoised per (prompt, max_tokens)."""
+    memo: dict[tuple, list[int]] = {}
+
+    def get(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            client = fleet.clients[COLOCATED]
+            out = asyncio.run(
+                client.generate(f"ref{len(memo)}", prompt, max_tokens, 0.0, ignore_eos=True)
+            )
+            memo[key] = out["output_token_ids"]
+        return memo[key]
+
+    return get
+
+
+def make_router(fleet, recorder=None, **config) -> PDRouter:
+    return PDRouter(fleet.pools(), RouterConfig(route_timeout_s=60, **config), recorder=recorder)
+
+
+def test_fleet_is_healthy(fleet):
+    expected = "nixl" if nixl_available() else "example"
+    assert sorted(fleet.health) == [0, 1, 2, 3]
+    for health in fleet.health.values():
+        assert health["ready"] and health["connector"] == expected
+        assert health["max_model_len"] == 1024 and health["vocab_size"] == VOCAB
+    print(
+        f"\nfleet of 4 started in {fleet.start_s:.1f} s; per-engine AsyncLLM build:",
+        {eid: round(h["start_s"], 1) for eid, h in fleet.health.items()},
+    )
+
+
+def test_disaggregated_matches_colocated(fleet, reference):
+    router = make_router(fleet)
+    prompts = [tokens(3), tokens(60, 1), tokens(300, 2), tokens(700, 3)]  # 700 = 6 KV blocks
+
+    async def run():
+        return [
+            await router.generate(
+                TurnRequest(f"eq{i}", p, 24, mode="disaggregated", ignore_eos=True)
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    results = asyncio.run(run())
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.path == "disaggregated" and result.prefill_engine_id == 0
+        assert result.output_token_ids == reference(prompt, 24), len(prompt)
+        assert result.legs["prefill"]["kv_transfer_params"] or not nixl_available()
+
+
+def test_multi_turn_sticky_routing_reuses_prefix_cache(fleet, tmp_path):
+    recorder = Recorder(tmp_path / "tel", run_id="multi-turn")
+    router = make_router(fleet, recorder, local_prefill_threshold_tokens=32)
+    context = tokens(300, 11)
+
+    async def run():
+        results = []
+        for turn, observation in enumerate([tokens(60, 21), tokens(12, 31), None]):
+            result = await router.generate(
+                TurnRequest("mt", list(context), 16, turn=turn, mode="disaggregated", task="t")
+            )
+            results.append(result)
+            if observation is not None:
+                context.extend(result.output_token_ids + observation)
+        return results
+
+    results = asyncio.run(run())
+    recorder.close()
+    assert [r.path for r in results] == ["disaggregated", "disaggregated", "local_prefill"]
+    assert len({r.decode_engine_id for r in results}) == 1
+    assert results[1].prefill_cached_tokens > 0 and results[1].num_cached_tokens > 0
+    assert results[2].num_cached_tokens > 0  # the decode engine kept turn 1's context
+    table, report = read_telemetry(tmp_path / "tel", validate=True)
+    assert report.clean
+    rows = table.to_pylist()
+    turn1 = [r["kind"] for r in rows if r["turn"] == 1]
+    assert turn1 == [
+        "prefill_queued",
+        "prefill_start",
+        "prefill_end",
+        "kv_transfer_start",
+        "kv_transfer_end",
+        "decode_start",
+        "decode_end",
+    ]
+    end = [r for r in rows if r["kind"] == "decode_end"]
+    assert [r["output_tokens"] for r in end] == [16, 16, 16]
+    assert all(r["engine_id"] == results[0].decode_engine_id for r in end)
+
+
+def test_bad_requests_get_clear_errors_while_good_request_completes(fleet, reference):
+    router = make_router(fleet)
+    good_prompt = tokens(50, 41)
+
+    async def run():
+        good = asyncio.ensure_future(
+            router.generate(TurnRequest("good", good_prompt, 64, ignore_eos=True))
+        )
+        await asyncio.sleep(0.05)
+        messages = []
+        for request in [
+            TurnRequest("empty", [], 8),
+            TurnRequest("too-long", tokens(1024), 8),
+            TurnRequest("vocab", [VOCAB + 1], 8),
+            TurnRequest("pin", tokens(8), 8, engine_id=99),
+        ]:
+            with pytest.raises((InputError, ConfigError)) as info:
+                await router.generate(request)
+            messages.append(str(info.value))
+        with pytest.raises(InputError, match="prompt is empty"):  # the engine checks too
+            await fleet.clients[1].generate("direct-empty", [], 4)
+        return await good, messages
+
+    good, messages = asyncio.run(run())
+    assert good.output_token_ids == reference(good_prompt, 64)
+    assert "prompt is empty" in messages[0] and "1024 tokens" in messages[1]
+    assert "[0, 512)" in messages[2] and "unknown engine id 99" in messages[3]
+
+
+def run_many(router, prompts, max_tokens, trigger):
+    """Start one turn per prompt, call ``trigger`` once they are in flight, gather."""
+
+    async def run():
+        tasks = [
+            asyncio.ensure_future(
+                router.generate(TurnRequest(f"r{i}", p, max_tokens, ignore_eos=True))
+            )
+            for i, p in enumerate(prompts)
+        ]
+        side = await trigger()
+        return await asyncio.gather(*tasks), side
+
+    return asyncio.run(run())
+
+
+def test_role_switch_in_flight_loses_and_duplicates_nothing(fleet, reference, tmp_path):
+    recorder = Recorder(tmp_path / "tel", run_id="switch")
+    router = make_router(fleet, recorder)
+    prompts = [tokens(40 + i, 50 + i) for i in range(6)]
+    max_tokens = 200
+
+    async def switch():
+        await router.pools.wait_until(lambda: len(router.pools.get(1).leases) >= 2, 60)
+        return await router.switch_role(1, "prefill", drain_timeout_s=0.02)
+
+    results, summary = run_many(router, prompts, max_tokens, switch)
+    back = asyncio.run(router.switch_role(1, "decode", drain_timeout_s=10))
+    recorder.close()
+    assert summary["aborted"] >= 1 and summary["error"] is None, summary
+    assert summary["prefix_cache_reset"] is True
+    assert back["drained"] and back["to"] == "decode"
+    assert sorted(r.trajectory_id for r in results) == [f"r{i}" for i in range(6)]
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.output_token_ids == reference(prompt, max_tokens)
+    assert sum(r.reroutes for r in results) == summary["aborted"]
+    rerouted = [r for r in results if r.reroutes]
+    assert all(r.decode_engine_id == 2 for r in rerouted)
+    table, _ = read_telemetry(tmp_path / "tel", validate=True)
+    kinds = table.column("kind").to_pylist()
+    assert kinds.count("decode_end") == len(prompts)
+    details = [
+        json.loads(d)
+        for d, k in zip(table.column("detail").to_pylist(), kinds, strict=True)
+        if k == "role_switch_end"
+    ]
+    assert [d["to"] for d in details] == ["prefill", "decode"]
+    print(f"\nrole switch with {summary['aborted']} aborted: {summary['stages_s']}")
+
+
+def test_killed_engine_mid_decode_requests_are_rerouted(fleet, reference):
+    router = make_router(fleet)
+    prompts = [tokens(30 + i, 90 + i) for i in range(6)]
+    max_tokens = 200
+
+    async def kill():
+        await router.pools.wait_until(lambda: len(router.pools.get(2).leases) >= 2, 60)
+        await asyncio.sleep(0.05)  # let it decode a few tokens
+        fleet.kill(2)
+
+    results, _ = run_many(router, prompts, max_tokens, kill)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.output_token_ids == reference(prompt, max_tokens)
+    retried = [r for r in results if r.retries]
+    assert len(retried) >= 2 and all(r.decode_engine_id == 1 for r in retried)
+    assert router.pools.counts()["dead"] == 1
+    print(
+        f"\nkilled engine 2: {len(retried)} turns re-routed, "
+        f"{sum(r.retries for r in results)} retries"
+    )
+
+
+def test_shutdown_leaves_no_orphan_processes(fleet):
+    import psutil
+
+    pids = fleet.pids()
+    assert len(pids) >= 8  # 4 actors, each with an EngineCore (+ helpers)
+    fleet.shutdown()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and _running(p)]
+        time.sleep(0.2)
+    assert alive == [], [psutil.Process(p).cmdline() for p in alive]
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
