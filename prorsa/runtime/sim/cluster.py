@@ -171,14 +171,11 @@ class SimCluster:
                 (self.env.now, self.run_id, "", "", "", turn, kind, engine, 0, 0, 0, 0, detail)
             )
         else:
-            spec = traj.spec
             self.rows.append(
                 (
                     self.env.now,
                     self.run_id,
-                    spec.trajectory_id,
-                    spec.group_id,
-                    spec.task,
+                    *traj.row_key,
                     turn,
                     kind,
                     engine,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ IDLE, STEP, EPOCH = 0, 1, 2
 class StepCosts:
     """The cost profile's coefficients as plain floats (attribute access is the hot path)."""
 
-    __slots__ = ("da", "db", "dc", "floor", "mix", "pa", "pb", "pc", "profile")
+    __slots__ = ("da", "db", "dc", "floor", "mix", "pa", "pb", "pc", "profile", "run_time")
 
     def __init__(self, profile: CostProfile, dp_ranks: int = 1) -> None:
         if dp_ranks > 1:
@@ -49,6 +50,8 @@ class StepCosts:
                 decode_per_ctx_token_s=profile.decode_per_ctx_token_s / dp_ranks,
             )
         self.profile = profile
+        #: run_time(batch, ctx_sum, k): time of k decode-only steps (the profile's closed form)
+        self.run_time = profile.decode_run_time_s
         self.pa = profile.prefill_base_s
         self.pb = profile.prefill_per_token_s
         self.pc = profile.prefill_attn_s_per_token2
@@ -62,20 +65,42 @@ class StepCosts:
         """Prefill part of a chunk of ``tokens`` on top of ``prior`` tokens of context."""
         return self.pb * tokens + self.pc * tokens * (prior + tokens / 2)
 
-    def epoch_time(self, k: int, batch: int, ctx_sum: int) -> float:
-        """Time of ``k`` decode-only steps from batch ``batch`` with context ``ctx_sum``."""
-        return self.profile.decode_run_time_s(batch, ctx_sum, k)
-
     def steps_within(self, elapsed: float, k_max: int, batch: int, ctx_sum: int) -> int:
-        """Largest number of whole steps (<= k_max) completed within ``elapsed`` seconds."""
-        lo, hi = 0, k_max
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.epoch_time(mid, batch, ctx_sum) <= elapsed + 1e-12:
-                lo = mid
+        """Largest number of whole steps (<= k_max) completed within ``elapsed`` seconds.
+
+        Inverts the arithmetic series in closed form, then corrects the rounding by at most
+        a step either way against the profile's closed form (the definition of truth).
+        """
+        d0 = self.da + self.db * batch + self.dc * ctx_sum
+        slope = self.dc * batch
+        floor = self.floor
+        if d0 < floor:
+            at_floor = k_max if slope <= 0 else min(k_max, math.ceil((floor - d0) / slope))
+            if elapsed < at_floor * floor:
+                guess = int(elapsed / floor)
             else:
-                hi = mid - 1
-        return lo
+                guess = at_floor + _series_steps(
+                    elapsed - at_floor * floor, d0 + slope * at_floor, slope
+                )
+        else:
+            guess = _series_steps(elapsed, d0, slope)
+        k = min(max(guess, 0), k_max)
+        run_time = self.run_time
+        tol = elapsed + 1e-12
+        while k > 0 and run_time(batch, ctx_sum, k) > tol:
+            k -= 1
+        while k < k_max and run_time(batch, ctx_sum, k + 1) <= tol:
+            k += 1
+        return k
+
+
+def _series_steps(elapsed: float, first: float, slope: float) -> int:
+    """Whole steps of an arithmetic series (first, first+slope, ...) within ``elapsed``."""
+    if slope <= 0:
+        return int(elapsed / first) if first > 0 else 0
+    # slope/2 k^2 + (first - slope/2) k - elapsed = 0
+    b = first - slope / 2
+    return int((-b + math.sqrt(b * b + 2 * slope * elapsed)) / slope)
 
 
 class SimEngine:
@@ -125,6 +150,7 @@ class SimEngine:
         self.version = 0
         self.plan_pending = False
         self.boundary_pending = False
+        self.at_boundary = False  # inside _end_step/_end_epoch, which re-plan right after
         self.epoch_start = 0.0
         self.epoch_k = 0
         self.epoch_batch = 0
@@ -216,9 +242,7 @@ class SimEngine:
         if boundary < self.epoch_k:
             self.epoch_k = boundary
             self.version += 1
-            end = self.epoch_start + self.costs.epoch_time(
-                boundary, self.epoch_batch, self.epoch_ctx
-            )
+            end = self.epoch_start + self.costs.run_time(self.epoch_batch, self.epoch_ctx, boundary)
             self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
 
     def _plan_event(self) -> None:
@@ -234,7 +258,8 @@ class SimEngine:
             self.cluster.on_migrate(self, self._take_decodes())
         while self.decode_waiting and len(self.running) < self.max_batch:
             self._join(self.decode_waiting.popleft())
-        self._admit_prefills()
+        if self.prefill_queue:
+            self._admit_prefills()
         batch = len(self.running)
         if self.prefill_active:
             budget = max(self.budget - batch, 1)
@@ -282,7 +307,7 @@ class SimEngine:
             self.epoch_batch = batch
             self.epoch_ctx = self.ctx_sum
             self.version += 1
-            end = now + self.costs.epoch_time(k, batch, self.ctx_sum)
+            end = now + self.costs.run_time(batch, self.ctx_sum, k)
             self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
         else:
             self.phase = IDLE
@@ -306,7 +331,9 @@ class SimEngine:
                 self._prefill_done(req)
         self.step_chunks = []
         self.phase = IDLE
+        self.at_boundary = True
         self._complete_finished()
+        self.at_boundary = False
         self._plan()
 
     def _end_epoch(self, version: int) -> None:
@@ -319,7 +346,9 @@ class SimEngine:
         self.ctx_sum += grown
         self.kv_used += grown
         self.phase = IDLE
+        self.at_boundary = True
         self._complete_finished()
+        self.at_boundary = False
         self._plan()
 
     # -------------------------------------------------------------- prefill side
@@ -465,7 +494,7 @@ class SimEngine:
     def _after_free(self) -> None:
         if self.incoming:
             self.pump_incoming()
-        if self.prefill_queue and self.phase == IDLE:
+        if self.prefill_queue and self.phase == IDLE and not self.at_boundary:
             self._wake()
 
     def accept_migrated(self, req: TurnRequest) -> None:

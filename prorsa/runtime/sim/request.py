@@ -15,6 +15,7 @@ class TrajState:
         "prefill_engine",
         "prev_context",
         "prev_output",
+        "row_key",
         "spec",
         "start_s",
         "state",
@@ -27,6 +28,7 @@ class TrajState:
     def __init__(self, spec: TrajectorySpec, start_s: float) -> None:
         self.spec = spec
         self.traj_key = "t:" + spec.trajectory_id
+        self.row_key = (spec.trajectory_id, spec.group_id, spec.task)  # telemetry columns
         self.group_key = "g:" + spec.group_id if spec.group_id and spec.shared_prompt_tokens else ""
         self.turn = 0
         self.done_turns = 0
