@@ -1,16 +1,17 @@
 """What a policy sees (ClusterObservation, Forecast) and what it returns (Allocation).
 
+``Forecast`` lives in :mod:`prorsa.forecast.types` (the layer below) and is re-exported here.
+
 These types are shared by the simulator and the Ray runtime, so they hold plain numbers
 and strings only: no engine objects, no clocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from prorsa.errors import ConfigError
+from prorsa.forecast.types import Forecast  # noqa: F401  (re-exported)
 
 ROLES = ("prefill", "decode", "colocated")
 SWITCHING = "switching"
@@ -65,28 +66,6 @@ class ClusterObservation:
             role = s.target_role if (s.role == SWITCHING and include_target) else s.role
             out[role or SWITCHING] += s.gpus
         return out
-
-
-@dataclass(frozen=True)
-class Forecast:
-    """Forecast demand: ``point[target][i]`` for ``horizons_s[i]``; optional quantiles.
-
-    Targets (per horizon h): ``prefill_tokens`` arriving in (t, t+h], ``decode_tokens``
-    generated in (t, t+h], ``decode_sequences`` and ``decode_kv_tokens`` averaged over it.
-    """
-
-    time_s: float
-    horizons_s: tuple[float, ...]
-    point: dict[str, np.ndarray]
-    quantiles: dict[float, dict[str, np.ndarray]] = field(default_factory=dict)
-
-    def at(self, target: str, horizon_s: float, quantile: float | None = None) -> float:
-        try:
-            i = self.horizons_s.index(horizon_s)
-        except ValueError:
-            raise ConfigError(f"horizon {horizon_s} not in forecast {self.horizons_s}") from None
-        table = self.point if quantile is None else self.quantiles[quantile]
-        return float(table[target][i])
 
 
 @dataclass(frozen=True)
