@@ -204,7 +204,12 @@ class Simulation:
         env.run(until=max_time_s)
         if controller is not None:
             controller.stop()
-        telemetry = rows_to_table(cluster.rows) if self.record else None
+        telemetry = None
+        if self.record:
+            telemetry = rows_to_table(cluster.rows)
+            # Marks the events as simulated: the oracle forecaster refuses anything else.
+            meta = {**(telemetry.schema.metadata or {}), b"prorsa.source": b"simulator"}
+            telemetry = telemetry.replace_schema_metadata(meta)
         metrics = compute_metrics(cluster, self.driver.result, telemetry)
         return SimulationResult(
             telemetry=telemetry,

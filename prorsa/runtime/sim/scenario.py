@@ -1,0 +1,149 @@
+"""Build drivers from a scenario (shipped profile) or a replayed trace, and run one
+simulation end to end — the library behind `prorsa simulate` and `prorsa compare`."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prorsa.errors import ConfigError
+from prorsa.policy import make_policy
+from prorsa.runtime.sim.config import ClusterConfig
+from prorsa.runtime.sim.drivers import AsyncDriver, SyncDriver
+from prorsa.runtime.sim.simulation import Simulation, SimulationResult
+from prorsa.workload import get_scenario, specs_from_trace
+from prorsa.workload.spec import TrajectorySpec
+
+
+@dataclass
+class WorkloadConfig:
+    """What to roll out: a scenario or a trace, in sync or async mode."""
+
+    scenario: str | None = "swe"
+    trace: str | None = None
+    mode: str = "sync"
+    trajectories: int = 256  # per sync step, or total in async mode
+    group_size: int = 8  # GRPO samples per prompt
+    steps: int = 1  # sync steps
+    max_in_flight: int = 128  # async concurrency
+    max_staleness: int | None = None
+    train_step_s: float = 0.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if (self.scenario is None) == (self.trace is None):
+            raise ConfigError("give exactly one of a scenario or a trace")
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"mode must be sync or async, not '{self.mode}'")
+        if self.trajectories < 1 or self.group_size < 1 or self.steps < 1:
+            raise ConfigError("trajectories, group_size and steps must be >= 1")
+
+
+def _spec_stream(work: WorkloadConfig) -> tuple[list[TrajectorySpec] | None, object]:
+    if work.trace is not None:
+        path = Path(work.trace)
+        if not path.exists():
+            raise ConfigError(f"trace not found: {path}")
+        return specs_from_trace(os.fspath(path)), None
+    return None, get_scenario(work.scenario)
+
+
+def build_driver(work: WorkloadConfig) -> SyncDriver | AsyncDriver:
+    """Sync steps of ``trajectories`` specs, or an async stream; replayed traces cycle."""
+    work.validate()
+    replay, profile = _spec_stream(work)
+    if work.mode == "sync":
+        batches = []
+        for step in range(work.steps):
+            if replay is not None:
+                batches.append(_replay_batch(replay, work.trajectories, step))
+            else:
+                batches.append(
+                    profile.sample(
+                        work.trajectories,
+                        work.seed * 1000 + step,
+                        group_size=work.group_size,
+                        id_prefix=f"{profile.name}-s{work.seed}-step{step}",
+                    )
+                )
+        return SyncDriver(batches)
+    if replay is not None:
+        stream = (_renamed(s, i) for i, s in enumerate(itertools.cycle(replay)))
+    else:
+        stream = _profile_stream(profile, work)
+    return AsyncDriver(
+        stream,
+        total=work.trajectories,
+        max_in_flight=work.max_in_flight,
+        batch_size=work.group_size * 4 if work.max_staleness is not None else None,
+        train_step_s=work.train_step_s,
+        max_staleness=work.max_staleness,
+    )
+
+
+def _profile_stream(profile, work: WorkloadConfig):
+    chunk = max(work.group_size * 16, 64)
+    for block in itertools.count():
+        yield from profile.sample(
+            chunk,
+            work.seed * 100_003 + block,
+            group_size=work.group_size,
+            id_prefix=f"{profile.name}-s{work.seed}-b{block}",
+        )
+
+
+def _renamed(spec: TrajectorySpec, i: int) -> TrajectorySpec:
+    return TrajectorySpec(
+        trajectory_id=f"{spec.trajectory_id}#{i}",
+        new_tokens=spec.new_tokens,
+        output_tokens=spec.output_tokens,
+        tool_latency_s=spec.tool_latency_s,
+        group_id=spec.group_id,
+        task=spec.task,
+        shared_prompt_tokens=spec.shared_prompt_tokens,
+    )
+
+
+def _replay_batch(replay: list[TrajectorySpec], n: int, step: int) -> list[TrajectorySpec]:
+    """``n`` replayed trajectories (repeating the trace when it holds fewer)."""
+    return [_renamed(replay[i % len(replay)], step * n + i) for i in range(n)]
+
+
+@dataclass
+class RunRequest:
+    """One simulation: workload x cluster x policy."""
+
+    work: WorkloadConfig
+    cluster: ClusterConfig
+    policy: str = "colocate"
+    policy_params: dict = field(default_factory=dict)
+    forecaster: str | None = None
+    interval_s: float = 1.0
+    min_dwell_s: float = 10.0
+    record: bool = True
+    run_id: str = "sim"
+
+
+def simulate(request: RunRequest, *, progress=None, forecaster_obj=None) -> SimulationResult:
+    """Run one simulation described by ``request``."""
+    driver = build_driver(request.work)
+    policy = make_policy(request.policy, **request.policy_params)
+    forecaster = forecaster_obj
+    if forecaster is None and request.forecaster is not None:
+        from prorsa.forecast.provider import make_provider
+
+        forecaster = make_provider(request.forecaster)
+    sim = Simulation(
+        request.cluster,
+        policy,
+        driver,
+        forecaster=forecaster,
+        interval_s=request.interval_s,
+        min_dwell_s=request.min_dwell_s,
+        seed=request.work.seed,
+        run_id=request.run_id,
+        record=request.record,
+    )
+    return sim.run(progress=progress)
