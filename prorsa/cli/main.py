@@ -8,6 +8,7 @@ from prorsa.cli import models as models_cli
 from prorsa.cli import traces as traces_cli
 from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
+from prorsa.cli.simulate import simulate_cmd
 
 app = typer.Typer(
     name="prorsa",
@@ -25,6 +26,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."))
 app.add_typer(traces_cli.app, name="traces", help="Import and summarise real agent traces.")
 app.add_typer(workload_cli.app, name="workload", help="Fit, inspect and sample task profiles.")
 app.add_typer(models_cli.app, name="models", help="Make small local models for tests and demos.")
+app.command("simulate")(simulate_cmd)
 
 
 def main() -> None:
