@@ -72,6 +72,7 @@ class EngineState:
     kv_pending: set[str] = field(default_factory=set)
     # Decode legs planned here whose prefill leg is still running elsewhere.
     reserved: int = 0
+    since_s: float = 0.0  # when the engine entered its current role (router clock)
     switches: int = 0
 
     @property
@@ -165,8 +166,12 @@ class RolePools:
         return min(sizes) if sizes else None
 
     # ------------------------------------------------------------------ changes
-    def set_role(self, engine_id: int, role: Role) -> None:
-        self.get(engine_id).role = role
+    def set_role(self, engine_id: int, role: Role, at: float | None = None) -> None:
+        """Change the role; ``at`` (router clock) marks when the engine entered it."""
+        engine = self.get(engine_id)
+        engine.role = role
+        if at is not None:
+            engine.since_s = at
         self.notify()
 
     def mark_dead(self, engine_id: int) -> bool:

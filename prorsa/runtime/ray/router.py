@@ -20,8 +20,8 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.runtime.ray.client import EngineUnavailable
@@ -29,108 +29,21 @@ from prorsa.runtime.ray.engine import PREFILL_FOR_REMOTE_DECODE
 from prorsa.runtime.ray.events import EventSink
 from prorsa.runtime.ray.pools import EngineState, Lease, Role, RolePools
 from prorsa.runtime.ray.switch import RoleSwitcher
+from prorsa.runtime.ray.turns import (
+    MODES,
+    Rerouted,
+    RouterConfig,
+    RoutingError,
+    TurnRequest,
+    TurnResult,
+)
 from prorsa.telemetry.recorder import Recorder
 from prorsa.telemetry.schema import EventKind as K
+from prorsa.telemetry.views import STATE_AFTER
 
 logger = logging.getLogger(__name__)
 
-Mode = Literal["auto", "disaggregated", "colocated"]
-MODES: tuple[str, ...] = ("auto", "disaggregated", "colocated")
-
-
-class RoutingError(RuntimeError):
-    """A turn could not be served: no engine for its role, or retries exhausted."""
-
-
-class Rerouted(Exception):
-    """A leg was aborted (a role switch evicted it); serve the turn again elsewhere."""
-
-
-@dataclass
-class RouterConfig:
-    """Router behaviour. ``help`` metadata doubles as CLI help text."""
-
-    local_prefill_threshold_tokens: int = field(
-        default=0,
-        metadata={"help": "Prefill on the decode engine when a turn has fewer new tokens."},
-    )
-    max_retries: int = field(
-        default=3, metadata={"help": "Re-tries per turn after engine failures."}
-    )
-    max_reroutes: int = field(
-        default=8, metadata={"help": "Re-routes per turn after role-switch evictions."}
-    )
-    route_timeout_s: float = field(
-        default=120.0, metadata={"help": "Longest wait for an engine of the needed role."}
-    )
-    drain_timeout_s: float = field(
-        default=30.0, metadata={"help": "Default drain time of a role switch before aborting."}
-    )
-    abort_grace_s: float = field(
-        default=10.0, metadata={"help": "Wait for aborted legs to leave a switching engine."}
-    )
-    reset_prefix_cache_on_switch: bool = field(
-        default=True, metadata={"help": "Drop an engine's prefix cache when its role changes."}
-    )
-
-    def validate(self) -> None:
-        if self.local_prefill_threshold_tokens < 0:
-            raise ConfigError("local_prefill_threshold_tokens must be >= 0")
-        if self.max_retries < 0 or self.max_reroutes < 0:
-            raise ConfigError("max_retries and max_reroutes must be >= 0")
-        if min(self.route_timeout_s, self.drain_timeout_s, self.abort_grace_s) < 0:
-            raise ConfigError("timeouts must be >= 0")
-
-
-@dataclass
-class TurnRequest:
-    """One turn of one trajectory: the full context in, new tokens out."""
-
-    trajectory_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    turn: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    group_id: str = ""
-    task: str = ""
-    mode: Mode = "auto"
-    engine_id: int | None = None  # pin: the colocated engine, or the decode engine
-    prefill_engine_id: int | None = None  # pin the prefill engine of a disaggregated turn
-
-    def sampling(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.top_p != 1.0:
-            out["top_p"] = self.top_p
-        if self.seed is not None:
-            out["seed"] = self.seed
-        if self.ignore_eos:
-            out["ignore_eos"] = True
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
-        return out
-
-
-@dataclass
-class TurnResult:
-    """What a turn produced and where it ran."""
-
-    trajectory_id: str
-    turn: int
-    output_token_ids: list[int]
-    finish_reason: str | None
-    path: str  # disaggregated | local_prefill | colocated
-    decode_engine_id: int
-    prefill_engine_id: int = -1
-    prefill_cached_tokens: int = 0
-    num_cached_tokens: int = 0
-    retries: int = 0
-    reroutes: int = 0
-    latency_s: float = 0.0
-    legs: dict[str, dict[str, Any]] = field(default_factory=dict)
+__all__ = ["PDRouter", "RouterConfig", "RoutingError", "TurnRequest", "TurnResult"]
 
 
 @dataclass
@@ -166,6 +79,7 @@ class PDRouter:
         self.switcher = RoleSwitcher(pools, self.events, self.config)
         self._sticky: dict[tuple[str, Role], int] = {}
         self._resident: dict[tuple[str, int], tuple[int, int]] = {}  # (len, hash) of context
+        self._live: dict[str, tuple[str, int]] = {}  # trajectory -> (state, context tokens)
         self._ids = itertools.count()
         self._background: set[asyncio.Task] = set()
         self.retries_total = 0
@@ -184,8 +98,28 @@ class PDRouter:
         """Move an engine to ``new_role``; see :class:`RoleSwitcher` for the stages."""
         return await self.switcher.switch(engine_id, new_role, drain_timeout_s)
 
+    def start_switch(
+        self, engine_id: int, new_role: str | Role, drain_timeout_s: float | None = None
+    ) -> asyncio.Task:
+        """Begin a switch now (the engine is ``switching`` on return); finish in a task.
+
+        Raises :class:`ConfigError` at once for an unknown, dead or already switching engine.
+        """
+        coro = self.switcher.begin(engine_id, new_role, drain_timeout_s)
+        return asyncio.get_running_loop().create_task(coro)
+
+    def trajectory_states(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Live trajectories per lifecycle state, and their context tokens per state."""
+        counts: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        for state, context in self._live.values():
+            counts[state] = counts.get(state, 0) + 1
+            tokens[state] = tokens.get(state, 0) + context
+        return counts, tokens
+
     def forget(self, trajectory_id: str) -> None:
-        """Drop a finished trajectory's sticky engines and cache bookkeeping."""
+        """Drop a finished trajectory's sticky engines, cache bookkeeping and live state."""
+        self._live.pop(trajectory_id, None)
         for key in [k for k in self._sticky if k[0] == trajectory_id]:
             del self._sticky[key]
         for key in [k for k in self._resident if k[0] == trajectory_id]:
@@ -592,6 +526,7 @@ class PDRouter:
     def _event(
         self, kind: K, at: float, request: TurnRequest, engine_id: int = -1, **fields: Any
     ) -> None:
+        self._live[request.trajectory_id] = (STATE_AFTER[kind], len(request.prompt_token_ids))
         self.events.turn(
             kind,
             at,

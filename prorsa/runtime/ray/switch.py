@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from prorsa.errors import ConfigError
@@ -46,6 +47,16 @@ class RoleSwitcher:
         Raises:
             ConfigError: unknown engine or role, dead engine, or a switch already running.
         """
+        return await self.begin(engine_id, new_role, drain_timeout_s)
+
+    def begin(
+        self, engine_id: int, new_role: str | Role, drain_timeout_s: float | None = None
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        """Validate and mark the engine ``switching`` now; the returned coroutine does the rest.
+
+        Splitting the synchronous part out lets a controller tick start several switches
+        without awaiting and see them as ``switching`` at once.
+        """
         engine = self.pools.get(engine_id)
         target = parse_role(new_role)
         if not engine.alive:
@@ -59,14 +70,12 @@ class RoleSwitcher:
         old = engine.role
         summary: dict[str, Any] = {"from": old.value, "to": target.value}
         if old is target:
-            return {"engine_id": engine_id, **summary, "skipped": True}
+            return _done({"engine_id": engine_id, **summary, "skipped": True})
         drain_timeout_s = (
             self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         )
-        stages: dict[str, float] = {}
-        clock = _StageClock(stages)
         engine.switching_from, engine.switching_to = old, target
-        self.pools.set_role(engine_id, Role.SWITCHING)
+        self.pools.set_role(engine_id, Role.SWITCHING, self.events.now())
         self.events.cluster(
             EventKind.ROLE_SWITCH_START,
             engine_id,
@@ -76,21 +85,32 @@ class RoleSwitcher:
             kv_pending=len(engine.kv_pending),
         )
         logger.info("engine %d: switching %s -> %s", engine_id, old, target)
+        return self._complete(engine, old, target, drain_timeout_s, summary)
+
+    async def _complete(
+        self,
+        engine: EngineState,
+        old: Role,
+        target: Role,
+        drain_timeout_s: float,
+        summary: dict[str, Any],
+    ) -> dict[str, Any]:
+        stages: dict[str, float] = {}
         error = None
         try:
-            summary.update(await self._run_stages(engine, drain_timeout_s, clock))
+            summary.update(await self._run_stages(engine, drain_timeout_s, _StageClock(stages)))
         except EngineUnavailable as exc:
             error = str(exc)
-            self.pools.mark_dead(engine_id)
+            self.pools.mark_dead(engine.engine_id)
         finally:
             final = target if error is None else old
             engine.switching_from = engine.switching_to = None
             engine.switches += error is None
-            self.pools.set_role(engine_id, final)
+            self.pools.set_role(engine.engine_id, final, self.events.now())
             summary.update(stages_s=stages, total_s=round(sum(stages.values()), 6), error=error)
-            self.events.cluster(EventKind.ROLE_SWITCH_END, engine_id, **summary)
-        logger.info("engine %d: now %s (%s)", engine_id, engine.role, summary)
-        return {"engine_id": engine_id, **summary}
+            self.events.cluster(EventKind.ROLE_SWITCH_END, engine.engine_id, **summary)
+        logger.info("engine %d: now %s (%s)", engine.engine_id, engine.role, summary)
+        return {"engine_id": engine.engine_id, **summary}
 
     async def _run_stages(
         self, engine: EngineState, drain_timeout_s: float, clock: _StageClock
@@ -145,3 +165,7 @@ class _Stage:
 
     def __exit__(self, *exc: object) -> None:
         self.stages[self.name] = round(time.perf_counter() - self.started, 6)
+
+
+async def _done(summary: dict[str, Any]) -> dict[str, Any]:
+    return summary

@@ -1,0 +1,106 @@
+"""What the router takes and returns: its configuration, turn requests and results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prorsa.errors import ConfigError
+
+Mode = Literal["auto", "disaggregated", "colocated"]
+MODES: tuple[str, ...] = ("auto", "disaggregated", "colocated")
+
+
+class RoutingError(RuntimeError):
+    """A turn could not be served: no engine for its role, or retries exhausted."""
+
+
+class Rerouted(Exception):
+    """A leg was aborted (a role switch evicted it); serve the turn again elsewhere."""
+
+
+@dataclass
+class RouterConfig:
+    """Router behaviour. ``help`` metadata doubles as CLI help text."""
+
+    local_prefill_threshold_tokens: int = field(
+        default=0,
+        metadata={"help": "Prefill on the decode engine when a turn has fewer new tokens."},
+    )
+    max_retries: int = field(
+        default=3, metadata={"help": "Re-tries per turn after engine failures."}
+    )
+    max_reroutes: int = field(
+        default=8, metadata={"help": "Re-routes per turn after role-switch evictions."}
+    )
+    route_timeout_s: float = field(
+        default=120.0, metadata={"help": "Longest wait for an engine of the needed role."}
+    )
+    drain_timeout_s: float = field(
+        default=30.0, metadata={"help": "Default drain time of a role switch before aborting."}
+    )
+    abort_grace_s: float = field(
+        default=10.0, metadata={"help": "Wait for aborted legs to leave a switching engine."}
+    )
+    reset_prefix_cache_on_switch: bool = field(
+        default=True, metadata={"help": "Drop an engine's prefix cache when its role changes."}
+    )
+
+    def validate(self) -> None:
+        if self.local_prefill_threshold_tokens < 0:
+            raise ConfigError("local_prefill_threshold_tokens must be >= 0")
+        if self.max_retries < 0 or self.max_reroutes < 0:
+            raise ConfigError("max_retries and max_reroutes must be >= 0")
+        if min(self.route_timeout_s, self.drain_timeout_s, self.abort_grace_s) < 0:
+            raise ConfigError("timeouts must be >= 0")
+
+
+@dataclass
+class TurnRequest:
+    """One turn of one trajectory: the full context in, new tokens out."""
+
+    trajectory_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    turn: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    group_id: str = ""
+    task: str = ""
+    mode: Mode = "auto"
+    engine_id: int | None = None  # pin: the colocated engine, or the decode engine
+    prefill_engine_id: int | None = None  # pin the prefill engine of a disaggregated turn
+
+    def sampling(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.top_p != 1.0:
+            out["top_p"] = self.top_p
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+
+@dataclass
+class TurnResult:
+    """What a turn produced and where it ran."""
+
+    trajectory_id: str
+    turn: int
+    output_token_ids: list[int]
+    finish_reason: str | None
+    path: str  # disaggregated | local_prefill | colocated
+    decode_engine_id: int
+    prefill_engine_id: int = -1
+    prefill_cached_tokens: int = 0
+    num_cached_tokens: int = 0
+    retries: int = 0
+    reroutes: int = 0
+    latency_s: float = 0.0
+    legs: dict[str, dict[str, Any]] = field(default_factory=dict)
