@@ -104,7 +104,7 @@ def simulate_cmd(
     in_flight: int = typer.Option(128, help="async: trajectories kept in flight"),
     tp_prefill: int = typer.Option(1, help="tensor-parallel degree of prefill engines"),
     tp_decode: int = typer.Option(1, help="tensor-parallel degree of decode/colocated engines"),
-    reuse_mode: str = typer.Option("reprefill", help="multi-turn reuse: reprefill | pull"),
+    reuse_mode: str = typer.Option("pull", help="multi-turn reuse: reprefill | pull"),
     local_prefill_threshold: int = typer.Option(
         0, help="prefill smaller turns on the decode engine"
     ),
@@ -116,10 +116,11 @@ def simulate_cmd(
     as_json: bool = typer.Option(False, "--json", help="print metrics as JSON"),
 ) -> None:
     """Simulate one rollout; writes telemetry.parquet and metrics.json to --out."""
+    options = {k: v for k, v in locals().items() if k not in ("out", "as_json")}
     from prorsa.runtime.sim.scenario import simulate
     from prorsa.telemetry.reader import write_parquet
 
-    request = make_request(**{k: v for k, v in locals().items() if k not in ("out", "as_json")})
+    request = make_request(**options)
     total = trajectories * (steps if mode == "sync" else 1)
     with Progress(
         TextColumn("[bold]simulating"),

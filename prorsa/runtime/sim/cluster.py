@@ -223,10 +223,17 @@ class SimCluster:
         decode = self._choose_decode(traj)
         req.decode_engine = decode
         self._assign(traj, decode)
+        # A small append is prefilled where the context already lives; if the decode engine
+        # has lost that context, recomputing it there would stall its batch, so it goes to a
+        # prefill engine like any other turn.
         local = (
             decode.role == "colocated"
             or not self.prefill_side
-            or (req.turn > 0 and appended < self.local_prefill_threshold)
+            or (
+                req.turn > 0
+                and appended < self.local_prefill_threshold
+                and decode.cache.peek(traj.traj_key) >= req.context - appended
+            )
         )
         req.local = local
         if local:
@@ -238,26 +245,25 @@ class SimCluster:
         req.prefill_engine = prefill
         traj.prefill_engine = prefill
         cached = prefill.cache.peek(traj.traj_key)
-        if (
-            self.config.reuse_mode == "pull"
-            and req.turn > 0
-            and cached >= traj.prev_context
-            and decode.cache.peek(traj.traj_key) >= traj.prev_context + traj.prev_output
-        ):
-            # Pull the previous turn's output KV back from the decode engine instead of
-            # prefilling it again; the prefill engine then only computes the new tokens.
-            tokens = traj.prev_output
+        on_decode = min(decode.cache.peek(traj.traj_key), req.context - 1)
+        if self.config.reuse_mode == "pull" and on_decode > cached:
+            # The decode engine holds the whole previous context (its last output included):
+            # copying the part the prefill engine lacks is far cheaper than recomputing it,
+            # and the prefill engine then only computes the new tokens.
+            tokens = on_decode - cached
             _, end = self._link_slot(decode.engine_id, tokens, decode)
-            req.prefill_left = req.context - cached - tokens
+            req.prefill_left = req.context - on_decode
             self.env.schedule(
-                end, self._pull_done, req, prefill, cached + tokens, priority=PRIORITY_ARRIVAL
+                end, self._pull_done, req, prefill, on_decode, priority=PRIORITY_ARRIVAL
             )
             return
         req.prefill_left = req.context - cached
         prefill.submit_prefill(req)
 
     def _pull_done(self, req: TurnRequest, prefill: SimEngine, cached: int) -> None:
-        prefill.cache.put(req.traj.traj_key, cached)
+        # The pulled blocks travel with the request into memory reserved at admission
+        # (not into the evictable cache, where a long queue could lose them again).
+        req.pulled = cached
         if prefill.accepting:
             prefill.submit_prefill(req)
         else:

@@ -48,7 +48,7 @@ class ClusterConfig:
         **_help("transfers out of one engine share its link (FIFO)"), default=True
     )
     reuse_mode: str = field(
-        **_help("multi-turn reuse on the prefill side: reprefill | pull"), default="reprefill"
+        **_help("multi-turn reuse on the prefill side: reprefill | pull"), default="pull"
     )
     local_prefill_threshold: int = field(
         **_help("prefill turns with fewer new tokens on their decode engine"), default=0

@@ -376,7 +376,7 @@ class SimEngine:
             else:
                 shared = cache.peek(traj.group_key) if traj.group_key else 0
                 # At least one token is always computed: the engine needs fresh logits.
-                cached = min(max(pinned, shared), footprint - 1)
+                cached = min(max(pinned, shared, req.pulled), footprint - 1)
             self.queued_prefill_tokens -= req.prefill_left
             req.cached = cached
             req.prefill_tokens = req.prefill_left = footprint - cached

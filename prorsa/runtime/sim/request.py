@@ -59,6 +59,7 @@ class TurnRequest:
         "prefill_engine",
         "prefill_left",
         "prefill_tokens",
+        "pulled",
         "queued_s",
         "recompute_tokens",
         "recomputing",
@@ -84,6 +85,7 @@ class TurnRequest:
         self.join_step = 0
         self.ctx_at_join = 0
         self.queued_s = 0.0
+        self.pulled = 0  # prefix tokens copied in from the decode engine (pull reuse)
         self.recompute_tokens = 0
         self.recomputing = False
         self.retries = 0
