@@ -1,0 +1,269 @@
+"""Kernel-table sums and the H200 profiles fitted to them.
+
+A prefill of ``n`` tokens costs, per layer, the QKV, O, gate/up and down GEMMs at
+``m = n`` plus one context-attention kernel; the lm_head runs once, for the last token.
+A decode step of ``B`` sequences costs the same GEMMs at ``m = B``, a generation-
+attention kernel per layer, and the lm_head for all ``B`` rows. Under TP the GEMMs'
+``n`` (column-parallel) or ``k`` (row-parallel) and the heads are split by ``tp``, and two
+all-reduces per layer come from the roofline's NVLink terms (the tables have none).
+The sums are GPU-kernel time only: no norms, activations, sampling or CPU scheduling,
+which is also what the published reference points in shared/data/README.md count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prorsa.errors import ConfigError
+from prorsa.runtime.sim.cost.fit import decode_grid, fit_decode, fit_prefill
+from prorsa.runtime.sim.cost.hardware import get_hardware
+from prorsa.runtime.sim.cost.kernel_tables import KernelTables, load_kernel_tables
+from prorsa.runtime.sim.cost.models import ModelArch, get_model
+from prorsa.runtime.sim.cost.profile import CostProfile
+from prorsa.runtime.sim.cost.roofline import (
+    EFFICIENCY,
+    TP_DEGREES,
+    activation_reserve_bytes,
+    fits,
+    kv_capacity_tokens,
+    tp_allreduce_time_s,
+)
+
+HARDWARE = "h200"
+# Dense prefill grid: the tables' GEMM latencies jump between neighbouring m (e.g. a slow
+# m=4096 or m=8192 measurement), so many points average the bumps out of the fit.
+PREFILL_FIT_TOKENS = tuple(range(256, 16385, 256))
+KERNEL_MODELS = ("llama-3-8b", "qwen2.5-7b", "qwen2.5-32b")  # dense; the tables hold no MoE GEMMs
+
+# shared/data/README.md: TP1, bf16, GPU kernels only; milliseconds.
+PUBLISHED_MS = {
+    "llama-3-8b": {"prefill": {2048: 38.0, 8192: 184.0}, "decode_2k": {1: 4.4, 64: 8.8, 128: 13.1}},
+    "qwen2.5-7b": {"prefill": {2048: 36.0, 8192: 149.0}, "decode_2k": {1: 4.3, 64: 6.0, 128: 8.1}},
+    "qwen2.5-32b": {
+        "prefill": {2048: 168.0, 8192: 821.0},
+        "decode_2k": {1: 17.1, 64: 26.7, 128: 34.4},
+    },
+}
+
+
+def _arch(model: str | ModelArch) -> ModelArch:
+    arch = model if isinstance(model, ModelArch) else get_model(model)
+    if arch.is_moe:
+        raise ConfigError(
+            f"the kernel tables hold no MoE (grouped expert) GEMMs, so '{arch.name}' has no "
+            "table-fitted profile",
+            hint=f"use the roofline profile, e.g. h200-{arch.name}-tp1-roofline",
+        )
+    return arch
+
+
+def _tables(tables: KernelTables | None) -> KernelTables:
+    return tables if tables is not None else load_kernel_tables()
+
+
+def _layer_gemms_s(arch: ModelArch, m: float, tp: int, tables: KernelTables) -> float:
+    return sum(count * tables.gemm_s(m, n, k) for _, n, k, count in arch.layer_gemms(tp))
+
+
+def kernel_breakdown_prefill(
+    model: str | ModelArch, tokens: float, *, tp: int = 1, tables: KernelTables | None = None
+) -> dict[str, float]:
+    """Seconds per part (gemm, attention, lm_head, allreduce) of prefilling ``tokens``."""
+    arch, t = _arch(model), _tables(tables)
+    arch.check_tp(tp)
+    n_lm, k_lm = arch.lm_head_gemm(tp)
+    heads, kv = arch.heads_per_rank(tp), arch.kv_heads_per_rank(tp)
+    return {
+        "gemm": arch.num_layers * _layer_gemms_s(arch, tokens, tp, t),
+        "attention": arch.num_layers * t.context_attention_s(heads, kv, tokens, arch.head_dim),
+        "lm_head": t.gemm_s(1, n_lm, k_lm) if tokens > 0 else 0.0,
+        "allreduce": tp_allreduce_time_s(arch, tokens, tp, get_hardware(HARDWARE)),
+    }
+
+
+def kernel_sum_prefill_s(
+    model: str | ModelArch, tokens: float, *, tp: int = 1, tables: KernelTables | None = None
+) -> float:
+    """Summed kernel time (seconds) to prefill one ``tokens``-long sequence on H200."""
+    return sum(kernel_breakdown_prefill(model, tokens, tp=tp, tables=tables).values())
+
+
+def kernel_breakdown_decode(
+    model: str | ModelArch,
+    batch: float,
+    ctx: float,
+    *,
+    tp: int = 1,
+    tables: KernelTables | None = None,
+) -> dict[str, float]:
+    """Seconds per part of one decode step of ``batch`` sequences of ``ctx`` tokens each."""
+    arch, t = _arch(model), _tables(tables)
+    arch.check_tp(tp)
+    n_lm, k_lm = arch.lm_head_gemm(tp)
+    heads, kv = arch.heads_per_rank(tp), arch.kv_heads_per_rank(tp)
+    return {
+        "gemm": arch.num_layers * _layer_gemms_s(arch, batch, tp, t),
+        "attention": arch.num_layers
+        * t.generation_attention_s(heads, kv, batch, ctx, arch.head_dim),
+        "lm_head": t.gemm_s(batch, n_lm, k_lm),
+        "allreduce": tp_allreduce_time_s(arch, batch, tp, get_hardware(HARDWARE)),
+    }
+
+
+def kernel_sum_decode_s(
+    model: str | ModelArch,
+    batch: float,
+    ctx: float,
+    *,
+    tp: int = 1,
+    tables: KernelTables | None = None,
+) -> float:
+    """Summed kernel time (seconds) of one decode step on H200 (contexts all ``ctx``)."""
+    return sum(kernel_breakdown_decode(model, batch, ctx, tp=tp, tables=tables).values())
+
+
+def weight_read_floor_s(
+    model: str | ModelArch, *, tp: int = 1, tables: KernelTables | None = None
+) -> float:
+    """Measured GEMM + lm_head time at batch 1: the weight-streaming floor of a step."""
+    parts = kernel_breakdown_decode(model, 1, 1, tp=tp, tables=tables)
+    return parts["gemm"] + parts["lm_head"]
+
+
+def profile_name(model: str, tp: int) -> str:
+    return f"{HARDWARE}-{model}-tp{tp}"
+
+
+def calibration_rows(
+    model: str, tables: KernelTables | None = None, profile: CostProfile | None = None
+) -> list[dict]:
+    """Published vs kernel-table sum (vs fitted profile, if given), in milliseconds."""
+    rows = []
+    ref = PUBLISHED_MS[model]
+    for tokens, published in ref["prefill"].items():
+        row = {"point": f"prefill {tokens}", "published_ms": published}
+        if tables is not None:
+            row["kernel_sum_ms"] = round(
+                1e3 * kernel_sum_prefill_s(model, tokens, tables=tables), 3
+            )
+        if profile is not None:
+            row["fitted_ms"] = round(1e3 * profile.prefill_time_s(tokens), 3)
+        rows.append(row)
+    for batch, published in ref["decode_2k"].items():
+        row = {"point": f"decode batch {batch} at 2048", "published_ms": published}
+        if tables is not None:
+            row["kernel_sum_ms"] = round(
+                1e3 * kernel_sum_decode_s(model, batch, 2048, tables=tables), 3
+            )
+        if profile is not None:
+            row["fitted_ms"] = round(1e3 * profile.decode_step_time_s(batch, batch * 2048), 3)
+        rows.append(row)
+    return rows
+
+
+def fit_aiconfigurator_profile(
+    model: str,
+    tp: int = 1,
+    *,
+    tables: KernelTables | None = None,
+    max_batch: int = 256,
+    max_step_tokens: int = 8192,
+) -> CostProfile:
+    """Sample the kernel sums over prefill lengths and decode (batch, context) points and
+    fit the profile's coefficients by non-negative least squares (relative residuals)."""
+    arch, t = _arch(model), _tables(tables)
+    arch.check_tp(tp)
+    hw = get_hardware(HARDWARE)
+    capacity = kv_capacity_tokens(arch, hw, tp, max_step_tokens, max_batch)
+    if not fits(arch, hw, tp, max_step_tokens, max_batch):
+        raise ConfigError(f"{model} does not fit on {tp} x {HARDWARE}")
+    prefill_samples = [
+        (n, 0, kernel_sum_prefill_s(arch, n, tp=tp, tables=t)) for n in PREFILL_FIT_TOKENS
+    ]
+    decode_samples = [
+        (b, b * ctx, kernel_sum_decode_s(arch, b, ctx, tp=tp, tables=t))
+        for b, ctx in decode_grid(max_batch, capacity)
+    ]
+    floor = weight_read_floor_s(arch, tp=tp, tables=t)
+    prefill = fit_prefill(prefill_samples)
+    decode = fit_decode(decode_samples, floor_s=floor)
+    a, b, c2 = prefill.coefficients
+    da, db, dc = decode.coefficients
+    provenance = {
+        "method": "sum of measured H200 kernel latencies (GEMMs + attention per layer, "
+        "lm_head once), sampled at prefill lengths and decode (batch, context) points, "
+        "fitted by non-negative least squares with relative residuals",
+        "kernel_tables": t.describe(),
+        "lookup_rules": "see prorsa/runtime/sim/cost/kernel_tables.py: m linear; off-grid "
+        "n/k scaled by n*k from the nearest measured shape below; attention rows "
+        "window 0, bf16 KV, 0.19.0/0.19.1 averaged, floored at their roofline (the GQA "
+        "context rows undercut the compute bound)",
+        "prefill_samples": "one sequence, no cached prefix: the tables carry no prefix "
+        "dimension, so the attention term c2 fitted at c=0 also prices cached context",
+        "prefill_fit": prefill.summary(),
+        "decode_fit": decode.summary(),
+        "decode_floor_s": "measured GEMM + lm_head time at batch 1 (weight streaming)",
+        "mixed_overhead_s": "max(prefill_base_s, decode_base_s): one pass over the weights",
+        "kv_capacity": {
+            "formula": "(hbm_bytes * gpu_memory_utilization - weights/tp - activation "
+            "reserve) / kv_bytes_per_token (roofline memory model, H200 141 GB)",
+            "weight_bytes_per_gpu": arch.weight_bytes_per_gpu(tp),
+            "activation_reserve_bytes": activation_reserve_bytes(
+                arch, tp, max_step_tokens, max_batch
+            ),
+            "gpu_memory_utilization": EFFICIENCY["gpu_memory_utilization"],
+        },
+    }
+    if tp > 1:
+        provenance["tensor_parallel"] = (
+            f"GEMM n (QKV, gate/up, lm_head) or k (O, down) and attention heads divided by "
+            f"tp={tp} before the table lookup; two all-reduces per layer added from the "
+            "roofline NVLink terms (H200 900 GB/s, efficiency "
+            f"{EFFICIENCY['nvlink_efficiency']}, {EFFICIENCY['allreduce_latency_s']} s per call)"
+        )
+    profile = CostProfile(
+        name=profile_name(arch.name, tp),
+        model=arch.name,
+        hardware=HARDWARE,
+        tp=tp,
+        prefill_base_s=a,
+        prefill_per_token_s=b,
+        prefill_attn_s_per_token2=c2,
+        decode_base_s=da,
+        decode_per_seq_s=db,
+        decode_per_ctx_token_s=dc,
+        decode_floor_s=floor,
+        mixed_overhead_s=max(a, da),
+        kv_bytes_per_token=arch.kv_bytes_per_token(tp),
+        kv_capacity_tokens=capacity,
+        max_batch=max_batch,
+        max_step_tokens=max_step_tokens,
+        source="aiconfigurator",
+        provenance=provenance,
+    )
+    if tp == 1 and arch.name in PUBLISHED_MS:
+        profile.provenance["calibration_ms"] = calibration_rows(arch.name, t, profile)
+    return profile
+
+
+def fit_aiconfigurator_profiles(
+    data_dir: str | Path | None = None,
+    out_dir: str | Path | None = None,
+    *,
+    models: tuple[str, ...] = KERNEL_MODELS,
+    tps: tuple[int, ...] = TP_DEGREES,
+) -> list[CostProfile]:
+    """Fit every (model, tp) that fits on H200; write ``<name>.json`` into ``out_dir``."""
+    tables = load_kernel_tables(str(data_dir) if data_dir else None)
+    hw = get_hardware(HARDWARE)
+    profiles = []
+    for model in models:
+        arch = _arch(model)
+        for tp in tps:
+            if not fits(arch, hw, tp):
+                continue
+            profile = fit_aiconfigurator_profile(model, tp, tables=tables)
+            if out_dir is not None:
+                profile.save(Path(out_dir) / f"{profile.name}.json")
+            profiles.append(profile)
+    return profiles
