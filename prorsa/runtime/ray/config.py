@@ -19,7 +19,10 @@ class EngineConfig:
     model: str = field(metadata={"help": "Model folder or name (loaded offline)."})
     device: str | None = field(
         default=None,
-        metadata={"help": "Torch device type; None lets vLLM pick (cuda on GPU, cpu here)."},
+        metadata={
+            "help": "Device type the engine runs on (vLLM detects its platform itself; this "
+            "only selects CPU-only settings and the NIXL buffer); None detects it."
+        },
     )
     dtype: str = field(
         default="auto",
@@ -78,11 +81,12 @@ class EngineConfig:
     cpu_threads: int = field(
         default=1, metadata={"help": "OpenMP threads per engine on CPU (OMP_NUM_THREADS)."}
     )
-    inline_worker: bool = field(
-        default=True,
+    inline_worker: bool | None = field(
+        default=None,
         metadata={
             "help": "Run the model worker inside the EngineCore process "
-            "(VLLM_ENABLE_V1_MULTIPROCESSING=0): one process fewer per engine on CPU."
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0): one process fewer per engine. "
+            "None: on CPU only (vLLM does this by itself on GPU at tensor_parallel_size 1)."
         },
     )
     seed: int = field(default=0, metadata={"help": "Engine sampling seed."})
@@ -125,15 +129,18 @@ def nixl_available() -> bool:
     return importlib.util.find_spec("nixl") is not None
 
 
-def engine_environment(config: EngineConfig, side_channel_port: int | None) -> dict[str, str]:
-    """Environment variables the engine (and its spawned EngineCore) must see before start."""
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": config.cpu_threads_bind,
-        "OMP_NUM_THREADS": str(config.cpu_threads),
-    }
-    if config.inline_worker:
+def engine_environment(
+    config: EngineConfig, side_channel_port: int | None, on_cpu: bool
+) -> dict[str, str]:
+    """Environment variables the engine (and its spawned EngineCore) must see before start.
+
+    CPU-only settings are left out on GPU so that plain ``vllm`` runs unchanged there.
+    """
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if on_cpu:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+        env["OMP_NUM_THREADS"] = str(config.cpu_threads)
+    if config.inline_worker if config.inline_worker is not None else on_cpu:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.side_channel_host

@@ -55,7 +55,8 @@ class EngineServer:
         self.side_channel_port: int | None = None
         if self.connector == "nixl":
             self.side_channel_port = config.side_channel_port or free_port(config.side_channel_host)
-        os.environ.update(engine_environment(config, self.side_channel_port))
+        self.on_cpu = (config.device or _default_device()) == "cpu"
+        os.environ.update(engine_environment(config, self.side_channel_port, self.on_cpu))
         self._llm: Any = None
         self._in_flight: dict[str, float] = {}
         self._paused = False
@@ -295,6 +296,18 @@ class EngineServer:
         if self._llm is None:
             raise ConfigError(f"engine {self.engine_id} is not started", hint="call start() first")
         return self._llm
+
+
+def _default_device() -> str:
+    """What vLLM will run on here, decided before vLLM is imported (it reads env at import)."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    xpu = getattr(torch, "xpu", None)
+    return "xpu" if xpu is not None and xpu.is_available() else "cpu"
 
 
 def _child_pids() -> list[int]:

@@ -1,0 +1,70 @@
+"""Engine configuration: connector choice, environment, KV-transfer settings, pools."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorsa.errors import ConfigError
+from prorsa.runtime.ray.config import (
+    EngineConfig,
+    engine_environment,
+    kv_transfer_config,
+    nixl_available,
+)
+from prorsa.runtime.ray.pools import Role, RolePools, parse_role
+from tests.runtime.fakes import FakeEngine
+
+
+def test_connector_choice_is_explicit():
+    auto = EngineConfig(model="m", kv_storage_dir="/tmp/kv")
+    assert auto.resolved_connector() == ("nixl" if nixl_available() else "example")
+    assert EngineConfig(model="m", connector=None).resolved_connector() is None
+    with pytest.raises(ConfigError, match="unknown connector"):
+        EngineConfig(model="m", connector="carrier-pigeon").validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="kv_storage_dir"):
+        EngineConfig(model="m", connector="example").validate()
+
+
+def test_kv_transfer_config_per_connector():
+    nixl = kv_transfer_config(EngineConfig(model="m", connector="nixl"), "cpu")
+    assert nixl == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+    }
+    assert (
+        kv_transfer_config(EngineConfig(model="m", connector="nixl"), "cuda")["kv_buffer_device"]
+        == "cuda"
+    )
+    example = kv_transfer_config(
+        EngineConfig(model="m", connector="example", kv_storage_dir="/kv"), "cpu"
+    )
+    assert example["kv_connector_extra_config"] == {"shared_storage_path": "/kv"}
+    assert kv_transfer_config(EngineConfig(model="m", connector=None), "cpu") is None
+
+
+def test_cpu_only_environment_stays_off_gpu():
+    config = EngineConfig(model="m")
+    cpu = engine_environment(config, 5601, on_cpu=True)
+    gpu = engine_environment(config, 5601, on_cpu=False)
+    assert (
+        cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+        and cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    )
+    assert not any(k.startswith("VLLM_CPU") or k == "OMP_NUM_THREADS" for k in gpu)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu
+    assert gpu["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601" and gpu["HF_HUB_OFFLINE"] == "1"
+    assert "help" not in EngineConfig.help() and EngineConfig.help()["connector"]
+
+
+def test_pools_reject_inconsistent_setup():
+    with pytest.raises(ConfigError, match="no role"):
+        RolePools([FakeEngine(0)], {})
+    with pytest.raises(ConfigError, match="used twice"):
+        RolePools([FakeEngine(0), FakeEngine(0)], {0: "decode"})
+    with pytest.raises(ConfigError, match="unknown role"):
+        RolePools([FakeEngine(0)], {0: "switching"})
+    assert parse_role("switching", serving=False) is Role.SWITCHING
+    pools = RolePools([FakeEngine(0), FakeEngine(1)], {0: "prefill", 1: "decode"})
+    pools.mark_dead(1)
+    assert pools.counts() == {"prefill": 1, "decode": 0, "colocated": 0, "switching": 0, "dead": 1}
