@@ -54,16 +54,17 @@ def profile_summary(name: str) -> dict:
 def list_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """List the registered cost profiles."""
-    from prorsa.runtime.sim.cost import list_profiles
+    """List the registered cost profiles (name, source, model, GPU, TP, KV capacity)."""
+    from prorsa.runtime.sim.cost import get_profile, list_profiles
 
     names = list_profiles()
     if as_json:
         print_json(names)
         return
-    table = Table("profile", "source")
+    table = Table("profile", "source", "model", "GPU", "TP", "KV tokens")
     for name in names:
-        table.add_row(name, "roofline" if name.endswith("-roofline") else "kernel tables / JSON")
+        p = get_profile(name)
+        table.add_row(name, p.source, p.model, p.hardware, str(p.tp), f"{p.kv_capacity_tokens:,}")
     console.print(table)
 
 
