@@ -1,0 +1,164 @@
+"""Model-predictive control: plan integer allocations over several forecast steps,
+with explicit switch cost and drain time, solved exactly by dynamic programming."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prorsa.errors import ConfigError
+from prorsa.policy.base import POLICIES, ClusterSpec, Policy
+from prorsa.policy.demand import Sizing, current_load, kv_capacity_per_slot
+from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+
+
+@POLICIES.register("mpc")
+class MPCPolicy(Policy):
+    """Receding-horizon plan over the forecaster's horizons.
+
+    The forecast's horizons ``h_1 < ... < h_K`` cut the future into intervals. In interval
+    ``k`` prefill needs ``r_p[k]`` slots (tokens arriving in it, plus the backlog in the
+    first) and decode ``r_d[k]`` slots (forecast sequences and KV). With ``x`` prefill
+    slots the interval's cost is the slot-seconds of demand left unserved,
+    ``w_p * max(r_p - x_eff, 0) + w_d * max(r_d - (N - x)_eff, 0)`` times its length,
+    where slots that switch in this interval serve nothing for ``switch_latency + drain_s``;
+    each switched slot also costs ``switch_cost_s``. The stage cost depends only on
+    ``(x_prev, x)``, so dynamic programming over ``x`` finds the exact optimum of this
+    model; the first interval's allocation is applied and the plan is redone next tick.
+
+    Args:
+        drain_s: expected time a switching slot spends draining its old work.
+        switch_cost_s: extra penalty per switched slot (slot-seconds), beyond lost service.
+        prefill_weight / decode_weight: relative cost of a short slot-second per side.
+        max_step: at most this many slots change in one interval (0: unlimited).
+        quantile: plan on this demand quantile when available (None: point forecast).
+        prefill_fraction: split used until the first forecast arrives.
+        local_prefill_threshold: if set, applied on every tick.
+    """
+
+    needs_forecast = True
+
+    def __init__(
+        self,
+        drain_s: float = 2.0,
+        switch_cost_s: float = 1.0,
+        prefill_weight: float = 1.0,
+        decode_weight: float = 1.0,
+        max_step: int = 0,
+        quantile: float | None = 0.9,
+        prefill_fraction: float = 0.25,
+        local_prefill_threshold: int | None = None,
+        target_batch_per_gpu: float = 64.0,
+        kv_target_fraction: float = 0.85,
+        prefill_target_util: float = 0.8,
+    ) -> None:
+        self.drain_s = drain_s
+        self.switch_cost_s = switch_cost_s
+        self.prefill_weight = prefill_weight
+        self.decode_weight = decode_weight
+        self.max_step = max_step
+        self.quantile = quantile
+        self.prefill_fraction = prefill_fraction
+        self.local_prefill_threshold = local_prefill_threshold
+        self.target_batch_per_gpu = target_batch_per_gpu
+        self.kv_target_fraction = kv_target_fraction
+        self.prefill_target_util = prefill_target_util
+
+    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
+        super().reset(cluster, seed)
+        if min(self.drain_s, self.switch_cost_s, self.prefill_weight, self.decode_weight) < 0:
+            raise ConfigError("mpc: drain_s, switch_cost_s and weights must be >= 0")
+        if self.max_step < 0:
+            raise ConfigError("mpc: max_step must be >= 0")
+        if cluster.num_slots < 2:
+            raise ConfigError("mpc: needs at least two slots")
+        self.sizing_ = Sizing(
+            self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
+        )
+        self.last_plan_: list[int] = []
+
+    def requirements(
+        self, obs: ClusterObservation, forecast: Forecast
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Interval lengths and the prefill / decode slots each interval needs."""
+        spec, sizing = self.cluster_, self.sizing_
+        horizons = np.asarray(forecast.horizons_s, dtype=float)
+        if len(horizons) == 0 or (horizons <= 0).any() or (np.diff(horizons) <= 0).any():
+            raise ConfigError("mpc: forecast horizons must be positive and increasing")
+        q = self.quantile if self.quantile in forecast.quantiles else None
+        table = forecast.quantiles[q] if q is not None else forecast.point
+        load = current_load(obs)
+        lengths = np.diff(np.concatenate([[0.0], horizons]))
+        arriving = np.diff(np.concatenate([[0.0], np.maximum.accumulate(table["prefill_tokens"])]))
+        backlog = np.zeros_like(lengths)
+        backlog[0] = load.prefill_backlog_tokens
+        per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * sizing.prefill_target_util
+        need_p = (arriving + backlog) / lengths / per_slot
+        seqs = np.maximum(np.asarray(table["decode_sequences"], dtype=float), 0.0)
+        kv = np.maximum(np.asarray(table["decode_kv_tokens"], dtype=float), 0.0)
+        seqs[0] = max(seqs[0], load.decode_sequences)
+        kv[0] = max(kv[0], load.decode_kv_tokens)
+        cap = kv_capacity_per_slot(obs)
+        need_d = np.array(
+            [sizing.decode_slots_needed(spec, s, k, cap) for s, k in zip(seqs, kv, strict=True)]
+        )
+        return lengths, need_p, need_d
+
+    def plan(
+        self, current: int, lengths: np.ndarray, need_p: np.ndarray, need_d: np.ndarray
+    ) -> list[int]:
+        """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan."""
+        n = self.cluster_.num_slots
+        xs = np.arange(1, n)  # candidate prefill slots
+        blocked = self.cluster_.switch_latency_s + self.drain_s
+        moved = np.abs(xs[None, :] - xs[:, None])  # [prev, next]
+        allowed = moved <= (self.max_step or n)
+        cost = np.full(len(xs), np.inf)
+        cost[current - 1] = 0.0
+        choice: list[np.ndarray] = []
+        for k, length in enumerate(lengths):
+            # Slots entering a role serve nothing for `blocked` seconds of this interval.
+            lost = np.minimum(blocked, length) / length
+            gained_p = np.maximum(xs[None, :] - xs[:, None], 0)
+            gained_d = np.maximum(xs[:, None] - xs[None, :], 0)
+            eff_p = xs[None, :] - lost * gained_p
+            eff_d = (n - xs[None, :]) - lost * gained_d
+            short = self.prefill_weight * np.maximum(need_p[k] - eff_p, 0.0)
+            short = short + self.decode_weight * np.maximum(need_d[k] - eff_d, 0.0)
+            stage = short * length + self.switch_cost_s * moved
+            total = np.where(allowed, cost[:, None] + stage, np.inf)
+            best_prev = np.argmin(total, axis=0)
+            cost = total[best_prev, np.arange(len(xs))]
+            choice.append(best_prev)
+        path = [int(np.argmin(cost))]
+        for back in reversed(choice[1:]):
+            path.append(int(back[path[-1]]))
+        return [int(xs[i]) for i in reversed(path)]
+
+    def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
+        slots = self.cluster_.num_slots
+        current = current_load(obs).prefill_slots
+        if forecast is None or current == 0:
+            start = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
+            return self._alloc(current or start, "mpc: no forecast yet")
+        current = min(max(current, 1), slots - 1)
+        lengths, need_p, need_d = self.requirements(obs, forecast)
+        self.last_plan_ = self.plan(current, lengths, need_p, need_d)
+        target = self.last_plan_[0]
+        return self._alloc(target, f"mpc: plan {self.last_plan_}")
+
+    def _alloc(self, prefill_slots: int, reason: str) -> Allocation:
+        size = self.cluster_.slot_gpus
+        decode = (self.cluster_.num_slots - prefill_slots) * size
+        return Allocation(
+            gpus={"prefill": prefill_slots * size, "decode": decode},
+            local_prefill_threshold=self.local_prefill_threshold,
+            reason=reason,
+        )
+
+
+@POLICIES.register("oracle")
+class OraclePolicy(MPCPolicy):
+    """MPC fed the oracle forecaster (simulation only): the upper bound of prediction."""
+
+    #: The forecaster this policy must run with.
+    forecaster_name = "oracle"

@@ -1,0 +1,76 @@
+"""Reactive autoscaling on queue length and KV use with hysteresis (the reference
+autoscalers' approach: act on what is already queued, one slot at a time)."""
+
+from __future__ import annotations
+
+from prorsa.errors import ConfigError
+from prorsa.policy.base import POLICIES, ClusterSpec, Policy
+from prorsa.policy.demand import current_load
+from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+
+
+@POLICIES.register("threshold")
+class ThresholdPolicy(Policy):
+    """Move one slot toward the side whose queue or memory crossed its threshold.
+
+    Args:
+        prefill_fraction: starting share of prefill slots.
+        prefill_wait_high_s / prefill_wait_low_s: expected prefill queue wait (backlog over
+            prefill throughput) above which prefill grows, below which it may shrink.
+        kv_high: decode-side KV use above which decode grows.
+        batch_high: decode sequences per decode GPU above which decode grows.
+    """
+
+    def __init__(
+        self,
+        prefill_fraction: float = 0.25,
+        prefill_wait_high_s: float = 1.0,
+        prefill_wait_low_s: float = 0.1,
+        kv_high: float = 0.85,
+        batch_high: float = 96.0,
+    ) -> None:
+        self.prefill_fraction = prefill_fraction
+        self.prefill_wait_high_s = prefill_wait_high_s
+        self.prefill_wait_low_s = prefill_wait_low_s
+        self.kv_high = kv_high
+        self.batch_high = batch_high
+
+    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
+        super().reset(cluster, seed)
+        if not 0 < self.prefill_fraction < 1:
+            raise ConfigError("threshold: prefill_fraction must be in (0, 1)")
+        if not 0 <= self.prefill_wait_low_s < self.prefill_wait_high_s:
+            raise ConfigError("threshold: need 0 <= prefill_wait_low_s < prefill_wait_high_s")
+        if not 0 < self.kv_high <= 1:
+            raise ConfigError("threshold: kv_high must be in (0, 1]")
+        if cluster.num_slots < 2:
+            raise ConfigError("threshold: needs at least two slots")
+        self.started_ = False
+
+    def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
+        spec = self.cluster_
+        slots, size = spec.num_slots, spec.slot_gpus
+        load = current_load(obs)
+        prefill = load.prefill_slots
+        if not self.started_ or prefill == 0:
+            self.started_ = True
+            prefill = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
+            return self._alloc(prefill, "threshold: initial split")
+        per_slot = spec.prefill_tokens_per_s_per_gpu * size
+        wait_s = load.prefill_backlog_tokens / max(prefill * per_slot, 1e-9)
+        decode_views = [s for s in obs.slots if s.role == "decode"]
+        kv_used = sum(s.kv_used_tokens for s in decode_views)
+        kv_cap = sum(s.kv_capacity_tokens for s in decode_views) or 1
+        kv_use = kv_used / kv_cap
+        batch = load.decode_sequences / max(load.decode_slots * size, 1)
+        decode_hot = kv_use > self.kv_high or batch > self.batch_high
+        if wait_s > self.prefill_wait_high_s and not decode_hot and prefill < slots - 1:
+            return self._alloc(prefill + 1, f"threshold: prefill wait {wait_s:.2f}s")
+        if wait_s < self.prefill_wait_low_s and decode_hot and prefill > 1:
+            return self._alloc(prefill - 1, f"threshold: decode kv {kv_use:.0%} batch {batch:.0f}")
+        return self._alloc(prefill, "threshold: hold")
+
+    def _alloc(self, prefill_slots: int, reason: str) -> Allocation:
+        size = self.cluster_.slot_gpus
+        decode = (self.cluster_.num_slots - prefill_slots) * size
+        return Allocation(gpus={"prefill": prefill_slots * size, "decode": decode}, reason=reason)
