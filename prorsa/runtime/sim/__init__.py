@@ -1,1 +1,1 @@
-"""Discrete-event simulator of a prefill/decode-disaggregated rollout cluster, and its cost models."""
+"""Discrete-event simulator of a disaggregated rollout cluster, and its cost models."""
