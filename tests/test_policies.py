@@ -1,0 +1,159 @@
+"""One conformance test for every registered policy, plus hand-made situations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from prorsa.errors import ConfigError
+from prorsa.policy import POLICIES, Allocation, make_policy
+from prorsa.policy.best_static import search_best_static
+from prorsa.runtime.controller import plan_switches, roles_for_allocation
+from tests.policy_helpers import forecast, observation, spec
+
+PARAMS = {"best-static": {"prefill_gpus": 2}}
+ROLES8 = ["prefill"] * 2 + ["decode"] * 6
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_policy_conformance(name):
+    policy = make_policy(name, **PARAMS.get(name, {}))
+    cluster = spec(8)
+    policy.reset(cluster, seed=0)
+    cases = [
+        (observation(0.0, ["colocated"] * 8), None),
+        (observation(5.0, ROLES8, prefill_queue=400_000), forecast(5.0, 150_000.0)),
+        (
+            observation(6.0, ROLES8, decoding=900, decode_kv=5_500_000),
+            forecast(6.0, 1_000.0, decoding=900, kv=5_500_000),
+        ),
+        (observation(7.0, ROLES8), forecast(7.0, 20_000.0)),
+    ]
+    decisions = []
+    for obs, fc in cases:
+        frozen = copy.deepcopy((obs, fc))
+        alloc = policy.decide(obs, fc if policy.needs_forecast else None)
+        assert isinstance(alloc, Allocation)
+        assert repr((obs, fc)) == repr(frozen), "decide must not mutate its inputs"
+        roles = roles_for_allocation(alloc, 8, 1) if alloc.gpus else None
+        if alloc.gpus is not None:
+            assert sum(alloc.gpus.values()) == cluster.total_gpus
+            assert alloc.gpus.get("decode", 0) + alloc.gpus.get("colocated", 0) >= 1
+            assert len(roles) == 8
+        decisions.append(alloc)
+    # Pure and deterministic: a fresh policy on the same inputs decides the same.
+    again = make_policy(name, **PARAMS.get(name, {}))
+    again.reset(cluster, seed=0)
+    replay = [again.decide(o, f if again.needs_forecast else None) for o, f in cases]
+    assert [d.gpus for d in replay] == [d.gpus for d in decisions]
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("static", {"prefill_fraction": 1.5}),
+        ("static", {"prefill_gpus": 3, "prefill_fraction": 0.5}),  # 3 of 8 fine; 9 is not
+        ("threshold", {"prefill_wait_low_s": 2.0, "prefill_wait_high_s": 1.0}),
+        ("predictive", {"horizon_s": 0}),
+        ("mpc", {"drain_s": -1}),
+        ("best-static", {}),
+    ],
+)
+def test_bad_parameters_are_rejected(name, params):
+    policy = make_policy(name, **params)
+    if params == {"prefill_gpus": 3, "prefill_fraction": 0.5}:
+        policy = make_policy(name, prefill_gpus=9)
+    with pytest.raises(ConfigError):
+        policy.reset(spec(8))
+
+
+def test_unknown_policy_lists_choices():
+    with pytest.raises(ConfigError) as info:
+        make_policy("clairvoyant")
+    assert "predictive" in info.value.hint
+
+
+def _first_switch_to_prefill(policy, timeline):
+    policy.reset(spec(8), seed=0)
+    roles = list(ROLES8)
+    for t, queue, rate in timeline:
+        alloc = policy.decide(
+            observation(t, roles, prefill_queue=queue),
+            forecast(t, rate) if policy.needs_forecast else None,
+        )
+        if alloc.gpus["prefill"] > 2:
+            return t
+    return None
+
+
+def test_prefill_burst_moves_predictive_before_threshold():
+    # A burst of prefill arrives at t=20; the forecast sees it coming from t=15 (5 s
+    # ahead); the queue only builds once it has arrived.
+    timeline = []
+    for t in range(1, 40):
+        queue = 600_000 if t >= 20 else 0
+        rate = 150_000.0 if t >= 15 else 10_000.0
+        timeline.append((float(t), queue, rate))
+    predictive = _first_switch_to_prefill(make_policy("predictive"), timeline)
+    threshold = _first_switch_to_prefill(make_policy("threshold"), timeline)
+    mpc = _first_switch_to_prefill(make_policy("mpc"), timeline)
+    assert predictive is not None and threshold is not None and mpc is not None
+    assert predictive < 20 <= threshold
+    assert mpc < 20
+
+
+def test_predictive_holds_when_gain_is_below_switch_cost():
+    policy = make_policy("predictive", min_gain=0.5)
+    policy.reset(spec(8))
+    alloc = policy.decide(observation(1.0, ROLES8), forecast(1.0, 40_000.0))
+    assert alloc.gpus["prefill"] == 2 and "hold" in alloc.reason or "balanced" in alloc.reason
+
+
+def test_mpc_dp_matches_brute_force():
+    import itertools
+
+    import numpy as np
+
+    policy = make_policy("mpc", drain_s=1.0, switch_cost_s=0.5)
+    policy.reset(spec(6))
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        lengths = np.array([1.0, 1.0, 3.0, 5.0])
+        need_p = rng.uniform(0, 5, 4)
+        need_d = rng.uniform(0, 5, 4)
+        plan = policy.plan(2, lengths, need_p, need_d)
+
+        def cost(path):
+            total, prev = 0.0, 2
+            for k, x in enumerate(path):
+                lost = min(2.0 + 1.0, lengths[k]) / lengths[k]
+                eff_p = x - lost * max(x - prev, 0)
+                eff_d = (6 - x) - lost * max(prev - x, 0)
+                short = max(need_p[k] - eff_p, 0) + max(need_d[k] - eff_d, 0)
+                total += short * lengths[k] + 0.5 * abs(x - prev)
+                prev = x
+            return total
+
+        best = min(itertools.product(range(1, 6), repeat=4), key=cost)
+        assert cost(plan) == pytest.approx(cost(best))
+
+
+def test_best_static_search_finds_the_minimum():
+    curve = {x: (x - 5) ** 2 + 3 for x in range(1, 32)}
+    best, seen = search_best_static(curve.__getitem__, 32)
+    assert best == 5 and len(seen) < 31
+    best, seen = search_best_static(curve.__getitem__, 8)
+    assert best == 5 and len(seen) == 7
+
+
+def test_controller_plan_never_touches_switching_or_dwelling_slots():
+    obs = observation(
+        10.0, ["prefill", "decode", "decode", "decode"], since=8.0, switching={1: "prefill"}
+    )
+    alloc = Allocation(gpus={"prefill": 3, "decode": 1})
+    # slot 1 already heading to prefill counts toward the target; the others dwell.
+    assert plan_switches(obs, alloc, min_dwell_s=5.0) == []
+    orders = plan_switches(obs, alloc, min_dwell_s=1.0)
+    assert orders and all(sid != 1 for sid, _ in orders)
+    assert len(orders) == 1  # 1 + 1 switching already = 2; one more reaches 3
