@@ -107,7 +107,7 @@ def test_predictive_holds_when_gain_is_below_switch_cost():
     policy = make_policy("predictive", min_gain=0.5)
     policy.reset(spec(8))
     alloc = policy.decide(observation(1.0, ROLES8), forecast(1.0, 40_000.0))
-    assert alloc.gpus["prefill"] == 2 and "hold" in alloc.reason or "balanced" in alloc.reason
+    assert (alloc.gpus["prefill"] == 2 and "hold" in alloc.reason) or "balanced" in alloc.reason
 
 
 def test_mpc_dp_matches_brute_force():
@@ -124,7 +124,7 @@ def test_mpc_dp_matches_brute_force():
         need_d = rng.uniform(0, 5, 4)
         plan = policy.plan(2, lengths, need_p, need_d)
 
-        def cost(path):
+        def cost(path, lengths=lengths, need_p=need_p, need_d=need_d):
             total, prev = 0.0, 2
             for k, x in enumerate(path):
                 lost = min(2.0 + 1.0, lengths[k]) / lengths[k]
