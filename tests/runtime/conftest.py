@@ -37,3 +37,27 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+        _assert_no_leftovers()
+
+
+def _assert_no_leftovers(timeout_s: float = 15.0) -> None:
+    """After shutdown no Ray or vLLM process started by this session may survive."""
+    import time
+
+    import psutil
+
+    def leftovers() -> list[str]:
+        out = []
+        for child in psutil.Process().children(recursive=True):
+            try:
+                cmd = " ".join(child.cmdline())
+                if child.status() != psutil.STATUS_ZOMBIE and ("ray" in cmd or "vllm" in cmd):
+                    out.append(f"{child.pid}: {cmd[:120]}")
+            except psutil.NoSuchProcess:
+                continue
+        return out
+
+    deadline = time.monotonic() + timeout_s
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leftovers(), f"processes left after ray.shutdown(): {leftovers()}"

@@ -77,8 +77,10 @@ class PDRouter:
         self.config.validate()
         self.events = EventSink(recorder, clock)
         self.switcher = RoleSwitcher(pools, self.events, self.config)
-        self._sticky: dict[tuple[str, Role], int] = {}
-        self._resident: dict[tuple[str, int], tuple[int, int]] = {}  # (len, hash) of context
+        # Per trajectory: its engine per role, and per engine the (length, hash) of the
+        # context that engine last held for it (to estimate the next turn's new tokens).
+        self._sticky: dict[str, dict[Role, int]] = {}
+        self._resident: dict[str, dict[int, tuple[int, int]]] = {}
         self._live: dict[str, tuple[str, int]] = {}  # trajectory -> (state, context tokens)
         self._ids = itertools.count()
         self._background: set[asyncio.Task] = set()
@@ -120,10 +122,8 @@ class PDRouter:
     def forget(self, trajectory_id: str) -> None:
         """Drop a finished trajectory's sticky engines, cache bookkeeping and live state."""
         self._live.pop(trajectory_id, None)
-        for key in [k for k in self._sticky if k[0] == trajectory_id]:
-            del self._sticky[key]
-        for key in [k for k in self._resident if k[0] == trajectory_id]:
-            del self._resident[key]
+        self._sticky.pop(trajectory_id, None)
+        self._resident.pop(trajectory_id, None)
 
     async def generate(self, request: TurnRequest) -> TurnResult:
         """Serve one turn; retries on engine failure and re-routes after evictions.
@@ -217,7 +217,7 @@ class PDRouter:
                 )
         for engine, role in ((plan.decode, plan.decode.role), (plan.prefill, Role.PREFILL)):
             if engine is not None:
-                self._sticky[(request.trajectory_id, role)] = engine.engine_id
+                self._stick(request.trajectory_id, role, engine)
         return plan
 
     def _choose(self, request: TurnRequest) -> _Plan | None:
@@ -243,7 +243,7 @@ class PDRouter:
         return _Plan("disaggregated", decode, prefill, self._new_tokens(request, prefill))
 
     def _sticky_engine(self, traj: str, role: Role) -> EngineState | None:
-        engine_id = self._sticky.get((traj, role))
+        engine_id = self._sticky.get(traj, {}).get(role)
         if engine_id is None:
             return None
         engine = self.pools.get(engine_id)
@@ -258,7 +258,7 @@ class PDRouter:
     def _new_tokens(self, request: TurnRequest, engine: EngineState) -> int:
         """Tokens of this turn the engine has not seen (from its last turn of this trajectory)."""
         prompt = request.prompt_token_ids
-        seen = self._resident.get((request.trajectory_id, engine.engine_id))
+        seen = self._resident.get(request.trajectory_id, {}).get(engine.engine_id)
         if (
             seen is not None
             and seen[0] <= len(prompt)
@@ -268,7 +268,10 @@ class PDRouter:
         return len(prompt)
 
     def _remember(self, traj: str, engine: EngineState, tokens: list[int]) -> None:
-        self._resident[(traj, engine.engine_id)] = (len(tokens), hash(tuple(tokens)))
+        self._resident.setdefault(traj, {})[engine.engine_id] = (len(tokens), hash(tuple(tokens)))
+
+    def _stick(self, traj: str, role: Role, engine: EngineState) -> None:
+        self._sticky.setdefault(traj, {})[role] = engine.engine_id
 
     # ------------------------------------------------------------------ serving
     async def _serve(
@@ -414,7 +417,7 @@ class PDRouter:
                 f"no decode engine for {traj!r} turn {request.turn} within "
                 f"{self.config.route_timeout_s} s; engines per role: {self.pools.counts()}"
             )
-        self._sticky[(traj, Role.DECODE)] = engine.engine_id
+        self._stick(traj, Role.DECODE, engine)
         return engine
 
     async def _stream(
