@@ -9,6 +9,7 @@ from prorsa.cli import profile as profile_cli
 from prorsa.cli import traces as traces_cli
 from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
+from prorsa.cli.compare import compare_cmd, demo_cmd, policies_cmd
 from prorsa.cli.simulate import simulate_cmd
 
 app = typer.Typer(
@@ -29,6 +30,9 @@ app.add_typer(profile_cli.app, name="profile", help="List, inspect and refit eng
 app.add_typer(workload_cli.app, name="workload", help="Fit, inspect and sample task profiles.")
 app.add_typer(models_cli.app, name="models", help="Make small local models for tests and demos.")
 app.command("simulate")(simulate_cmd)
+app.command("compare")(compare_cmd)
+app.command("demo")(demo_cmd)
+app.command("policies")(policies_cmd)
 
 
 def main() -> None:

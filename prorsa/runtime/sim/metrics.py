@@ -20,13 +20,19 @@ def _pct(values: pd.Series | np.ndarray, q: float) -> float | None:
     return float(np.percentile(arr, q)) if len(arr) else None
 
 
-def role_gpu_seconds(cluster: SimCluster, end_s: float) -> dict[str, float]:
-    """GPU-seconds each role (and switching) held over ``[0, end_s]``."""
-    out = dict.fromkeys((*ROLES, SWITCHING), 0.0)
+def role_intervals(cluster: SimCluster, end_s: float):
+    """``(start_s, end_s, role, gpus)`` for every stretch a slot spent in one role."""
     for slot in cluster.slots:
         marks = [*slot.history, (end_s, None)]
         for (t0, role), (t1, _) in itertools.pairwise(marks):
-            out[role] += max(min(t1, end_s) - t0, 0.0) * slot.gpus
+            yield t0, min(t1, end_s), role, slot.gpus
+
+
+def role_gpu_seconds(cluster: SimCluster, end_s: float) -> dict[str, float]:
+    """GPU-seconds each role (and switching) held over ``[0, end_s]``."""
+    out = dict.fromkeys((*ROLES, SWITCHING), 0.0)
+    for t0, t1, role, gpus in role_intervals(cluster, end_s):
+        out[role] += max(t1 - t0, 0.0) * gpus
     return out
 
 

@@ -126,15 +126,20 @@ class RunRequest:
     run_id: str = "sim"
 
 
-def simulate(request: RunRequest, *, progress=None, forecaster_obj=None) -> SimulationResult:
-    """Run one simulation described by ``request``."""
+def simulate(
+    request: RunRequest, *, progress=None, forecaster_obj=None, keep_forecasts: bool = False
+) -> SimulationResult:
+    """Run one simulation described by ``request`` (``keep_forecasts``: store each tick's
+    forecast in the decisions, for plots)."""
     driver = build_driver(request.work)
     policy = make_policy(request.policy, **request.policy_params)
     forecaster = forecaster_obj
-    if forecaster is None and request.forecaster is not None:
+    # Some policies are defined by their forecaster (the oracle policy is MPC + oracle).
+    name = getattr(policy, "forecaster_name", None) or request.forecaster
+    if forecaster is None and name is not None and (policy.needs_forecast or request.forecaster):
         from prorsa.forecast.provider import make_provider
 
-        forecaster = make_provider(request.forecaster)
+        forecaster = make_provider(name)
     sim = Simulation(
         request.cluster,
         policy,
@@ -145,5 +150,6 @@ def simulate(request: RunRequest, *, progress=None, forecaster_obj=None) -> Simu
         seed=request.work.seed,
         run_id=request.run_id,
         record=request.record,
+        keep_forecasts=keep_forecasts,
     )
     return sim.run(progress=progress)

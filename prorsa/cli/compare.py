@@ -1,0 +1,200 @@
+"""``prorsa compare`` and ``prorsa demo``: which allocation policy finishes the rollout
+soonest, and by how much over colocation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.cli.simulate import parse_params
+from prorsa.errors import ConfigError
+
+DEMO_POLICIES = "colocate,best-static,threshold,predictive,mpc,oracle"
+
+
+def _policy_params(items: list[str]) -> dict[str, dict]:
+    """``policy.key=value`` items grouped by policy."""
+    out: dict[str, dict] = {}
+    for item in items:
+        head, _, value = item.partition("=")
+        policy, dot, key = head.partition(".")
+        if not dot or not value:
+            raise ConfigError(f"--param '{item}' must look like policy.key=value")
+        out.setdefault(policy, {}).update(parse_params([f"{key}={value}"]))
+    return out
+
+
+def run_and_report(cfg, out: Path, *, as_json: bool, mlflow_uri: str | None, title: str) -> dict:
+    from dataclasses import asdict
+
+    from prorsa.experiments.compare import run_compare
+    from prorsa.experiments.report import write_report
+
+    with Progress(
+        TextColumn("[bold]simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=as_json,
+    ) as bar:
+        task = bar.add_task("runs", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        result = run_compare(cfg, progress=progress)
+    config = asdict(cfg)
+    report = write_report(result, out, title=title, config=config)
+    if mlflow_uri:
+        from prorsa.tracking import log_compare
+
+        log_compare(result, config, out, mlflow_uri)
+    if as_json:
+        print_json({"summary": result["summary"], "best_static": result["best_static"]})
+    else:
+        for workload, mode in sorted({(r["workload"], r["mode"]) for r in result["summary"]}):
+            console.print(
+                _table(
+                    [
+                        r
+                        for r in result["summary"]
+                        if (r["workload"], r["mode"]) == (workload, mode)
+                    ],
+                    f"{workload} — {mode}",
+                )
+            )
+        console.print(f"report: {report}")
+    return result
+
+
+def _table(rows: list[dict], title: str) -> Table:
+    from prorsa.experiments.report import COLORS
+
+    table = Table(title=title)
+    for col in (
+        "policy",
+        "makespan s / traj/h",
+        "speedup (95% CI)",
+        "p99 completion s",
+        "switches",
+        "busy P / D / C",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in sorted(
+        rows, key=lambda r: list(COLORS).index(r["policy"]) if r["policy"] in COLORS else 99
+    ):
+        value = (
+            f"{r['makespan_s']:,.1f}"
+            if r["mode"] == "sync"
+            else f"{r['throughput_traj_per_hour']:,.0f}"
+        )
+        ci = r["speedup_ci95"]
+        speed = f"{r['speedup']:.3f}x" + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
+        busy = " / ".join(
+            "-" if r["busy_fraction"][k] is None else f"{r['busy_fraction'][k]:.0%}"
+            for k in ("prefill", "decode", "colocated")
+        )
+        p99 = "-" if r["completion_s_p99"] is None else f"{r['completion_s_p99']:,.1f}"
+        table.add_row(r["policy"], value, speed, p99, f"{r['switches']:.1f}", busy)
+    return table
+
+
+@friendly_errors
+def compare_cmd(
+    scenario: str = typer.Option("mixed", help="scenario(s), comma-separated"),
+    trace: list[Path] = typer.Option([], help="replay imported trace(s) instead (repeatable)"),
+    policies: str = typer.Option(
+        DEMO_POLICIES, help="policies, comma-separated (colocate required)"
+    ),
+    engines: int = typer.Option(32, help="engine slots (GPUs at TP1)"),
+    profile: str = typer.Option("h200-qwen2.5-7b-tp1", help="cost profile"),
+    seeds: int = typer.Option(3, help="seeds per cell (speedup CI over seeds)"),
+    mode: str = typer.Option("sync", help="sync, async, or sync,async"),
+    trajectories: int = typer.Option(1024, help="per sync step, or in total (async)"),
+    in_flight: int = typer.Option(256, help="async: trajectories kept in flight"),
+    forecaster: str = typer.Option("lightgbm-trajectory", help="forecaster for predictive and mpc"),
+    param: list[str] = typer.Option([], "--param", help="policy.key=value (repeatable)"),
+    local_prefill_threshold: int = typer.Option(
+        0, help="prefill smaller turns on the decode engine"
+    ),
+    workers: int = typer.Option(0, help="parallel processes (0: one per CPU)"),
+    out: Path = typer.Option(Path("out/compare"), help="output directory"),
+    mlflow: str | None = typer.Option(
+        None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Compare allocation policies on workloads; writes results.json, report.md and plots."""
+    from prorsa.experiments.compare import CompareConfig
+
+    workloads = [(None, str(t)) for t in trace] or [
+        (s.strip(), None) for s in scenario.split(",") if s.strip()
+    ]
+    cfg = CompareConfig(
+        workloads=workloads,
+        policies=[p.strip() for p in policies.split(",") if p.strip()],
+        modes=[m.strip() for m in mode.split(",") if m.strip()],
+        seeds=seeds,
+        engines=engines,
+        profile=profile,
+        trajectories=trajectories,
+        max_in_flight=in_flight,
+        forecaster=forecaster,
+        policy_params=_policy_params(param),
+        cluster_overrides={"local_prefill_threshold": local_prefill_threshold},
+        workers=workers,
+    )
+    run_and_report(
+        cfg,
+        out,
+        as_json=as_json,
+        mlflow_uri=mlflow or os.environ.get("MLFLOW_TRACKING_URI"),
+        title="prorsa compare",
+    )
+
+
+@friendly_errors
+def demo_cmd(
+    out: Path = typer.Option(Path("out/demo"), help="output directory"),
+    seeds: int = typer.Option(2, help="seeds per cell"),
+) -> None:
+    """The main job on the embedded default: mixed and swe scenarios, H200 Qwen2.5-7B,
+    32 engines, every policy, sync and async."""
+    from prorsa.experiments.compare import CompareConfig
+
+    cfg = CompareConfig(
+        workloads=[("mixed", None), ("swe", None)],
+        policies=DEMO_POLICIES.split(","),
+        modes=["sync", "async"],
+        seeds=seeds,
+        engines=32,
+        profile="h200-qwen2.5-7b-tp1",
+        trajectories=1024,
+        max_in_flight=512,
+    )
+    console.print(
+        "[bold]prorsa demo[/]: mixed + swe on 32 simulated H200s (Qwen2.5-7B), sync and async"
+    )
+    run_and_report(
+        cfg,
+        out,
+        as_json=False,
+        mlflow_uri=os.environ.get("MLFLOW_TRACKING_URI"),
+        title="prorsa demo: allocation policies vs colocation",
+    )
+
+
+def policies_cmd() -> None:
+    """List the registered allocation policies."""
+    from prorsa.policy import POLICIES
+
+    for name in POLICIES.names():
+        doc = (POLICIES.get(name).__doc__ or "").strip().splitlines()[0]
+        console.print(f"[bold]{name}[/]  {doc}")

@@ -1,0 +1,1 @@
+"""Experiments built on the simulator: policy comparison and its report."""
