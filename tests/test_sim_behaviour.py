@@ -168,3 +168,34 @@ def test_bad_configs_have_clear_errors():
         ClusterConfig(reuse_mode="teleport").validate()
     with pytest.raises(ConfigError, match="at least one"):
         SyncDriver([])
+
+
+def _decode_end(result, traj):
+    from prorsa.telemetry.views import turn_table
+
+    t = turn_table(result.telemetry)
+    return float(t.loc[t.trajectory_id == traj, "decode_end"].iloc[0])
+
+
+def test_dp_attention_prefill_stalls_decode_on_every_rank():
+    from prorsa.workload.spec import TrajectorySpec
+    from tests.sim_helpers import arrivals
+
+    a = TrajectorySpec("a", [100], [300], [0.0])
+    b = TrajectorySpec("b", [100], [300], [0.0])
+    c = TrajectorySpec("c", [6000], [1], [0.0])
+    p = profile(max_step_tokens=2048)
+    dp = dict(
+        slots=1, prof=p, dp_attention_ranks=2, role_tp={"prefill": 2, "decode": 1, "colocated": 1}
+    )
+    separate = dict(slots=2, prof=p)
+    # Without DP attention, b sits on its own engine: c's prefill (on a's engine) leaves it alone.
+    quiet = arrivals([a, b], [0.0, 0.0], **separate)
+    busy = arrivals([a, b, c], [0.0, 0.0, 0.5], **separate)
+    assert _decode_end(busy, "b") == pytest.approx(_decode_end(quiet, "b"))
+    assert _decode_end(busy, "a") > _decode_end(quiet, "a")
+    # With DP attention the ranks step in lock-step: every rank waits for c's prefill.
+    quiet = arrivals([a, b], [0.0, 0.0], **dp)
+    busy = arrivals([a, b, c], [0.0, 0.0, 0.5], **dp)
+    assert _decode_end(busy, "b") > _decode_end(quiet, "b") + 0.05
+    assert _decode_end(busy, "a") > _decode_end(quiet, "a") + 0.05
