@@ -11,6 +11,7 @@ from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
 from prorsa.cli.compare import compare_cmd, demo_cmd, policies_cmd
 from prorsa.cli.simulate import simulate_cmd
+from prorsa.cli.tune import tune_cmd
 
 app = typer.Typer(
     name="prorsa",
@@ -33,6 +34,7 @@ app.command("simulate")(simulate_cmd)
 app.command("compare")(compare_cmd)
 app.command("demo")(demo_cmd)
 app.command("policies")(policies_cmd)
+app.command("tune")(tune_cmd)
 
 
 def main() -> None:

@@ -51,6 +51,11 @@ class Policy(ABC):
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         """Return the target allocation for this tick."""
 
+    @classmethod
+    def search_space(cls, trial) -> dict:
+        """Parameters an Optuna ``trial`` should tune (none by default)."""
+        return {}
+
 
 POLICIES: Registry[type[Policy]] = Registry("policy")
 

@@ -29,6 +29,10 @@ class StaticPolicy(Policy):
 
     dynamic = False
 
+    @classmethod
+    def search_space(cls, trial) -> dict:
+        return {"prefill_fraction": trial.suggest_float("prefill_fraction", 0.05, 0.75)}
+
     def __init__(self, prefill_fraction: float = 0.25, prefill_gpus: int | None = None) -> None:
         self.prefill_fraction = prefill_fraction
         self.prefill_gpus = prefill_gpus

@@ -63,6 +63,18 @@ class MPCPolicy(Policy):
         self.kv_target_fraction = kv_target_fraction
         self.prefill_target_util = prefill_target_util
 
+    @classmethod
+    def search_space(cls, trial) -> dict:
+        return {
+            "drain_s": trial.suggest_float("drain_s", 0.0, 5.0),
+            "switch_cost_s": trial.suggest_float("switch_cost_s", 0.0, 10.0),
+            "max_step": trial.suggest_categorical("max_step", [0, 1, 2, 4]),
+            "quantile": trial.suggest_categorical("quantile", [0.5, 0.9]),
+            "target_batch_per_gpu": trial.suggest_float(
+                "target_batch_per_gpu", 16.0, 256.0, log=True
+            ),
+        }
+
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
         if min(self.drain_s, self.switch_cost_s, self.prefill_weight, self.decode_weight) < 0:

@@ -60,6 +60,19 @@ class PredictivePolicy(Policy):
         self.kv_target_fraction = kv_target_fraction
         self.prefill_target_util = prefill_target_util
 
+    @classmethod
+    def search_space(cls, trial) -> dict:
+        return {
+            "horizon_s": trial.suggest_categorical("horizon_s", [2.0, 5.0, 10.0]),
+            "quantile": trial.suggest_categorical("quantile", [0.5, 0.9]),
+            "min_gain": trial.suggest_float("min_gain", 0.0, 0.5),
+            "switch_cost_weight": trial.suggest_float("switch_cost_weight", 0.0, 3.0),
+            "target_batch_per_gpu": trial.suggest_float(
+                "target_batch_per_gpu", 16.0, 256.0, log=True
+            ),
+            "prefill_target_util": trial.suggest_float("prefill_target_util", 0.4, 0.95),
+        }
+
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
         if self.horizon_s <= 0:

@@ -35,6 +35,17 @@ class ThresholdPolicy(Policy):
         self.kv_high = kv_high
         self.batch_high = batch_high
 
+    @classmethod
+    def search_space(cls, trial) -> dict:
+        high = trial.suggest_float("prefill_wait_high_s", 0.2, 5.0, log=True)
+        return {
+            "prefill_fraction": trial.suggest_float("prefill_fraction", 0.05, 0.5),
+            "prefill_wait_high_s": high,
+            "prefill_wait_low_s": high * trial.suggest_float("low_over_high", 0.05, 0.5),
+            "kv_high": trial.suggest_float("kv_high", 0.6, 0.97),
+            "batch_high": trial.suggest_float("batch_high", 16.0, 256.0, log=True),
+        }
+
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
         if not 0 < self.prefill_fraction < 1:
