@@ -6,6 +6,7 @@ import typer
 
 from prorsa.cli import models as models_cli
 from prorsa.cli import profile as profile_cli
+from prorsa.cli import rl as rl_cli
 from prorsa.cli import traces as traces_cli
 from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
@@ -30,6 +31,7 @@ app.add_typer(traces_cli.app, name="traces", help="Import and summarise real age
 app.add_typer(profile_cli.app, name="profile", help="List, inspect and refit engine cost profiles.")
 app.add_typer(workload_cli.app, name="workload", help="Fit, inspect and sample task profiles.")
 app.add_typer(models_cli.app, name="models", help="Make small local models for tests and demos.")
+app.add_typer(rl_cli.app, name="rl", help="Train the learned (PPO) allocation policy.")
 app.command("simulate")(simulate_cmd)
 app.command("compare")(compare_cmd)
 app.command("demo")(demo_cmd)

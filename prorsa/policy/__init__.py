@@ -1,6 +1,6 @@
 """Allocation policies: how many GPUs serve prefill, decode, or both, tick by tick."""
 
-from prorsa.policy import baselines, best_static, mpc, predictive, threshold  # noqa: F401
+from prorsa.policy import baselines, best_static, mpc, predictive, rl, threshold  # noqa: F401
 from prorsa.policy.base import POLICIES, ClusterSpec, Policy, make_policy
 from prorsa.policy.types import ROLES, Allocation, ClusterObservation, Forecast, SlotView
 

@@ -166,14 +166,24 @@ class Simulation:
     ) -> SimulationResult:
         """Run to completion (or ``max_time_s``); ``progress(sim_time, completed)`` is called
         every simulated 10 seconds when given."""
-        env = Environment(self.seed)
-        spec = cluster_spec(self.config, self.profiles, self.min_dwell_s)
+        self.start(progress=progress)
+        self.advance(max_time_s)
+        return self.finish()
+
+    def start(self, *, progress: Callable[[float, int], None] | None = None) -> None:
+        """Build the cluster, apply the policy's first allocation, launch the driver.
+
+        With :meth:`advance` and :meth:`finish` this lets a caller (the Gymnasium
+        environment) step the simulation between control ticks.
+        """
+        env = self.env = Environment(self.seed)
+        spec = self.spec = cluster_spec(self.config, self.profiles, self.min_dwell_s)
         self.policy.reset(spec, self.seed)
         total = getattr(self.driver, "total", None)
         probe = SimCluster(env, self.config, self.profiles, run_id=self.run_id, record=False)
         first = self.policy.decide(SimActuator(probe, spec, total).observe(), None)
         roles = roles_for_allocation(first, self.config.num_slots, self.config.slot_gpus)
-        cluster = SimCluster(
+        cluster = self.cluster = SimCluster(
             env,
             self.config,
             self.profiles,
@@ -184,24 +194,37 @@ class Simulation:
         if first.local_prefill_threshold is not None:
             cluster.set_local_prefill_threshold(first.local_prefill_threshold)
         self._check_fits(cluster)
-        actuator = SimActuator(cluster, spec, total)
-        controller = None
+        self.actuator = SimActuator(cluster, spec, total)
+        self.controller = None
         if getattr(self.policy, "dynamic", True):
-            controller = Controller(
+            self.controller = Controller(
                 self.policy,
-                actuator,
+                self.actuator,
                 SimClock(env),
                 interval_s=self.interval_s,
                 min_dwell_s=self.min_dwell_s,
                 forecaster=self.forecaster,
                 keep_forecasts=self.keep_forecasts,
             )
-            controller.start()
+            self.controller.start()
         cluster.on_trajectory_done = self.driver.on_done
         if progress is not None:
             self._schedule_progress(env, cluster, progress)
         self.driver.start(env, cluster.start_trajectory)
-        env.run(until=max_time_s)
+
+    def advance(self, until: float | None = None) -> bool:
+        """Simulate up to ``until`` (or the end); returns True once the driver is done."""
+        self.env.run(until=until)
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        result = self.driver.result
+        return result.started > 0 and result.completed >= getattr(self.driver, "total", 0) > 0
+
+    def finish(self) -> SimulationResult:
+        """Stop the controller and assemble telemetry and metrics."""
+        cluster, controller = self.cluster, self.controller
         if controller is not None:
             controller.stop()
         telemetry = None
