@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prorsa.errors import ConfigError
+from prorsa.errors import ConfigError, ProrsaError
 from prorsa.runtime.ray.client import RayEngineClient
 from prorsa.runtime.ray.config import EngineConfig
 from prorsa.runtime.ray.engine import engine_actor_class
@@ -92,6 +92,15 @@ class EngineFleet:
         bundle: dict[str, float] = {"CPU": spec.cpus_per_engine}
         if gpus:
             bundle["GPU"] = gpus
+        available = ray.cluster_resources()
+        for resource, amount in bundle.items():
+            if amount * len(roles) > available.get(resource, 0) + 1e-9:
+                raise ConfigError(
+                    f"{len(roles)} engines need {amount * len(roles):g} {resource}; the Ray "
+                    f"cluster has {available.get(resource, 0):g}",
+                    hint="start Ray with more logical CPUs (ray.init(num_cpus=N)) or lower "
+                    "FleetSpec.cpus_per_engine / gpus_per_engine",
+                )
         started = time.perf_counter()
         group = placement_group([dict(bundle) for _ in roles], strategy=spec.placement_strategy)
         try:
@@ -113,8 +122,11 @@ class EngineFleet:
             healths = ray.get(
                 [a.start.remote() for a in actors.values()], timeout=spec.start_timeout_s
             )
-        except BaseException:
+        except BaseException as exc:
             fleet.shutdown()
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ProrsaError):
+                raise cause from None
             raise
         fleet.health = {h["engine_id"]: h for h in healths}
         fleet.roles = dict(enumerate(roles))

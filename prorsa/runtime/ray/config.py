@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from prorsa.errors import ConfigError
@@ -103,6 +104,12 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown connector {self.connector!r}",
                 hint=f"choose one of: {', '.join(CONNECTORS)} or None",
+            )
+        looks_like_path = self.model.startswith(("/", ".", "~"))
+        if looks_like_path and not Path(self.model).expanduser().is_dir():
+            raise ConfigError(
+                f"model folder {self.model} does not exist",
+                hint="make one with `prorsa models make-tiny --out DIR`",
             )
         if self.max_model_len <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_model_len and max_num_seqs must be > 0")

@@ -95,7 +95,14 @@ class EngineServer:
                 args["block_size"] = cfg.block_size
             args.update(cfg.engine_kwargs)
             started = time.perf_counter()
-            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            try:
+                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            except Exception as exc:  # surface one clear line; the log has the traceback
+                logger.exception("engine %d failed to start", self.engine_id)
+                raise ConfigError(
+                    f"engine {self.engine_id} failed to start: {type(exc).__name__}: {exc}",
+                    hint="check EngineConfig (model, max_model_len, memory) and the engine log",
+                ) from None
             self.start_s = time.perf_counter() - started
             logger.info("engine %d ready in %.1f s", self.engine_id, self.start_s)
         return await self.health()
