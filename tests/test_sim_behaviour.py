@@ -199,3 +199,13 @@ def test_dp_attention_prefill_stalls_decode_on_every_rank():
     busy = arrivals([a, b, c], [0.0, 0.0, 0.5], **dp)
     assert _decode_end(busy, "b") > _decode_end(quiet, "b") + 0.05
     assert _decode_end(busy, "a") > _decode_end(quiet, "a") + 0.05
+
+
+@pytest.mark.parametrize("policy", ["colocate", "static"])
+def test_running_tallies_match_metrics_from_telemetry(policy):
+    from prorsa.runtime.sim.metrics import telemetry_metrics
+
+    res = run(random_specs(40, seed=8), policy, slots=4, local_prefill_threshold=100)
+    from_events = telemetry_metrics(res.telemetry)
+    for key, value in from_events.items():
+        assert res.metrics[key] == pytest.approx(value, rel=1e-9), key

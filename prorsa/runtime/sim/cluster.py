@@ -10,6 +10,7 @@ engine at all) or on a prefill engine, chosen to minimise queued plus uncached t
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 from collections.abc import Callable
@@ -87,6 +88,15 @@ class SimCluster:
         self.switches = 0
         self.preemptions = 0
         self.migrations = 0
+        # Per-turn and per-trajectory results, accumulated as they happen so that run
+        # metrics need no pass over the telemetry (tests check both agree).
+        self.ttft_s: list[float] = []
+        self.tpot_s: list[float] = []
+        self.completion_s: list[float] = []
+        self.turns_done = 0
+        self.prefill_tokens_computed = 0
+        self.prefill_tokens_cached = 0
+        self.decode_tokens = 0
         self.on_trajectory_done: Callable[[TrajState], None] | None = None
         roles = initial_roles or ["colocated"] * config.num_slots
         if len(roles) != config.num_slots:
@@ -146,6 +156,7 @@ class SimCluster:
                 prefill_side += slot.engines
         self.decode_side = decode_side
         self.prefill_side = prefill_side
+        self._rebuild_owner_heap()
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -275,20 +286,46 @@ class SimCluster:
             return sticky
         if not self.decode_side:
             raise ConfigError("no decode or colocated engine is serving")
-        # Trajectories come back turn after turn, so balance on who owns them, then on load.
-        return min(self.decode_side, key=_ownership_load)
+        # Trajectories come back turn after turn, so balance on who owns them (fewest
+        # first, then engine order). A lazy heap keeps this O(log engines): entries whose
+        # count changed since they were pushed are skipped.
+        heap = self._owner_heap
+        while True:
+            owned, _, engine = heap[0]
+            if owned == engine.owned and engine.accepting and engine.role in DECODE_SIDE:
+                return engine
+            heapq.heappop(heap)
 
     def _assign(self, traj: TrajState, engine: SimEngine) -> None:
         old = traj.decode_engine
         if old is engine:
             return
         if old is not None:
-            old.owned -= 1
-        engine.owned += 1
+            self._owned_changed(old, -1)
+        self._owned_changed(engine, +1)
         traj.decode_engine = engine
 
+    def _owned_changed(self, engine: SimEngine, delta: int) -> None:
+        engine.owned += delta
+        if engine.accepting and engine.role in DECODE_SIDE:
+            heapq.heappush(self._owner_heap, (engine.owned, self._order[engine], engine))
+            if len(self._owner_heap) > 8 * len(self.decode_side) + 64:
+                self._rebuild_owner_heap()
+
+    def _rebuild_owner_heap(self) -> None:
+        self._order = {e: i for i, e in enumerate(self.decode_side)}
+        self._owner_heap = [(e.owned, i, e) for i, e in enumerate(self.decode_side)]
+        heapq.heapify(self._owner_heap)
+
     def _choose_prefill(self, traj: TrajState, context: int) -> SimEngine:
-        least = min(self.prefill_side, key=_queued_tokens)
+        engines = self.prefill_side
+        if len(engines) <= 8:
+            least = min(engines, key=_queued_tokens)
+        else:
+            # Power of two choices: near-least-loaded at O(1) per turn on large clusters.
+            i, j = self.env.rng.integers(len(engines), size=2)
+            a, b = engines[i], engines[j]
+            least = a if a.queued_prefill_tokens <= b.queued_prefill_tokens else b
         sticky = traj.prefill_engine
         if sticky is None or sticky is least or not sticky.accepting or sticky.role != "prefill":
             return least
@@ -300,6 +337,10 @@ class SimCluster:
     # ----------------------------------------------------------- engine hooks
     def on_prefill_start(self, req: TurnRequest, engine: SimEngine) -> None:
         traj = req.traj
+        req.prefill_attempts += 1
+        if req.prefill_attempts == 1:
+            self.prefill_tokens_computed += req.prefill_tokens
+            self.prefill_tokens_cached += req.cached
         self._set_state(traj, "prefilling", req.context)
         detail = (
             json.dumps({"recompute": True})
@@ -382,6 +423,9 @@ class SimCluster:
         self._check_drained(req.prefill_engine)
 
     def on_decode_start(self, req: TurnRequest, engine: SimEngine) -> None:
+        if req.first_decode_s < 0:
+            req.first_decode_s = self.env.now
+            self.ttft_s.append(self.env.now - req.queued_s)
         self._set_state(req.traj, "decoding", req.context)
         self.emit(req.traj, req.turn, "decode_start", engine.engine_id, req.context)
 
@@ -405,6 +449,9 @@ class SimCluster:
         spec = traj.spec
         k = req.turn
         self.emit(traj, k, "decode_end", engine.engine_id, req.context, 0, 0, req.output)
+        self.turns_done += 1
+        self.decode_tokens += req.output
+        self.tpot_s.append((self.env.now - req.first_decode_s) / req.output)
         traj.prev_context = req.context
         traj.prev_output = req.output
         traj.done_turns += 1
@@ -421,7 +468,8 @@ class SimCluster:
             self._set_state(traj, "done", 0)
             self.emit(traj, k, "traj_end")
             self.completed += 1
-            traj.decode_engine.owned -= 1
+            self.completion_s.append(self.env.now - traj.start_s)
+            self._owned_changed(traj.decode_engine, -1)
             traj.decode_engine = None
             del self.live[spec.trajectory_id]
             if self.on_trajectory_done is not None:

@@ -50,10 +50,15 @@ def busy_fractions(cluster: SimCluster, end_s: float) -> dict[str, float | None]
 
 
 def compute_metrics(
-    cluster: SimCluster, driver: DriverResult, telemetry: pa.Table | None
+    cluster: SimCluster, driver: DriverResult, telemetry: pa.Table | None = None
 ) -> dict[str, object]:
-    """The numbers `prorsa simulate` reports (see the CLI help for their meaning)."""
+    """The numbers `prorsa simulate` reports, from the cluster's running tallies.
+
+    ``telemetry`` is not needed (kept for callers that pass it); :func:`telemetry_metrics`
+    recomputes the per-turn numbers from events, and a test checks the two agree.
+    """
     end_s = driver.end_s or cluster.env.now
+    retired = [e for _, e in cluster.retired]
     metrics: dict[str, object] = {
         "mode": driver.mode,
         "end_s": end_s,
@@ -65,10 +70,19 @@ def compute_metrics(
         ),
         "preemptions": cluster.preemptions,
         "migrations": cluster.migrations,
-        "recompute_tokens": sum(e.recompute_tokens for e in cluster.engines.values())
-        + sum(e.recompute_tokens for _, e in cluster.retired),
+        "recompute_tokens": sum(e.recompute_tokens for e in [*cluster.engines.values(), *retired]),
         "busy_fraction": busy_fractions(cluster, end_s),
         "gpu_seconds_by_role": role_gpu_seconds(cluster, end_s),
+        "turns": cluster.turns_done,
+        "prefill_tokens_computed": cluster.prefill_tokens_computed,
+        "prefill_tokens_cached": cluster.prefill_tokens_cached,
+        "decode_tokens": cluster.decode_tokens,
+        "completion_s_p50": _pct(cluster.completion_s, 50),
+        "completion_s_p99": _pct(cluster.completion_s, 99),
+        "ttft_s_p50": _pct(cluster.ttft_s, 50),
+        "ttft_s_p99": _pct(cluster.ttft_s, 99),
+        "tpot_s_p50": _pct(cluster.tpot_s, 50),
+        "tpot_s_p99": _pct(cluster.tpot_s, 99),
     }
     if driver.mode == "sync":
         metrics["makespan_s"] = float(sum(driver.step_makespans_s))
@@ -76,24 +90,24 @@ def compute_metrics(
     else:
         metrics["throughput_traj_per_hour"] = driver.completed / end_s * 3600 if end_s > 0 else 0.0
         metrics["trainer_steps"] = driver.trainer_steps
-    if telemetry is not None and telemetry.num_rows:
-        turns = turn_table(telemetry)
-        trajs = trajectory_table(telemetry)
-        done = trajs[trajs["done"]]
-        metrics.update(
-            {
-                "turns": len(turns),
-                "prefill_tokens_computed": int(turns["new_tokens"].sum()),
-                "prefill_tokens_cached": int(turns["cached_tokens"].sum()),
-                "decode_tokens": int(turns["output_tokens"].sum()),
-                "completion_s_p50": _pct(done["completion_s"], 50),
-                "completion_s_p99": _pct(done["completion_s"], 99),
-                "ttft_s_p50": _pct(turns["ttft_s"], 50),
-                "ttft_s_p99": _pct(turns["ttft_s"], 99),
-                "tpot_s_p50": _pct(turns["tpot_s"], 50),
-                "tpot_s_p99": _pct(turns["tpot_s"], 99),
-            }
-        )
-        if driver.mode == "async" and end_s > 0:
-            metrics["decode_tokens_per_s"] = metrics["decode_tokens"] / end_s
+        metrics["decode_tokens_per_s"] = cluster.decode_tokens / end_s if end_s > 0 else 0.0
     return metrics
+
+
+def telemetry_metrics(telemetry: pa.Table) -> dict[str, object]:
+    """Per-turn metrics recomputed from lifecycle events alone (the views)."""
+    turns = turn_table(telemetry)
+    trajs = trajectory_table(telemetry)
+    done = trajs[trajs["done"]]
+    return {
+        "turns": len(turns),
+        "prefill_tokens_computed": int(turns["new_tokens"].sum()),
+        "prefill_tokens_cached": int(turns["cached_tokens"].sum()),
+        "decode_tokens": int(turns["output_tokens"].sum()),
+        "completion_s_p50": _pct(done["completion_s"], 50),
+        "completion_s_p99": _pct(done["completion_s"], 99),
+        "ttft_s_p50": _pct(turns["ttft_s"], 50),
+        "ttft_s_p99": _pct(turns["ttft_s"], 99),
+        "tpot_s_p50": _pct(turns["tpot_s"], 50),
+        "tpot_s_p99": _pct(turns["tpot_s"], 99),
+    }

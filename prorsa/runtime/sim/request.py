@@ -53,9 +53,11 @@ class TurnRequest:
         "decode_engine",
         "decoded",
         "finish_step",
+        "first_decode_s",
         "join_step",
         "local",
         "output",
+        "prefill_attempts",
         "prefill_engine",
         "prefill_left",
         "prefill_tokens",
@@ -85,6 +87,8 @@ class TurnRequest:
         self.join_step = 0
         self.ctx_at_join = 0
         self.queued_s = 0.0
+        self.first_decode_s = -1.0
+        self.prefill_attempts = 0
         self.pulled = 0  # prefix tokens copied in from the decode engine (pull reuse)
         self.recompute_tokens = 0
         self.recomputing = False
