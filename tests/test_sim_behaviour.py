@@ -209,3 +209,22 @@ def test_running_tallies_match_metrics_from_telemetry(policy):
     from_events = telemetry_metrics(res.telemetry)
     for key, value in from_events.items():
         assert res.metrics[key] == pytest.approx(value, rel=1e-9), key
+
+
+def test_controller_never_double_switches_a_slot():
+    specs = random_specs(60, seed=10, turns=(3, 10))
+    res = run(
+        specs, FlipPolicy(1.0), slots=6, switch_latency_s=1.5, min_dwell_s=0.0, interval_s=0.5
+    )
+    df = res.telemetry.to_pandas()
+    df["kind"] = df["kind"].astype(str)
+    events = df[df.kind.str.startswith("role_switch")]
+    assert len(events) >= 6
+    in_progress: set[int] = set()
+    for detail in events.detail:
+        d = json.loads(detail)
+        if d["stage"] == "stop_new_work":
+            assert d["slot"] not in in_progress, "a switching slot was switched again"
+            in_progress.add(d["slot"])
+        elif d["stage"] == "serving":
+            in_progress.discard(d["slot"])
