@@ -137,7 +137,7 @@ def simulate(
     # Some policies are defined by their forecaster (the oracle policy is MPC + oracle).
     name = getattr(policy, "forecaster_name", None) or request.forecaster
     if forecaster is None and name is not None and (policy.needs_forecast or request.forecaster):
-        from prorsa.forecast.provider import make_provider
+        from prorsa.runtime.forecast_provider import make_provider
 
         forecaster = make_provider(name)
     sim = Simulation(

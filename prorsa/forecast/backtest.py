@@ -1,0 +1,188 @@
+"""Rolling-origin backtests: replay held-out runs tick by tick, forecast at every cutoff.
+
+Each tick of each run is a forecast origin (``cutoff``). The forecaster is not refitted; it
+is fed the run's events up to the cutoff through ``update`` exactly as the online provider
+feeds it, and its forecast is compared with the targets computed from the telemetry. The
+result is one tidy frame (statsforecast style): ``model, run_id, cutoff, target,
+horizon_s, actual, forecast, q0.5, q0.9``; :func:`score` reduces it to WAPE, MAE and
+pinball losses per target and horizon.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from prorsa.errors import ConfigError
+from prorsa.forecast.base import Forecaster
+from prorsa.forecast.targets import event_frame, run_targets, tick_times
+from prorsa.forecast.tracker import rows_of
+from prorsa.forecast.types import TARGETS, check_horizons, target_column
+
+
+def backtest(
+    forecaster: Forecaster,
+    telemetry: pa.Table | pd.DataFrame,
+    *,
+    horizons: Sequence[float] | None = None,
+    tick_s: float | None = None,
+    model: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> pd.DataFrame:
+    """Forecast at every tick of every run in ``telemetry``; a tidy frame of the results.
+
+    The frame's ``attrs["predict_s"]`` holds every predict call's duration (seconds).
+    """
+    forecaster._check_fitted()
+    hs = forecaster.horizons_ if horizons is None else check_horizons(horizons)
+    tick = tick_s or forecaster.tick_s_
+    if tick <= 0:
+        raise ConfigError(f"tick_s must be > 0, got {tick}")
+    events = event_frame(telemetry)
+    if forecaster.needs_future:
+        forecaster.attach(telemetry)  # type: ignore[attr-defined]
+    frames, latencies = [], []
+    runs = list(events.groupby("run_id", sort=True))
+    for done, (run_id, run) in enumerate(runs, 1):
+        ticks = tick_times(run, tick)
+        if not len(ticks):
+            continue
+        actual = run_targets(run, ticks, hs)
+        forecaster.reset()
+        rows = list(rows_of(run))
+        ends = np.searchsorted(run["time"].to_numpy(float), ticks, side="right")
+        shape = (len(ticks), len(TARGETS), len(hs))
+        point, q50, q90 = np.empty(shape), np.full(shape, np.nan), np.full(shape, np.nan)
+        start = 0
+        for i, (t, end) in enumerate(zip(ticks, ends, strict=True)):
+            forecaster.update(rows[start:end], float(t))
+            start = end
+            began = _time.perf_counter()
+            fc = forecaster.predict(hs)
+            latencies.append(_time.perf_counter() - began)
+            for k, target in enumerate(TARGETS):
+                point[i, k] = fc.point[target]
+                if fc.quantiles:
+                    q50[i, k] = fc.quantiles[0.5][target]
+                    q90[i, k] = fc.quantiles[0.9][target]
+        truth = np.stack(
+            [np.column_stack([actual[target_column(t, h)] for h in hs]) for t in TARGETS], axis=1
+        )
+        frames.append(_tidy(str(run_id), ticks, hs, truth, point, q50, q90))
+        if progress is not None:
+            progress(done, len(runs))
+    out = pd.concat(frames, ignore_index=True) if frames else _tidy("", [], hs, *([None] * 4))
+    out.insert(0, "model", model or forecaster.name)
+    out.attrs["predict_s"] = latencies
+    return out
+
+
+def _tidy(run_id, ticks, hs, truth, point, q50, q90) -> pd.DataFrame:
+    n = len(ticks)
+    if n == 0:
+        cols = ["run_id", "cutoff", "target", "horizon_s", "actual", "forecast", "q0.5", "q0.9"]
+        return pd.DataFrame({c: [] for c in cols})
+    nt, nh = len(TARGETS), len(hs)
+    return pd.DataFrame(
+        {
+            "run_id": run_id,
+            "cutoff": np.repeat(np.asarray(ticks, float), nt * nh),
+            "target": np.tile(np.repeat(np.array(TARGETS), nh), n),
+            "horizon_s": np.tile(np.asarray(hs, float), n * nt),
+            "actual": truth.reshape(-1),
+            "forecast": point.reshape(-1),
+            "q0.5": q50.reshape(-1),
+            "q0.9": q90.reshape(-1),
+        }
+    )
+
+
+def pinball(y: np.ndarray, q: np.ndarray, level: float) -> float:
+    """Mean pinball (quantile) loss of predictions ``q`` at ``level``."""
+    diff = y - q
+    return float(np.mean(np.maximum(level * diff, (level - 1) * diff)))
+
+
+def score(results: pd.DataFrame) -> pd.DataFrame:
+    """WAPE, MAE and pinball losses per (model, target, horizon_s).
+
+    WAPE = sum |actual - forecast| / sum |actual|. The p50 pinball uses ``q0.5`` where the
+    model gives quantiles and the point forecast otherwise; p90 is NaN without quantiles.
+    """
+    rows = []
+    for (model, target, h), g in results.groupby(["model", "target", "horizon_s"], sort=False):
+        y = g["actual"].to_numpy(float)
+        f = g["forecast"].to_numpy(float)
+        q50 = g["q0.5"].to_numpy(float)
+        q90 = g["q0.9"].to_numpy(float)
+        has_q = bool(np.isfinite(q50).all()) and len(q50) > 0
+        total = float(np.abs(y).sum())
+        rows.append(
+            {
+                "model": model,
+                "target": target,
+                "horizon_s": h,
+                "wape": float(np.abs(y - f).sum() / total) if total > 0 else np.nan,
+                "mae": float(np.mean(np.abs(y - f))),
+                "pinball_0.5": pinball(y, q50 if has_q else f, 0.5),
+                "pinball_0.9": pinball(y, q90, 0.9) if has_q else np.nan,
+                "coverage_0.9": float(np.mean(y <= q90)) if has_q else np.nan,
+                "n": len(g),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def plot_backtest(
+    results: pd.DataFrame,
+    out_dir: str | Path,
+    *,
+    horizon_s: float = 5.0,
+    max_runs: int = 4,
+) -> list[Path]:
+    """One PNG per (model, run): forecast vs actual over time for every target at one
+    horizon, with the p50-p90 band where given. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = results[np.isclose(results["horizon_s"], horizon_s)]
+    if data.empty:
+        raise ConfigError(f"no results at horizon {horizon_s:g} s to plot")
+    files = []
+    for model, by_model in data.groupby("model", sort=False):
+        for run_id in sorted(by_model["run_id"].unique())[:max_runs]:
+            run = by_model[by_model["run_id"] == run_id]
+            fig, axes = plt.subplots(len(TARGETS), 1, figsize=(10, 9), sharex=True)
+            for ax, target in zip(axes, TARGETS, strict=True):
+                g = run[run["target"] == target]
+                ax.plot(g["cutoff"], g["actual"], color="black", lw=1.0, label="actual")
+                ax.plot(g["cutoff"], g["forecast"], color="tab:blue", lw=1.0, label="forecast")
+                if np.isfinite(g["q0.9"]).any():
+                    ax.fill_between(
+                        g["cutoff"],
+                        g["q0.5"],
+                        g["q0.9"],
+                        color="tab:blue",
+                        alpha=0.2,
+                        label="p50-p90",
+                    )
+                ax.set_ylabel(target.replace("_", " "), fontsize=8)
+            axes[0].legend(loc="upper right", fontsize=8)
+            axes[0].set_title(f"{model} on {run_id}: next {horizon_s:g} s at each tick")
+            axes[-1].set_xlabel("cutoff (s)")
+            fig.tight_layout()
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model}-{run_id}")
+            path = out_dir / f"backtest-{safe}-h{horizon_s:g}.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            files.append(path)
+    return files

@@ -1,0 +1,342 @@
+"""The forecaster base class (fit / update / predict, save / load) and the registry.
+
+sktime-style: the public methods validate their input and keep the bookkeeping, then call
+small private hooks that a subclass writes (``_fit``, ``_update``, ``_predict``,
+``_get_state`` / ``_set_state``). A forecaster is a streaming object: after ``fit`` it owns
+a :class:`~prorsa.forecast.tracker.LifecycleTracker`; ``update(rows, time_s)`` feeds it
+the events since the last tick and marks a control tick; ``predict(horizons)`` forecasts
+from that tick. ``reset()`` starts a new run with the same fitted model.
+
+Saved models are folders ``models/<name>/`` with ``manifest.json`` (forecaster name,
+parameters, data hash, metrics, package versions, fitted state) and whatever files the
+forecaster's hook writes beside it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import platform
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from prorsa.errors import ConfigError, InputError, NotFittedError
+from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.features import aggregate_features
+from prorsa.forecast.tracker import LifecycleTracker
+from prorsa.forecast.types import (
+    DEFAULT_HORIZONS,
+    SUM_TARGETS,
+    TARGETS,
+    Forecast,
+    check_horizons,
+    target_column,
+)
+from prorsa.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+Point = dict[str, np.ndarray]
+Quantiles = dict[float, dict[str, np.ndarray]]
+
+_VERSIONED = ("prorsa", "numpy", "pandas", "pyarrow", "scikit-learn", "lightgbm", "torch")
+
+
+class Forecaster(ABC):
+    """Forecasts the demand targets at the last tick for horizons in seconds.
+
+    Args:
+        horizons: horizons (seconds) the forecaster is fitted for; ``predict`` accepts any
+            subset of them.
+        seed: seed of every random choice in ``fit`` (same seed, same model).
+    """
+
+    #: Registry name (set by ``FORECASTERS.register``).
+    name: ClassVar[str] = ""
+    #: False for forecasters that can be fitted without data (``fit(None)``).
+    requires_data: ClassVar[bool] = True
+    #: True when ``predict`` returns p50 and p90 besides the point forecast.
+    provides_quantiles: ClassVar[bool] = False
+    #: True for the oracle: it must be shown the future (see ``attach``).
+    needs_future: ClassVar[bool] = False
+
+    def __init__(self, horizons: Sequence[float] = DEFAULT_HORIZONS, seed: int = 0) -> None:
+        self.horizons = horizons
+        self.seed = seed
+
+    # ----------------------------------------------------------------- params
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        # Like scikit-learn: every constructor argument is a parameter stored under its name.
+        params = inspect.signature(cls.__init__).parameters.values()
+        return [
+            p.name
+            for p in params
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+
+    def get_params(self) -> dict[str, Any]:
+        """Constructor parameters (scikit-learn style), JSON-friendly."""
+        out = {}
+        for name in self._param_names():
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({args})"
+
+    # -------------------------------------------------------------------- fit
+    def fit(self, data: ForecastDataset | None = None) -> Forecaster:
+        """Fit on a dataset built by :func:`~prorsa.forecast.dataset.build_dataset`."""
+        horizons = check_horizons(self.horizons)
+        if not isinstance(self.seed, int | np.integer):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if data is None:
+            if self.requires_data:
+                raise InputError(
+                    f"forecaster '{self.name}' needs a dataset to fit",
+                    hint="build one with `prorsa forecast dataset`",
+                )
+            self.lags_ = horizons
+            self.tasks_: tuple[str, ...] = ()
+            self.tick_s_ = 1.0
+            self.data_hash_: str | None = None
+        else:
+            if not isinstance(data, ForecastDataset):
+                raise InputError(
+                    f"fit expects a ForecastDataset, got {type(data).__name__}",
+                    hint="build one with prorsa.forecast.build_dataset(telemetry)",
+                )
+            data.validate(horizons)
+            self.lags_ = data.horizons
+            self.tasks_ = data.tasks
+            self.tick_s_ = float(data.meta.get("tick_s", 1.0))
+            self.data_hash_ = data.data_hash()
+        self.horizons_ = horizons
+        self.metrics_: dict[str, float] = {}
+        self._fit(data)
+        self.fitted_ = True
+        self.reset()
+        return self
+
+    @abstractmethod
+    def _fit(self, data: ForecastDataset | None) -> None:
+        """Learn from ``data`` (None only when ``requires_data`` is False)."""
+
+    # ---------------------------------------------------------------- stream
+    def _check_fitted(self) -> None:
+        if not getattr(self, "fitted_", False):
+            raise NotFittedError(
+                f"forecaster '{self.name}' is not fitted; call fit(dataset) first "
+                "(or load a saved model)"
+            )
+
+    def make_tracker(self) -> LifecycleTracker:
+        """A fresh tracker with this forecaster's task vocabulary and look-back windows."""
+        return LifecycleTracker(self.tasks_, lags_s=self.lags_)
+
+    def reset(self) -> Forecaster:
+        """Forget the stream (start of a new run); the fitted model is kept."""
+        self._check_fitted()
+        self.tracker_ = self.make_tracker()
+        self._ticks = 0
+        self._reset_stream()
+        return self
+
+    def _reset_stream(self) -> None:  # noqa: B027  (optional hook)
+        """Hook: clear per-run state kept beside the tracker."""
+
+    def update(self, rows: pa.Table | pd.DataFrame | Sequence[tuple], time_s: float) -> Forecaster:
+        """Feed the events since the last call (time order) and mark a tick at ``time_s``.
+
+        No refit: the model stays as fitted; only the stream state advances.
+        """
+        self._check_fitted()
+        if not np.isfinite(time_s):
+            raise InputError(f"tick time must be finite, got {time_s}")
+        self.tracker_.update(rows)
+        self.tracker_.tick(float(time_s))
+        self._ticks += 1
+        self._update()
+        return self
+
+    def _update(self) -> None:  # noqa: B027  (optional hook)
+        """Hook: called after each tick (the tracker holds the new state)."""
+
+    def current_features(self) -> np.ndarray:
+        """Aggregate features at the last tick."""
+        return aggregate_features(self.tracker_)
+
+    # --------------------------------------------------------------- predict
+    def predict(self, horizons: Sequence[float] | None = None) -> Forecast:
+        """Forecast every target at ``horizons`` (default: all fitted) from the last tick."""
+        self._check_fitted()
+        if self._ticks == 0:
+            raise InputError(
+                f"forecaster '{self.name}' has seen no tick yet",
+                hint="call update(rows, time_s) with the events up to the current time first",
+            )
+        hs = self.horizons_ if horizons is None else check_horizons(horizons)
+        unknown = [h for h in hs if h not in self.horizons_]
+        if unknown:
+            raise ConfigError(
+                f"horizon(s) {unknown} not fitted; '{self.name}' was fitted for "
+                f"{list(self.horizons_)}"
+            )
+        point, quantiles = self._predict(hs)
+        point = {t: np.maximum(np.asarray(point[t], float), 0.0) for t in TARGETS}
+        fixed: Quantiles = {}
+        if quantiles:
+            lo = {t: np.maximum(np.asarray(quantiles[0.5][t], float), 0.0) for t in TARGETS}
+            hi = {t: np.maximum(np.asarray(quantiles[0.9][t], float), lo[t]) for t in TARGETS}
+            fixed = {0.5: lo, 0.9: hi}
+        return Forecast(
+            time_s=float(self.tracker_.time_s), horizons_s=hs, point=point, quantiles=fixed
+        )
+
+    @abstractmethod
+    def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
+        """(point, quantiles) per target as arrays over ``horizons``; quantiles may be {}."""
+
+    # ------------------------------------------------------------ save/load
+    def save(self, path: str | os.PathLike[str], *, metrics: dict | None = None) -> Path:
+        """Write ``path/manifest.json`` and the model files; returns the folder."""
+        self._check_fitted()
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if metrics is not None:
+            self.metrics_ = dict(metrics)
+        manifest = {
+            "format": "prorsa-forecaster/1",
+            "name": self.name,
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "params": self.get_params(),
+            "fitted": {
+                "horizons": list(self.horizons_),
+                "lags": list(self.lags_),
+                "tasks": list(self.tasks_),
+                "tick_s": self.tick_s_,
+            },
+            "data_hash": self.data_hash_,
+            "metrics": self.metrics_,
+            "versions": package_versions(),
+            "state": self._get_state(path),
+        }
+        (path / MANIFEST).write_text(json.dumps(manifest, indent=2, default=_json) + "\n")
+        return path
+
+    def _get_state(self, path: Path) -> dict:
+        """Hook: JSON-able fitted state; may write files under ``path``."""
+        return {}
+
+    def _set_state(self, state: dict, path: Path) -> None:  # noqa: B027  (optional hook)
+        """Hook: restore what ``_get_state`` saved."""
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Forecaster:
+        """Load a saved forecaster (any registered kind when called on the base class)."""
+        model = load_forecaster(path)
+        if cls is not Forecaster and not isinstance(model, cls):
+            raise ConfigError(f"{path} holds a '{model.name}' forecaster, not {cls.__name__}")
+        return model
+
+    # --------------------------------------------------------------- helpers
+    @staticmethod
+    def _targets_matrix(ticks: pd.DataFrame, horizons: Sequence[float]) -> np.ndarray:
+        """Normalised targets [rows, targets, horizons] of a tick table (see :func:`normalise`)."""
+        scale = ticks["scale"].to_numpy(float)
+        out = np.empty((len(ticks), len(TARGETS), len(horizons)))
+        for i, target in enumerate(TARGETS):
+            for j, h in enumerate(horizons):
+                y = ticks[target_column(target, h)].to_numpy(float)
+                out[:, i, j] = normalise(y, target, h, scale)
+        return out
+
+
+def normalise(values: np.ndarray, target: str, h: float, scale: np.ndarray | float) -> np.ndarray:
+    """Target in model units: per live trajectory (``scale``), and per second for sums."""
+    per = h if target in SUM_TARGETS else 1.0
+    return np.asarray(values, float) / (np.asarray(scale, float) * per)
+
+
+def denormalise(values: np.ndarray, target: str, h: float, scale: float) -> np.ndarray:
+    per = h if target in SUM_TARGETS else 1.0
+    return np.asarray(values, float) * scale * per
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _json(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+FORECASTERS: Registry[type[Forecaster]] = Registry("forecaster")
+
+
+def register(name: str):
+    """Class decorator: register a forecaster under ``name`` (duplicates are an error)."""
+
+    def add(cls: type[Forecaster]) -> type[Forecaster]:
+        cls.name = name
+        FORECASTERS.register(name, cls)
+        return cls
+
+    return add
+
+
+def load_forecaster(path: str | os.PathLike[str]) -> Forecaster:
+    """Load a folder written by :meth:`Forecaster.save`."""
+    import prorsa.forecast  # noqa: F401  (registers the built-ins)
+
+    path = Path(path)
+    file = path / MANIFEST
+    if not file.exists():
+        raise InputError(
+            f"no {MANIFEST} in {path}", source=str(path), hint="is this a saved model folder?"
+        )
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"unreadable manifest: {exc}", source=str(file)) from None
+    if manifest.get("format") != "prorsa-forecaster/1":
+        raise InputError("unknown model format", source=str(file), field="format")
+    klass = FORECASTERS.get(manifest["name"])
+    model = klass(**manifest["params"])
+    fitted = manifest["fitted"]
+    model.horizons_ = tuple(fitted["horizons"])
+    model.lags_ = tuple(fitted["lags"])
+    model.tasks_ = tuple(fitted["tasks"])
+    model.tick_s_ = float(fitted["tick_s"])
+    model.data_hash_ = manifest.get("data_hash")
+    model.metrics_ = manifest.get("metrics", {})
+    model.manifest_ = manifest
+    model._set_state(manifest.get("state", {}), path)
+    model.fitted_ = True
+    model.reset()
+    return model

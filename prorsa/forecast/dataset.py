@@ -1,0 +1,320 @@
+"""Offline datasets: telemetry replayed tick by tick through the lifecycle tracker.
+
+A :class:`ForecastDataset` holds three tables, all produced by the same tracker the online
+provider uses:
+
+* ``ticks`` — one row per (run, tick): the aggregate features, the run's ``scale`` (peak
+  live trajectories so far) and every target at every horizon (``y_<target>_h<h>``);
+* ``snapshots`` — every ``snapshot_every``-th tick, one row per live trajectory: its state,
+  elapsed times and estimated tokens decoded (what the bottom-up model conditions on);
+* ``turns`` — one row per turn arrival: the frozen turn-arrival features and the turn's
+  outcomes as labels (output tokens, whether another turn follows, the tool time after
+  it, the next turn's new tokens).
+
+Saved as ``DATA.parquet`` (ticks, with the metadata) beside ``DATA.snapshots.parquet`` and
+``DATA.turns.parquet``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.forecast.features import LifecycleFeatures, replay
+from prorsa.forecast.targets import event_frame, run_targets, tick_times
+from prorsa.forecast.tracker import EVENT_FEATURES
+from prorsa.forecast.types import DEFAULT_HORIZONS, TARGETS, check_horizons, target_column
+from prorsa.telemetry.schema import EventKind
+
+SNAPSHOT_COLUMNS = (
+    "state",
+    "open",
+    "ctx",
+    "turn",
+    "turn_new",
+    "since_queued",
+    "decode_elapsed",
+    "decoded",
+    "tool_elapsed",
+    "out_last",
+)
+TURN_LABELS = ("output_tokens", "continues", "tool_s", "next_new_tokens")
+_META_KEY = b"prorsa.forecast_dataset"
+
+
+@dataclass
+class ForecastDataset:
+    """Ticks, trajectory snapshots and turn rows of one or more runs (see the module doc)."""
+
+    ticks: pd.DataFrame
+    snapshots: pd.DataFrame
+    turns: pd.DataFrame
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def horizons(self) -> tuple[float, ...]:
+        return tuple(self.meta["horizons"])
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(self.meta["tasks"])
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self.meta["feature_names"])
+
+    @property
+    def runs(self) -> list[str]:
+        return sorted(self.ticks["run_id"].unique())
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return dict(self.meta.get("sources", {}))
+
+    def validate(self, horizons: Sequence[float] | None = None) -> None:
+        """Raise InputError when the dataset cannot train a forecaster for ``horizons``."""
+        if self.ticks.empty:
+            raise InputError("dataset has no ticks", hint="simulate or replay longer runs")
+        need = ["run_id", "time", "scale", *self.feature_names]
+        for h in horizons or self.horizons:
+            if h not in self.horizons:
+                raise ConfigError(
+                    f"horizon {h:g} s is not in the dataset (it has {list(self.horizons)})"
+                )
+            need += [target_column(t, h) for t in TARGETS]
+        missing = [c for c in need if c not in self.ticks.columns]
+        if missing:
+            raise InputError(f"dataset lacks column(s) {missing[:5]}", field=missing[0])
+
+    def data_hash(self) -> str:
+        """SHA-256 over the three tables' contents (order-sensitive)."""
+        digest = hashlib.sha256()
+        for frame in (self.ticks, self.snapshots, self.turns):
+            digest.update(",".join(map(str, frame.columns)).encode())
+            if len(frame):
+                digest.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
+        return digest.hexdigest()
+
+    def subset(self, runs: Sequence[str]) -> ForecastDataset:
+        """Only the given runs."""
+        keep = set(runs)
+        pick = lambda df: df[df["run_id"].isin(keep)].reset_index(drop=True)  # noqa: E731
+        meta = {**self.meta, "sources": {r: s for r, s in self.sources.items() if r in keep}}
+        return ForecastDataset(pick(self.ticks), pick(self.snapshots), pick(self.turns), meta)
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write ``path`` (ticks + metadata) and its ``.snapshots`` / ``.turns`` siblings."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pandas(self.ticks, preserve_index=False)
+        meta = {**(table.schema.metadata or {}), _META_KEY: json.dumps(self.meta).encode()}
+        pq.write_table(table.replace_schema_metadata(meta), path, compression="zstd")
+        for name, frame in sibling_tables(self).items():
+            pq.write_table(
+                pa.Table.from_pandas(frame, preserve_index=False),
+                sibling(path, name),
+                compression="zstd",
+            )
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ForecastDataset:
+        path = Path(path)
+        if not path.exists():
+            raise InputError("no such dataset file", source=str(path))
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"not a Parquet file: {exc}", source=str(path)) from None
+        raw = (table.schema.metadata or {}).get(_META_KEY)
+        if raw is None:
+            raise InputError(
+                "not a forecast dataset (no prorsa.forecast_dataset metadata)",
+                source=str(path),
+                hint="build one with `prorsa forecast dataset`",
+            )
+        frames = {}
+        for name in ("snapshots", "turns"):
+            p = sibling(path, name)
+            if not p.exists():
+                raise InputError(f"missing sibling file {p.name}", source=str(path))
+            frames[name] = pq.read_table(p).to_pandas()
+        return cls(table.to_pandas(), frames["snapshots"], frames["turns"], json.loads(raw))
+
+
+def sibling(path: Path, name: str) -> Path:
+    """``data.parquet`` -> ``data.<name>.parquet``."""
+    return path.with_name(f"{path.stem}.{name}{path.suffix or '.parquet'}")
+
+
+def sibling_tables(data: ForecastDataset) -> dict[str, pd.DataFrame]:
+    return {"snapshots": data.snapshots, "turns": data.turns}
+
+
+def _source_of(table: pa.Table | pd.DataFrame) -> str:
+    if isinstance(table, pa.Table):
+        meta = table.schema.metadata or {}
+        return meta.get(b"prorsa.source", b"unknown").decode()
+    return str(getattr(table, "attrs", {}).get("prorsa.source", "unknown"))
+
+
+def build_dataset(
+    telemetry: pa.Table | pd.DataFrame | Sequence[pa.Table | pd.DataFrame],
+    *,
+    horizons: Sequence[float] = DEFAULT_HORIZONS,
+    tick_s: float = 1.0,
+    snapshot_every: int = 2,
+    tasks: Sequence[str] | None = None,
+    max_tasks: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> ForecastDataset:
+    """Replay telemetry (one or more event tables, each with one or more runs) into a dataset.
+
+    Run ids must be unique across the tables. ``tasks`` fixes the task vocabulary (default:
+    the ``max_tasks`` tasks with the most trajectories). ``progress(done, total)`` is
+    called after each run.
+    """
+    horizons = check_horizons(horizons)
+    if tick_s <= 0:
+        raise ConfigError(f"tick_s must be > 0, got {tick_s}")
+    if snapshot_every < 1:
+        raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+    tables = list(telemetry) if isinstance(telemetry, list | tuple) else [telemetry]
+    if not tables:
+        raise InputError("no telemetry given")
+    frames, sources = [], {}
+    for i, table in enumerate(tables):
+        df = event_frame(table, source=f"telemetry[{i}]")
+        for run_id in df["run_id"].unique():
+            if run_id in sources:
+                raise InputError(f"run id '{run_id}' appears in more than one table")
+            sources[str(run_id)] = _source_of(table)
+        frames.append(df)
+    events = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    pipeline = LifecycleFeatures(horizons, max_tasks=max_tasks, tick_s=tick_s)
+    pipeline = pipeline.set_tasks(tasks) if tasks is not None else pipeline.fit(events)
+    tick_frames, snap_frames, turn_frames = [], [], []
+    runs = list(events.groupby("run_id", sort=True))
+    for done, (run_id, run) in enumerate(runs, 1):
+        ticks = tick_times(run, tick_s)
+        if len(ticks):
+            t, s, u = _replay_run(pipeline, str(run_id), run, ticks, horizons, snapshot_every)
+            tick_frames.append(t)
+            snap_frames.append(s)
+            turn_frames.append(u)
+        if progress is not None:
+            progress(done, len(runs))
+    if not tick_frames:
+        raise InputError(f"telemetry is shorter than one tick ({tick_s} s)")
+    meta = {
+        "version": 1,
+        "horizons": list(horizons),
+        "tick_s": tick_s,
+        "snapshot_every": snapshot_every,
+        "tasks": list(pipeline.tasks_),
+        "feature_names": pipeline.feature_names_,
+        "sources": sources,
+    }
+    return ForecastDataset(
+        pd.concat(tick_frames, ignore_index=True),
+        pd.concat(snap_frames, ignore_index=True),
+        pd.concat(turn_frames, ignore_index=True),
+        meta,
+    )
+
+
+def _replay_run(
+    pipeline: LifecycleFeatures,
+    run_id: str,
+    run: pd.DataFrame,
+    ticks: np.ndarray,
+    horizons: tuple[float, ...],
+    snapshot_every: int,
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    tracker = pipeline.make_tracker(record_event_rows=True)
+    scales = np.empty(len(ticks))
+    snaps: list[dict[str, np.ndarray]] = []
+
+    def on_tick(tr, i: int) -> None:
+        scales[i] = max(tr.peak_live, 1)
+        tr.pending.clear()
+        if i % snapshot_every == 0 and len(tr.snapshot["slot"]):
+            snap = {c: tr.snapshot[c] for c in SNAPSHOT_COLUMNS}
+            snap["trajectory_id"] = tr.ids[tr.snapshot["slot"]]
+            snap["time"] = np.full(len(tr.snapshot["slot"]), ticks[i])
+            snaps.append(snap)
+
+    features = replay(tracker, run, ticks, on_tick)
+    tick_frame = pd.DataFrame(features, columns=pipeline.feature_names_)
+    tick_frame.insert(0, "scale", scales)
+    tick_frame.insert(0, "time", ticks)
+    tick_frame.insert(0, "run_id", run_id)
+    targets = run_targets(run, ticks, horizons)
+    tick_frame = pd.concat([tick_frame, pd.DataFrame(targets)], axis=1)
+
+    if snaps:
+        snap_frame = pd.DataFrame({k: np.concatenate([s[k] for s in snaps]) for k in snaps[0]})
+    else:
+        snap_frame = pd.DataFrame({k: [] for k in (*SNAPSHOT_COLUMNS, "trajectory_id", "time")})
+    snap_frame.insert(0, "run_id", run_id)
+    snap_frame["trajectory_id"] = snap_frame["trajectory_id"].astype(str)
+    return tick_frame, snap_frame, _turn_rows(run_id, run, tracker.event_rows)
+
+
+def _turn_rows(run_id: str, run: pd.DataFrame, rows: list[tuple]) -> pd.DataFrame:
+    """Frozen turn-arrival rows joined with each turn's outcome (labels from the future)."""
+    # EVENT_FEATURES holds the turn index itself.
+    columns = ["trajectory_id", "time", *EVENT_FEATURES, *TURN_LABELS]
+    if not rows:
+        return pd.DataFrame({"run_id": [], **{c: [] for c in columns}})
+    frame = pd.DataFrame(
+        [(tid, t, *feats) for tid, _, t, feats in rows],
+        columns=["trajectory_id", "time", *EVENT_FEATURES],
+    )
+    frame["trajectory_id"] = frame["trajectory_id"].astype(str)
+    frame["turn"] = frame["turn"].astype(np.int64)
+    key = ["trajectory_id", "turn"]
+    ev = run.assign(
+        trajectory_id=run["trajectory_id"].astype(str), turn=run["turn"].astype(np.int64)
+    )
+    kind = ev["kind"]
+    per_turn = pd.DataFrame(index=pd.MultiIndex.from_frame(frame[key].drop_duplicates()))
+    per_turn = per_turn.join(ev[kind == EventKind.DECODE_END].groupby(key)["output_tokens"].last())
+    per_turn = per_turn.join(
+        ev[kind == EventKind.DECODE_END].groupby(key)["time"].last().rename("d_end")
+    )
+    per_turn = per_turn.join(
+        ev[kind == EventKind.TOOL_START].groupby(key)["time"].first().rename("t_start")
+    )
+    queued = (
+        ev[kind == EventKind.PREFILL_QUEUED]
+        .groupby(key)
+        .agg(q_time=("time", "first"), q_new=("new_tokens", "first"))
+    )
+    nxt = queued.reset_index()
+    nxt["turn"] -= 1  # the next turn's arrival, keyed by the turn before it
+    frame = frame.merge(per_turn.reset_index(), on=key, how="left")
+    frame = frame.merge(nxt, on=key, how="left")
+    ended = set(ev.loc[kind == EventKind.TRAJ_END, "trajectory_id"])
+    continues = frame["q_time"].notna().to_numpy()
+    known_end = frame["trajectory_id"].isin(ended).to_numpy()
+    frame["continues"] = np.where(continues, 1.0, np.where(known_end, 0.0, np.nan))
+    # Without tool events the next turn's wait counts from the end of this turn's decode.
+    wait_from = frame["t_start"].fillna(frame["d_end"]).to_numpy(float)
+    frame["tool_s"] = np.where(continues, frame["q_time"].to_numpy(float) - wait_from, np.nan)
+    frame["next_new_tokens"] = np.where(continues, frame["q_new"].to_numpy(float), np.nan)
+    frame["output_tokens"] = frame["output_tokens"].astype(float)
+    frame = frame.drop(columns=["d_end", "t_start", "q_time", "q_new"])
+    frame.insert(0, "run_id", run_id)
+    return frame

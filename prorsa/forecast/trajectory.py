@@ -1,0 +1,313 @@
+"""``lightgbm-trajectory``: bottom-up demand from per-trajectory LightGBM models.
+
+When a turn arrives, four small models look at the trajectory (its turn, context, own
+history, task, and how its GRPO siblings are doing) and predict:
+
+* ``output`` — the turn's output tokens (log-normal: LightGBM mean of the log, spread
+  from out-of-fold residuals per task);
+* ``continues`` — the probability that another turn follows;
+* ``tool`` — the tool time after this turn (log-normal of ``T + 0.05 s``);
+* ``next`` — the next turn's new tokens (log-normal of ``1 + N``).
+
+Every tick these are conditioned on elapsed decode and tool time and summed into the four
+targets in closed form (:mod:`prorsa.forecast.bottomup`): the remaining decode tokens of a
+running decode, the remaining tool time and the next prefill size are what the issue asks
+the models for, expressed as distributions. A calibration stage (``calibrate=True``) then
+maps the bottom-up sums plus the aggregate features to the targets with LightGBM (mean,
+p50, p90); it is trained on out-of-fold bottom-up sums (folds by run) so it learns how far
+to trust them, and it supplies what the sum cannot see (trajectories not yet started).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from prorsa.forecast import lgbm
+from prorsa.forecast.aggregate import LOSSES, subsample
+from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
+from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
+from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.tracker import EVENT_FEATURES
+from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
+
+logger = logging.getLogger(__name__)
+
+#: name -> (label column, transform to model space, objective, rows it trains on)
+TURN_MODELS = {
+    "output": ("output_tokens", lambda y: np.log(np.maximum(y, 1.0)), "regression", "all"),
+    "continues": ("continues", lambda y: y, "binary", "all"),
+    "tool": ("tool_s", lambda y: np.log(np.maximum(y, 0.0) + TOOL_SHIFT_S), "regression", "cont"),
+    "next": ("next_new_tokens", lambda y: np.log1p(np.maximum(y, 0.0)), "regression", "cont"),
+}
+_SLOT_ARRAYS = ("mu_output", "mu_continues", "mu_tool", "mu_next")
+BOTTOM_UP_FEATURES = ("bu_prefill", "bu_decode", "bu_sequences", "bu_kv")
+
+
+@register("lightgbm-trajectory")
+class LightGBMTrajectoryForecaster(Forecaster):
+    """Bottom-up forecaster from per-trajectory models (see the module doc).
+
+    Args:
+        n_estimators / learning_rate / num_leaves / min_child_samples: per-turn models.
+        calibrate: add the calibration stage (mean, p50, p90); False gives the raw
+            bottom-up expectation as the point forecast and no quantiles.
+        folds: run folds for the out-of-fold predictions the calibration trains on.
+        calibration_estimators: trees of each calibration model.
+        max_rows: rows kept per model (seeded sample).
+    """
+
+    provides_quantiles = True
+
+    def __init__(
+        self,
+        horizons: Sequence[float] = DEFAULT_HORIZONS,
+        seed: int = 0,
+        n_estimators: int = 80,
+        learning_rate: float = 0.08,
+        num_leaves: int = 15,
+        min_child_samples: int = 20,
+        calibrate: bool = True,
+        folds: int = 2,
+        calibration_estimators: int = 150,
+        max_rows: int = 200_000,
+    ) -> None:
+        super().__init__(horizons, seed)
+        self.n_estimators = n_estimators
+        self.learning_rate = learning_rate
+        self.num_leaves = num_leaves
+        self.min_child_samples = min_child_samples
+        self.calibrate = calibrate
+        self.folds = folds
+        self.calibration_estimators = calibration_estimators
+        self.max_rows = max_rows
+
+    # ------------------------------------------------------------------- fit
+    def _train(self, x, y, objective, *, trees=None, alpha=None, names=None, categorical=True):
+        return lgbm.train(
+            x,
+            y,
+            objective=objective,
+            alpha=alpha,
+            seed=self.seed,
+            n_estimators=trees or self.n_estimators,
+            learning_rate=self.learning_rate,
+            num_leaves=self.num_leaves,
+            min_child_samples=self.min_child_samples,
+            categorical=[0] if categorical else None,
+            feature_names=names or list(EVENT_FEATURES),
+        )
+
+    def _fit(self, data: ForecastDataset | None) -> None:
+        turns = data.turns.reset_index(drop=True)
+        if turns.empty:
+            from prorsa.errors import InputError
+
+            raise InputError("dataset has no turn rows: lightgbm-trajectory needs trajectories")
+        x = turns[list(EVENT_FEATURES)].to_numpy(float)
+        task = np.nan_to_num(turns["task"].to_numpy(float), nan=len(self.tasks_)).astype(int)
+        runs = sorted(turns["run_id"].unique())
+        order = np.random.default_rng(self.seed).permutation(len(runs))
+        fold_of_run = {runs[i]: k % max(self.folds, 1) for k, i in enumerate(order)}
+        fold = turns["run_id"].map(fold_of_run).to_numpy()
+        n_folds = len(set(fold_of_run.values()))
+        if n_folds < 2:
+            logger.warning("one run only: calibration trains on in-sample predictions")
+        oof = np.full((len(turns), len(TURN_MODELS)), np.nan)
+        self.boosters_: dict[str, object] = {}
+        self.spread_: dict[str, list[float]] = {}
+        self.default_: dict[str, float] = {}
+        n_tasks = len(self.tasks_) + 1
+        for j, (name, (col, transform, objective, rows)) in enumerate(TURN_MODELS.items()):
+            label = turns[col].to_numpy(float)
+            mask = np.isfinite(label)
+            if rows == "cont":
+                mask &= turns["continues"].to_numpy(float) == 1.0
+            idx = np.flatnonzero(mask)
+            idx = idx[subsample(len(idx), self.max_rows, self.seed)]
+            y = transform(label[idx])
+            if len(idx) < 2 or (objective == "binary" and len(np.unique(y)) < 2):
+                # Too little to learn from: a constant model (still saved and loaded).
+                const = float(np.mean(y)) if len(y) else (1.0 if objective == "binary" else 0.0)
+                self.default_[name] = const
+                oof[:, j] = const
+                self.spread_[name] = [1.0] * n_tasks
+                continue
+            for k in sorted(set(fold_of_run.values())):
+                train = idx[fold[idx] != k] if n_folds > 1 else idx
+                if len(train) < 2:
+                    continue
+                model = self._train(x[train], transform(label[train]), objective)
+                test = np.flatnonzero(fold == k) if n_folds > 1 else np.arange(len(turns))
+                oof[test, j] = lgbm.predict(model, x[test])
+            self.boosters_[name] = self._train(x[idx], y, objective)
+            self.default_[name] = float(np.mean(y))
+            if objective == "regression":
+                self.spread_[name] = _spread_by_task(y - oof[idx, j], task[idx], n_tasks)
+        if self.calibrate:
+            self._fit_calibration(data, turns, oof)
+
+    def _fit_calibration(self, data: ForecastDataset, turns: pd.DataFrame, oof: np.ndarray) -> None:
+        snaps = data.snapshots
+        if snaps.empty:
+            from prorsa.errors import InputError
+
+            raise InputError("dataset has no trajectory snapshots to calibrate on")
+        key = ["run_id", "trajectory_id", "turn"]
+        preds = pd.DataFrame(oof, columns=list(_SLOT_ARRAYS))
+        preds[key] = turns[key].astype({"turn": np.int64, "trajectory_id": str})
+        preds["task_code"] = turns["task"].to_numpy()
+        snaps = snaps.astype({"turn": np.int64, "trajectory_id": str})
+        joined = snaps.merge(preds, on=key, how="left")
+        ticks = data.ticks
+        tick_key = ticks[["run_id", "time"]].reset_index().rename(columns={"index": "tick"})
+        joined = joined.merge(tick_key, on=["run_id", "time"], how="inner")
+        rate = ticks["decode_rate_per_seq"].to_numpy(float)[joined["tick"].to_numpy()]
+        ttft = ticks["ttft_s"].to_numpy(float)[joined["tick"].to_numpy()]
+        live = self._live(
+            {c: joined[c].to_numpy() for c in joined.columns},
+            {n: joined[n].to_numpy(float) for n in _SLOT_ARRAYS},
+            np.nan_to_num(joined["task_code"].to_numpy(float), nan=len(self.tasks_)).astype(int),
+            rate,
+            ttft,
+        )
+        contrib = bottom_up(live, np.asarray(self.horizons_))
+        ticks_used, inverse = np.unique(joined["tick"].to_numpy(), return_inverse=True)
+        sums = np.zeros((len(ticks_used), len(TARGETS), len(self.horizons_)))
+        np.add.at(sums, inverse, contrib)
+        sub = ticks.iloc[ticks_used]
+        scale = sub["scale"].to_numpy(float)
+        xs = self._calibration_rows(sub[data.feature_names].to_numpy(float), sums, scale)
+        y = self._targets_matrix(sub, self.horizons_)
+        keep = subsample(len(xs), self.max_rows, self.seed)
+        names = [*data.feature_names, *BOTTOM_UP_FEATURES, "horizon_s"]
+        for i, target in enumerate(TARGETS):
+            yt = y[:, i, :].T.reshape(-1)
+            for suffix, objective, alpha in LOSSES:
+                self.boosters_[f"cal:{target}:{suffix}"] = self._train(
+                    xs[keep],
+                    yt[keep],
+                    objective,
+                    alpha=alpha,
+                    trees=self.calibration_estimators,
+                    names=names,
+                    categorical=False,
+                )
+
+    def _calibration_rows(
+        self, feats: np.ndarray, sums: np.ndarray, scale: np.ndarray
+    ) -> np.ndarray:
+        """[ticks x horizons, features + bottom-up + horizon], horizon-major."""
+        blocks = []
+        for j, h in enumerate(self.horizons_):
+            bu = np.column_stack(
+                [normalise(sums[:, i, j], t, h, scale) for i, t in enumerate(TARGETS)]
+            )
+            blocks.append(np.column_stack([feats, bu, np.full(len(feats), h)]))
+        return np.vstack(blocks)
+
+    # --------------------------------------------------------------- online
+    def _reset_stream(self) -> None:
+        for name in _SLOT_ARRAYS:
+            self.tracker_.add_slot_array(name)
+
+    def _update(self) -> None:
+        slots = self.tracker_.take_pending()
+        if not len(slots):
+            return
+        x = self.tracker_.frozen[slots]
+        for name, arr in zip(TURN_MODELS, _SLOT_ARRAYS, strict=True):
+            booster = self.boosters_.get(name)
+            values = lgbm.predict(booster, x) if booster is not None else self.default_[name]
+            self.tracker_.slot_array(arr)[slots] = values
+
+    def _live(self, snap: dict, mus: dict, task: np.ndarray, rate, ttft) -> Live:
+        def mu(name: str, model: str) -> np.ndarray:
+            values = np.asarray(mus[name], float)
+            return np.where(np.isnan(values), self.default_[model], values)
+
+        def spread(model: str) -> np.ndarray:
+            table = np.asarray(self.spread_.get(model, [1.0]), float)
+            return table[np.minimum(task, len(table) - 1)]
+
+        n = len(snap["state"])
+        return Live(
+            state=np.asarray(snap["state"]),
+            open=np.asarray(snap["open"], bool),
+            ctx=np.asarray(snap["ctx"], float),
+            since_queued=np.asarray(snap["since_queued"], float),
+            decoded=np.asarray(snap["decoded"], float),
+            tool_elapsed=np.asarray(snap["tool_elapsed"], float),
+            out_last=np.asarray(snap["out_last"], float),
+            mu_out=mu("mu_output", "output"),
+            sd_out=spread("output"),
+            q_cont=np.clip(mu("mu_continues", "continues"), 0.0, 1.0),
+            mu_tool=mu("mu_tool", "tool"),
+            sd_tool=spread("tool"),
+            mu_next=mu("mu_next", "next"),
+            sd_next=spread("next"),
+            rate=np.broadcast_to(np.asarray(rate, float), (n,)),
+            ttft=np.broadcast_to(np.asarray(ttft, float), (n,)),
+        )
+
+    def bottom_up_now(self, horizons: Sequence[float]) -> np.ndarray:
+        """Raw bottom-up expectation [targets, horizons] at the last tick."""
+        tr = self.tracker_
+        snap = tr.snapshot
+        slots = snap["slot"]
+        mus = {n: tr.slot_array(n)[slots] for n in _SLOT_ARRAYS}
+        live = self._live(snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s)
+        return bottom_up(live, np.asarray(horizons, float)).sum(axis=0)
+
+    def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
+        sums = self.bottom_up_now(horizons)
+        if not self.calibrate:
+            return {t: sums[i] for i, t in enumerate(TARGETS)}, {}
+        scale = float(max(self.tracker_.peak_live, 1))
+        feats = self.current_features()[None, :]
+        rows = []
+        for j, h in enumerate(horizons):
+            bu = [normalise(sums[i, j], t, h, scale) for i, t in enumerate(TARGETS)]
+            rows.append(np.concatenate([feats[0], bu, [h]]))
+        x = np.vstack(rows)
+        point: Point = {}
+        quantiles: Quantiles = {q: {} for q in QUANTILES}
+        for target in TARGETS:
+            for suffix, _, alpha in LOSSES:
+                raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x)
+                values = np.array(
+                    [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
+                )
+                if alpha is None:
+                    point[target] = values
+                else:
+                    quantiles[alpha][target] = values
+        return point, quantiles
+
+    # ------------------------------------------------------------- save/load
+    def _get_state(self, path: Path) -> dict:
+        return {
+            "boosters": lgbm.save_boosters(self.boosters_, path / "boosters.json.gz"),
+            "spread": self.spread_,
+            "default": self.default_,
+        }
+
+    def _set_state(self, state: dict, path: Path) -> None:
+        self.boosters_ = lgbm.load_boosters(path / state["boosters"])
+        self.spread_ = {k: list(v) for k, v in state["spread"].items()}
+        self.default_ = {k: float(v) for k, v in state["default"].items()}
+
+
+def _spread_by_task(residual: np.ndarray, task: np.ndarray, n_tasks: int) -> list[float]:
+    """Residual standard deviation per task code (global where a task has < 30 rows)."""
+    ok = np.isfinite(residual)
+    overall = float(np.std(residual[ok])) if ok.sum() > 1 else 1.0
+    out = []
+    for code in range(n_tasks):
+        sel = ok & (task == code)
+        out.append(float(np.std(residual[sel])) if sel.sum() >= 30 else overall)
+    return [max(v, 0.05) for v in out]
