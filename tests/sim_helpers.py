@@ -104,11 +104,7 @@ def reference_colocated(prof: CostProfile, requests: list[tuple[float, int, int]
     end = [0.0] * len(requests)
     t = 0.0
     while pending or queue or waiting or running:
-        while (
-            pending
-            and requests[pending[0]][0] < t + 1e-12
-            and (queue or waiting or running or True)
-        ):
+        while pending and requests[pending[0]][0] < t + 1e-12:
             i = pending.pop(0)
             queue.append([i, requests[i][1], 0])
         if not (queue or waiting or running):
