@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from prorsa.errors import ConfigError
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 from prorsa.registry import Registry
 
@@ -55,6 +56,40 @@ class Policy(ABC):
     def search_space(cls, trial) -> dict:
         """Parameters an Optuna ``trial`` should tune (none by default)."""
         return {}
+
+
+class SplitPolicy(Policy):
+    """Base of policies that split the slots into prefill and decode (no colocated).
+
+    Subclasses store ``prefill_fraction`` (the split before their first real decision)
+    and may store ``local_prefill_threshold`` (applied with every allocation when set).
+    """
+
+    prefill_fraction: float = 0.25
+    local_prefill_threshold: int | None = None
+
+    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
+        super().reset(cluster, seed)
+        name = type(self).__name__
+        if not 0 < self.prefill_fraction < 1:
+            raise ConfigError(f"{name}: prefill_fraction must be in (0, 1)")
+        if cluster.num_slots < 2:
+            raise ConfigError(f"{name}: a prefill/decode split needs at least two slots")
+
+    def initial_prefill_slots(self) -> int:
+        """``prefill_fraction`` of the slots, at least one on each side."""
+        slots = self.cluster_.num_slots
+        return min(max(round(self.prefill_fraction * slots), 1), slots - 1)
+
+    def split(self, prefill_slots: int, reason: str) -> Allocation:
+        """An allocation of ``prefill_slots`` prefill slots and the rest decode."""
+        size = self.cluster_.slot_gpus
+        decode = (self.cluster_.num_slots - prefill_slots) * size
+        return Allocation(
+            gpus={"prefill": prefill_slots * size, "decode": decode},
+            local_prefill_threshold=self.local_prefill_threshold,
+            reason=reason,
+        )
 
 
 POLICIES: Registry[type[Policy]] = Registry("policy")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prorsa.errors import ConfigError
-from prorsa.policy.base import POLICIES, ClusterSpec, Policy
+from prorsa.policy.base import POLICIES, ClusterSpec, Policy, SplitPolicy
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
 
@@ -18,7 +18,7 @@ class ColocatePolicy(Policy):
 
 
 @POLICIES.register("static")
-class StaticPolicy(Policy):
+class StaticPolicy(SplitPolicy):
     """A fixed disaggregated split: ``prefill_fraction`` of the GPUs prefill, the rest decode.
 
     Args:
@@ -39,22 +39,16 @@ class StaticPolicy(Policy):
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
-        if not 0 < self.prefill_fraction < 1:
-            raise ConfigError("static: prefill_fraction must be in (0, 1)")
-        slots, size = cluster.num_slots, cluster.slot_gpus
-        if slots < 2:
-            raise ConfigError("static: a disaggregated split needs at least two slots")
-        if self.prefill_gpus is not None:
-            if self.prefill_gpus % size or not 0 < self.prefill_gpus < cluster.total_gpus:
-                total = cluster.total_gpus
-                raise ConfigError(
-                    f"static: prefill_gpus must be a multiple of {size} in (0, {total})"
-                )
-            prefill_slots = self.prefill_gpus // size
+        size, total = cluster.slot_gpus, cluster.total_gpus
+        if self.prefill_gpus is None:
+            self.prefill_slots_ = self.initial_prefill_slots()
+        elif self.prefill_gpus % size or not 0 < self.prefill_gpus < total:
+            raise ConfigError(f"static: prefill_gpus must be a multiple of {size} in (0, {total})")
         else:
-            prefill_slots = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
-        self.split_ = {"prefill": prefill_slots * size, "decode": (slots - prefill_slots) * size}
+            self.prefill_slots_ = self.prefill_gpus // size
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
-        split = self.split_
-        return Allocation(gpus=dict(split), reason=f"static {split['prefill']}P{split['decode']}D")
+        alloc = self.split(self.prefill_slots_, "")
+        return Allocation(
+            gpus=alloc.gpus, reason=f"static {alloc.gpus['prefill']}P{alloc.gpus['decode']}D"
+        )

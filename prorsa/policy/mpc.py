@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.policy.base import POLICIES, ClusterSpec, Policy
+from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
 from prorsa.policy.demand import Sizing, current_load, kv_capacity_per_slot
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
 
 @POLICIES.register("mpc")
-class MPCPolicy(Policy):
+class MPCPolicy(SplitPolicy):
     """Receding-horizon plan over the forecaster's horizons.
 
     The forecast's horizons ``h_1 < ... < h_K`` cut the future into intervals. In interval
@@ -81,8 +81,6 @@ class MPCPolicy(Policy):
             raise ConfigError("mpc: drain_s, switch_cost_s and weights must be >= 0")
         if self.max_step < 0:
             raise ConfigError("mpc: max_step must be >= 0")
-        if cluster.num_slots < 2:
-            raise ConfigError("mpc: needs at least two slots")
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
@@ -150,22 +148,12 @@ class MPCPolicy(Policy):
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
         if forecast is None or current == 0:
-            start = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
-            return self._alloc(current or start, "mpc: no forecast yet")
+            return self.split(current or self.initial_prefill_slots(), "mpc: no forecast yet")
         current = min(max(current, 1), slots - 1)
         lengths, need_p, need_d = self.requirements(obs, forecast)
         self.last_plan_ = self.plan(current, lengths, need_p, need_d)
         target = self.last_plan_[0]
-        return self._alloc(target, f"mpc: plan {self.last_plan_}")
-
-    def _alloc(self, prefill_slots: int, reason: str) -> Allocation:
-        size = self.cluster_.slot_gpus
-        decode = (self.cluster_.num_slots - prefill_slots) * size
-        return Allocation(
-            gpus={"prefill": prefill_slots * size, "decode": decode},
-            local_prefill_threshold=self.local_prefill_threshold,
-            reason=reason,
-        )
+        return self.split(target, f"mpc: plan {self.last_plan_}")
 
 
 @POLICIES.register("oracle")

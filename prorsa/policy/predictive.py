@@ -4,7 +4,7 @@ horizon, and switch only when the gain outweighs the cost of switching."""
 from __future__ import annotations
 
 from prorsa.errors import ConfigError
-from prorsa.policy.base import POLICIES, ClusterSpec, Policy
+from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
 from prorsa.policy.demand import (
     Sizing,
     current_load,
@@ -16,7 +16,7 @@ from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
 
 @POLICIES.register("predictive")
-class PredictivePolicy(Policy):
+class PredictivePolicy(SplitPolicy):
     """Proportional sizing on forecast demand with switch-cost hysteresis.
 
     Each tick: prefill need = forecast prefill tokens over ``horizon_s`` (at ``quantile``
@@ -79,10 +79,6 @@ class PredictivePolicy(Policy):
             raise ConfigError("predictive: horizon_s must be > 0")
         if self.min_gain < 0 or self.switch_cost_weight < 0:
             raise ConfigError("predictive: min_gain and switch_cost_weight must be >= 0")
-        if not 0 < self.prefill_fraction < 1:
-            raise ConfigError("predictive: prefill_fraction must be in (0, 1)")
-        if cluster.num_slots < 2:
-            raise ConfigError("predictive: needs at least two slots")
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
@@ -108,29 +104,21 @@ class PredictivePolicy(Policy):
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
         if forecast is None or current == 0:
-            start = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
-            return self._alloc(current or start, "predictive: no forecast yet")
+            return self.split(
+                current or self.initial_prefill_slots(), "predictive: no forecast yet"
+            )
         need_p, need_d = self.needs(obs, forecast)
         target = split_slots(slots, need_p, need_d)
         if target == current:
-            return self._alloc(current, "predictive: balanced")
+            return self.split(current, "predictive: balanced")
         gain = _max_util(current, slots, need_p, need_d) - _max_util(target, slots, need_p, need_d)
         saved = (
             _shortage(current, slots, need_p, need_d) - _shortage(target, slots, need_p, need_d)
         ) * self.horizon_s
         lost = self.switch_cost_weight * abs(target - current) * self.cluster_.switch_latency_s
         if gain >= self.min_gain and saved >= lost:
-            return self._alloc(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
-        return self._alloc(current, "predictive: hold (gain below switch cost)")
-
-    def _alloc(self, prefill_slots: int, reason: str) -> Allocation:
-        size = self.cluster_.slot_gpus
-        decode = (self.cluster_.num_slots - prefill_slots) * size
-        return Allocation(
-            gpus={"prefill": prefill_slots * size, "decode": decode},
-            local_prefill_threshold=self.local_prefill_threshold,
-            reason=reason,
-        )
+            return self.split(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
+        return self.split(current, "predictive: hold (gain below switch cost)")
 
 
 def _max_util(prefill: int, slots: int, need_p: float, need_d: float) -> float:

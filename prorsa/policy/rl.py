@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.policy.base import POLICIES, ClusterSpec, Policy
+from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
 from prorsa.policy.demand import current_load
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
@@ -57,29 +57,17 @@ def observation_vector(obs: ClusterObservation, spec: ClusterSpec) -> np.ndarray
     return np.asarray(vec, dtype=np.float32)
 
 
-class _DeltaPolicy(Policy):
+class _DeltaPolicy(SplitPolicy):
     """Shared arithmetic: move the prefill share by one slot, clamped to [1, N-1]."""
 
     def __init__(self, prefill_fraction: float = 0.25) -> None:
         self.prefill_fraction = prefill_fraction
 
-    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
-        super().reset(cluster, seed)
-        if cluster.num_slots < 2:
-            raise ConfigError(f"{type(self).__name__}: needs at least two slots")
-        if not 0 < self.prefill_fraction < 1:
-            raise ConfigError("prefill_fraction must be in (0, 1)")
-
     def _apply(self, obs: ClusterObservation, delta: int, reason: str) -> Allocation:
-        slots, size = self.cluster_.num_slots, self.cluster_.slot_gpus
         current = current_load(obs).prefill_slots
         if current == 0:
-            current = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
-            delta = 0
-        target = min(max(current + delta, 1), slots - 1)
-        return Allocation(
-            gpus={"prefill": target * size, "decode": (slots - target) * size}, reason=reason
-        )
+            current, delta = self.initial_prefill_slots(), 0
+        return self.split(min(max(current + delta, 1), self.cluster_.num_slots - 1), reason)
 
 
 class ExternalPolicy(_DeltaPolicy):

@@ -4,13 +4,13 @@ autoscalers' approach: act on what is already queued, one slot at a time)."""
 from __future__ import annotations
 
 from prorsa.errors import ConfigError
-from prorsa.policy.base import POLICIES, ClusterSpec, Policy
+from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
 from prorsa.policy.demand import current_load
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
 
 @POLICIES.register("threshold")
-class ThresholdPolicy(Policy):
+class ThresholdPolicy(SplitPolicy):
     """Move one slot toward the side whose queue or memory crossed its threshold.
 
     Args:
@@ -48,14 +48,10 @@ class ThresholdPolicy(Policy):
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
-        if not 0 < self.prefill_fraction < 1:
-            raise ConfigError("threshold: prefill_fraction must be in (0, 1)")
         if not 0 <= self.prefill_wait_low_s < self.prefill_wait_high_s:
             raise ConfigError("threshold: need 0 <= prefill_wait_low_s < prefill_wait_high_s")
         if not 0 < self.kv_high <= 1:
             raise ConfigError("threshold: kv_high must be in (0, 1]")
-        if cluster.num_slots < 2:
-            raise ConfigError("threshold: needs at least two slots")
         self.started_ = False
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
@@ -65,8 +61,7 @@ class ThresholdPolicy(Policy):
         prefill = load.prefill_slots
         if not self.started_ or prefill == 0:
             self.started_ = True
-            prefill = min(max(round(self.prefill_fraction * slots), 1), slots - 1)
-            return self._alloc(prefill, "threshold: initial split")
+            return self.split(self.initial_prefill_slots(), "threshold: initial split")
         per_slot = spec.prefill_tokens_per_s_per_gpu * size
         wait_s = load.prefill_backlog_tokens / max(prefill * per_slot, 1e-9)
         decode_views = [s for s in obs.slots if s.role == "decode"]
@@ -76,12 +71,7 @@ class ThresholdPolicy(Policy):
         batch = load.decode_sequences / max(load.decode_slots * size, 1)
         decode_hot = kv_use > self.kv_high or batch > self.batch_high
         if wait_s > self.prefill_wait_high_s and not decode_hot and prefill < slots - 1:
-            return self._alloc(prefill + 1, f"threshold: prefill wait {wait_s:.2f}s")
+            return self.split(prefill + 1, f"threshold: prefill wait {wait_s:.2f}s")
         if wait_s < self.prefill_wait_low_s and decode_hot and prefill > 1:
-            return self._alloc(prefill - 1, f"threshold: decode kv {kv_use:.0%} batch {batch:.0f}")
-        return self._alloc(prefill, "threshold: hold")
-
-    def _alloc(self, prefill_slots: int, reason: str) -> Allocation:
-        size = self.cluster_.slot_gpus
-        decode = (self.cluster_.num_slots - prefill_slots) * size
-        return Allocation(gpus={"prefill": prefill_slots * size, "decode": decode}, reason=reason)
+            return self.split(prefill - 1, f"threshold: decode kv {kv_use:.0%} batch {batch:.0f}")
+        return self.split(prefill, "threshold: hold")
