@@ -241,8 +241,7 @@ class SimCluster:
             decode.role == "colocated"
             or not self.prefill_side
             or (
-                req.turn > 0
-                and appended < self.local_prefill_threshold
+                appended < self.local_prefill_threshold
                 and decode.cache.peek(traj.traj_key) >= req.context - appended
             )
         )
