@@ -14,7 +14,13 @@ Modules (import from them; this package imports nothing heavy):
   routing, retries after engine death, lifecycle telemetry); ``turns`` holds its config,
   request and result types.
 * ``switch``: the live role switch (stop, drain, abort + re-route, pause, reset, resume).
-* ``actuator``: :class:`RayActuator` and :class:`AsyncioClock` for the controller.
+* ``actuator``: :class:`RayActuator` and :class:`AsyncioClock` for the controller;
+  ``load`` (vLLM stat logger: KV use, queues) and ``monitor`` (background polling) feed
+  its observations.
+* ``agent``: the multi-turn agent loop; ``tools`` (sandboxed Python, BM25 search, a
+  latency tool); ``specs`` fits scenario specs to the engines and makes their tokens.
+* ``rollout``: :func:`run_rollout` end to end (``rollout_config``, ``rollout_metrics``);
+  ``cpu_profile`` registers the cost profile fitted to these engines.
 * ``tiny_model``: a random tiny Llama and local tokenizer for tests and demos.
 
 Choices worth knowing:

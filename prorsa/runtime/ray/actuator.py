@@ -16,6 +16,7 @@ from typing import Any
 
 from prorsa.errors import ConfigError
 from prorsa.policy.types import ClusterObservation, SlotView
+from prorsa.runtime.ray.monitor import LoadMonitor, estimate
 from prorsa.runtime.ray.pools import Role, parse_role
 from prorsa.runtime.ray.router import PDRouter
 from prorsa.telemetry.schema import EventKind
@@ -46,6 +47,8 @@ class RayActuator:
         gpus_per_engine: GPUs one engine (one controller slot) holds.
         prefill_tokens_per_s: measured prefill throughput per role (per GPU), if known.
         decode_tokens_per_s: measured decode throughput per role (per GPU), if known.
+        monitor: polls vLLM's scheduler load; without one KV use is the router's estimate.
+        total_trajectories: trajectories in the run, if known (observation field).
     """
 
     def __init__(
@@ -56,8 +59,15 @@ class RayActuator:
         gpus_per_engine: int = 1,
         prefill_tokens_per_s: Mapping[str, float] | None = None,
         decode_tokens_per_s: Mapping[str, float] | None = None,
+        monitor: LoadMonitor | None = None,
+        total_trajectories: int | None = None,
     ) -> None:
         self.router = router
+        self.monitor = monitor
+        self.total_trajectories = total_trajectories
+        rows = router.events.rows
+        self.live = LiveEvents(rows) if rows is not None else None
+        self.kv_sources: dict[int, str] = {}
         self.drain_timeout_s = drain_timeout_s
         self.gpus_per_engine = gpus_per_engine
         self.prefill_tokens_per_s = dict(prefill_tokens_per_s or {})
@@ -118,15 +128,20 @@ class RayActuator:
     def observe(self) -> ClusterObservation:
         """The cluster now, as the controller's policies see it.
 
-        KV use is not reported by the engines yet, so ``kv_used_tokens`` and
-        ``kv_capacity_tokens`` are 0; queues and running sequences come from the router.
+        KV use per engine comes from vLLM's scheduler through the :class:`LoadMonitor`
+        when one is attached and the engine has reported (``kv_sources`` says which
+        engines fell back to the router's estimate). Queues, running legs and trajectory
+        states come from the router; ``live.rows`` is the router's event stream.
         """
         slots = []
+        sources: dict[int, str] = {}
         for engine in self.router.pools.engines():
             if not engine.alive:
                 continue
             switching = engine.role is Role.SWITCHING
             prefill_leases = [x for x in engine.leases.values() if x.role is Role.PREFILL]
+            kv = self.monitor.reading(engine) if self.monitor is not None else estimate(engine)
+            sources[engine.engine_id] = kv.source
             slots.append(
                 SlotView(
                     slot_id=engine.engine_id,
@@ -136,12 +151,13 @@ class RayActuator:
                     engines=1,
                     queued_prefill_tokens=sum(x.tokens for x in prefill_leases),
                     running_sequences=len(engine.leases) - len(prefill_leases),
-                    kv_used_tokens=0,
-                    kv_capacity_tokens=0,
+                    kv_used_tokens=kv.used_tokens,
+                    kv_capacity_tokens=kv.capacity_tokens,
                     busy=not engine.idle,
                     since_s=engine.since_s,
                 )
             )
+        self.kv_sources = sources
         counts, tokens = self.router.trajectory_states()
         return ClusterObservation(
             time_s=self.router.events.now(),
@@ -150,5 +166,21 @@ class RayActuator:
             trajectory_tokens=tokens,
             prefill_tokens_per_s=dict(self.prefill_tokens_per_s),
             decode_tokens_per_s=dict(self.decode_tokens_per_s),
+            completed_trajectories=self.router.completed_trajectories,
+            total_trajectories=self.total_trajectories,
             local_prefill_threshold=self.router.config.local_prefill_threshold_tokens,
+            live=self.live,
         )
+
+
+class LiveEvents:
+    """What ``ClusterObservation.live`` carries from the real runtime.
+
+    ``rows`` is the router's in-memory event stream (tuples in
+    :data:`prorsa.telemetry.schema.FIELDS` order, appended as events happen), the same
+    attribute the simulator's cluster exposes, so an online forecast provider reading
+    ``obs.live.rows[seen:]`` works unchanged on both.
+    """
+
+    def __init__(self, rows: list[tuple]) -> None:
+        self.rows = rows

@@ -63,6 +63,8 @@ class EngineClient(Protocol):
 
     async def health(self) -> dict[str, Any]: ...
 
+    async def load(self) -> dict[str, Any]: ...
+
     async def shutdown(self) -> None: ...
 
 
@@ -127,6 +129,9 @@ class RayEngineClient:
 
     async def health(self) -> dict[str, Any]:
         return await self._call("health")
+
+    async def load(self) -> dict[str, Any]:
+        return await self._call("load")
 
     async def shutdown(self) -> None:
         await self._call("shutdown")

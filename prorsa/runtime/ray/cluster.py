@@ -136,10 +136,8 @@ class EngineFleet:
 
     def pools(self) -> RolePools:
         """Fresh :class:`RolePools` over this fleet with its initial roles and limits."""
-        limits = {
-            eid: {"max_model_len": h.get("max_model_len"), "vocab_size": h.get("vocab_size")}
-            for eid, h in self.health.items()
-        }
+        keys = ("max_model_len", "vocab_size", "kv_capacity_tokens")
+        limits = {eid: {k: h.get(k) for k in keys} for eid, h in self.health.items()}
         return RolePools(self.clients.values(), self.roles, limits)
 
     def pids(self) -> list[int]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.runtime.ray.config import EngineConfig, engine_environment, kv_transfer_config
+from prorsa.runtime.ray.load import EngineLoad, load_logger_factory
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EngineServer:
         self._llm: Any = None
         self._in_flight: dict[str, float] = {}
         self._paused = False
+        self._load = EngineLoad()
         self.start_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -96,7 +98,9 @@ class EngineServer:
             args.update(cfg.engine_kwargs)
             started = time.perf_counter()
             try:
-                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+                self._llm = AsyncLLM.from_engine_args(
+                    AsyncEngineArgs(**args), stat_loggers=[load_logger_factory(self._load)]
+                )
             except Exception as exc:  # surface one clear line; the log has the traceback
                 logger.exception("engine %d failed to start", self.engine_id)
                 raise ConfigError(
@@ -104,6 +108,8 @@ class EngineServer:
                     hint="check EngineConfig (model, max_model_len, memory) and the engine log",
                 ) from None
             self.start_s = time.perf_counter() - started
+            cache = self._llm.vllm_config.cache_config
+            self._load.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
             logger.info("engine %d ready in %.1f s", self.engine_id, self.start_s)
         return await self.health()
 
@@ -112,6 +118,7 @@ class EngineServer:
         if self._llm is None:
             return {"engine_id": self.engine_id, "ready": False}
         await self._llm.check_health()
+        scheduler = self._llm.vllm_config.scheduler_config
         return {
             "engine_id": self.engine_id,
             "ready": True,
@@ -124,6 +131,22 @@ class EngineServer:
             "start_s": self.start_s,
             "max_model_len": self._llm.model_config.max_model_len,
             "vocab_size": self._llm.model_config.get_vocab_size(),
+            "kv_capacity_tokens": self._load.kv_capacity_tokens,
+            "block_size": self._llm.vllm_config.cache_config.block_size,
+            "max_num_seqs": scheduler.max_num_seqs,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        }
+
+    async def load(self) -> dict[str, Any]:
+        """KV use and queue lengths from vLLM's scheduler at its last step.
+
+        See :class:`~prorsa.runtime.ray.load.EngineLoad` for the fields; ``in_flight`` counts
+        this actor's open ``generate`` calls.
+        """
+        return {
+            "engine_id": self.engine_id,
+            "in_flight": len(self._in_flight),
+            **self._load.snapshot(),
         }
 
     async def pause(self, mode: str = "keep") -> None:
@@ -183,7 +206,8 @@ class EngineServer:
             ``output_token_ids``, ``kv_transfer_params`` (None unless a connector set them),
             ``finish_reason`` (``abort`` when aborted), ``num_cached_tokens``,
             ``prompt_tokens``, ``engine_id`` and ``timings`` with ``queue_s``/``prefill_s``
-            (engine-core clock, None when not reported), ``first_token_s`` and ``total_s``
+            and ``decode_s`` (engine-core clock: first to last token; None when not
+            reported), ``first_token_s`` and ``total_s``
             (wall clock inside the actor).
         """
         result: dict[str, Any] = {}
@@ -279,10 +303,12 @@ class EngineServer:
         total_s = time.perf_counter() - started
         completion = final.outputs[0] if final is not None else None
         metrics = getattr(final, "metrics", None)
-        queue_s = prefill_s = None
+        queue_s = prefill_s = decode_s = None
         if metrics is not None and metrics.scheduled_ts and metrics.first_token_ts:
             queue_s = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
             prefill_s = max(0.0, metrics.first_token_ts - metrics.scheduled_ts)
+            if metrics.last_token_ts:
+                decode_s = max(0.0, metrics.last_token_ts - metrics.first_token_ts)
         return {
             "request_id": request_id,
             "engine_id": self.engine_id,
@@ -294,6 +320,7 @@ class EngineServer:
             "timings": {
                 "queue_s": queue_s,
                 "prefill_s": prefill_s,
+                "decode_s": decode_s,
                 "first_token_s": first_token_s if first_token_s is not None else total_s,
                 "total_s": total_s,
             },

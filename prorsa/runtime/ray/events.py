@@ -26,11 +26,25 @@ def monotonic_clock() -> Callable[[], float]:
 
 
 class EventSink:
-    """Records lifecycle events when a recorder is given; a no-op otherwise."""
+    """Records lifecycle events when a recorder is given; a no-op otherwise.
 
-    def __init__(self, recorder: Recorder | None, clock: Callable[[], float] | None) -> None:
+    With ``keep_rows`` every event is also appended to :attr:`rows` (tuples in ``FIELDS``
+    order), the in-memory stream online forecasters read as ``obs.live.rows`` just as they
+    read the simulator's.
+    """
+
+    def __init__(
+        self,
+        recorder: Recorder | None,
+        clock: Callable[[], float] | None,
+        *,
+        keep_rows: bool = False,
+        run_id: str | None = None,
+    ) -> None:
         self.recorder = recorder
         self.clock = clock or monotonic_clock()
+        self.run_id = run_id or (recorder.run_id if recorder is not None else "run")
+        self.rows: list[tuple] | None = [] if keep_rows else None
 
     def now(self) -> float:
         return self.clock()
@@ -52,27 +66,36 @@ class EventSink:
         **detail: Any,
     ) -> None:
         """One trajectory-stage event."""
-        if self.recorder is None:
+        if self.recorder is None and self.rows is None:
             return
-        self.recorder.record(
-            at,
-            trajectory_id,
-            kind,
-            turn=turn,
-            group_id=group_id,
-            task=task,
-            engine_id=engine_id,
-            context_tokens=max(0, context_tokens),
-            new_tokens=max(0, new_tokens),
-            cached_tokens=max(0, cached_tokens),
-            output_tokens=max(0, output_tokens),
-            detail=detail_json(**detail),
+        self._append(
+            (
+                at,
+                self.run_id,
+                trajectory_id,
+                group_id,
+                task,
+                turn,
+                str(kind),
+                engine_id,
+                max(0, context_tokens),
+                max(0, new_tokens),
+                max(0, cached_tokens),
+                max(0, output_tokens),
+                detail_json(**detail),
+            )
         )
 
     def cluster(self, kind: EventKind, engine_id: int, **detail: Any) -> None:
         """One cluster event (role switch, allocation); not tied to a trajectory."""
-        if self.recorder is None:
+        if self.recorder is None and self.rows is None:
             return
-        self.recorder.record(
-            self.now(), "", kind, engine_id=engine_id, detail=detail_json(**detail)
-        )
+        row = (self.now(), self.run_id, "", "", "", 0, str(kind), engine_id, 0, 0, 0, 0)
+        self._append((*row, detail_json(**detail)))
+
+    def _append(self, row: tuple) -> None:
+        # The recorder validates first, so an invalid event reaches neither sink.
+        if self.recorder is not None:
+            self.recorder.append_row(row)
+        if self.rows is not None:
+            self.rows.append(row)

@@ -64,6 +64,7 @@ class EngineState:
     role: Role
     max_model_len: int | None = None
     vocab_size: int | None = None
+    kv_capacity_tokens: int | None = None
     alive: bool = True
     switching_from: Role | None = None
     switching_to: Role | None = None
@@ -92,8 +93,9 @@ class RolePools:
     Args:
         engines: the engines' clients.
         roles: initial role per engine id (serving roles only).
-        limits: optional per-engine ``{"max_model_len": ..., "vocab_size": ...}`` (what
-            ``EngineServer.health`` reports), used to reject requests before dispatch.
+        limits: optional per-engine ``{"max_model_len": ..., "vocab_size": ...,
+            "kv_capacity_tokens": ...}`` (what ``EngineServer.health`` reports), used to
+            reject requests before dispatch and to report KV capacity.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class RolePools:
                 role=parse_role(roles[client.engine_id]),
                 max_model_len=limit.get("max_model_len"),
                 vocab_size=limit.get("vocab_size"),
+                kv_capacity_tokens=limit.get("kv_capacity_tokens"),
             )
         unknown = set(roles) - set(self._engines)
         if unknown:

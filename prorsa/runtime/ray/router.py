@@ -62,6 +62,7 @@ class PDRouter:
         config: routing behaviour; :class:`RouterConfig` defaults when omitted.
         recorder: where lifecycle events go (none recorded when omitted).
         clock: seconds for event times; wall-clock seconds since construction by default.
+        keep_rows: also keep every event in memory (``events.rows``) for online forecasters.
     """
 
     def __init__(
@@ -71,11 +72,12 @@ class PDRouter:
         *,
         recorder: Recorder | None = None,
         clock: Callable[[], float] | None = None,
+        keep_rows: bool = False,
     ) -> None:
         self.pools = pools
         self.config = config or RouterConfig()
         self.config.validate()
-        self.events = EventSink(recorder, clock)
+        self.events = EventSink(recorder, clock, keep_rows=keep_rows)
         self.switcher = RoleSwitcher(pools, self.events, self.config)
         # Per trajectory: its engine per role, and per engine the (length, hash) of the
         # context that engine last held for it (to estimate the next turn's new tokens).
@@ -86,6 +88,7 @@ class PDRouter:
         self._background: set[asyncio.Task] = set()
         self.retries_total = 0
         self.reroutes_total = 0
+        self.completed_trajectories = 0
 
     # ------------------------------------------------------------------ public API
     def set_local_prefill_threshold(self, tokens: int) -> None:
@@ -118,6 +121,42 @@ class PDRouter:
             counts[state] = counts.get(state, 0) + 1
             tokens[state] = tokens.get(state, 0) + context
         return counts, tokens
+
+    def trajectory_event(
+        self,
+        kind: K,
+        trajectory_id: str,
+        turn: int,
+        *,
+        group_id: str = "",
+        task: str = "",
+        context_tokens: int = 0,
+        **fields: Any,
+    ) -> float:
+        """Record an agent-side event (``traj_start``, ``tool_start``, ``tool_end``,
+        ``traj_end``) and update the trajectory's live state; returns the event time.
+
+        The agent loop owns these stages, the router the ones in between; both go through
+        the same sink so one trajectory's events stay in order. ``traj_end`` also forgets
+        the trajectory's routing state.
+        """
+        at = self.events.now()
+        self.events.turn(
+            kind,
+            at,
+            trajectory_id,
+            turn,
+            group_id=group_id,
+            task=task,
+            context_tokens=context_tokens,
+            **fields,
+        )
+        if kind == K.TRAJ_END:
+            self.forget(trajectory_id)
+            self.completed_trajectories += 1
+        else:
+            self._live[trajectory_id] = (STATE_AFTER[kind], context_tokens)
+        return at
 
     def forget(self, trajectory_id: str) -> None:
         """Drop a finished trajectory's sticky engines, cache bookkeeping and live state."""

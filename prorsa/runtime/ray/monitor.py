@@ -1,0 +1,122 @@
+"""Poll every live engine's scheduler load in the background, for synchronous observers.
+
+The controller's ``observe()`` is synchronous and must not wait on engines, so a
+:class:`LoadMonitor` task asks each engine for :meth:`EngineServer.load` every
+``interval_s`` and keeps the latest answer. KV numbers then come from vLLM itself
+(``source == "vllm"``). Engines that do not answer ``load`` (test fakes, an older actor) or
+have not stepped yet fall back to the router's own accounting of the legs it has in
+flight (``source == "router-estimate"``): prompt plus ``max_tokens`` per running decode
+leg, the context per prefill leg, which over-counts shared prefixes and blocks not yet
+filled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from prorsa.runtime.ray.client import EngineUnavailable
+from prorsa.runtime.ray.pools import EngineState, RolePools
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KvReading:
+    """KV use of one engine and where the numbers came from."""
+
+    used_tokens: int
+    capacity_tokens: int
+    running: int | None
+    waiting: int | None
+    source: str  # "vllm" | "router-estimate"
+
+
+class LoadMonitor:
+    """Background poller of engine load over :class:`RolePools`.
+
+    Args:
+        pools: the engines to poll (dead ones are skipped).
+        interval_s: time between polls.
+        timeout_s: longest wait for one engine's answer.
+    """
+
+    def __init__(self, pools: RolePools, interval_s: float = 0.25, timeout_s: float = 5.0) -> None:
+        self.pools = pools
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.latest: dict[int, dict[str, Any]] = {}
+        self.peak_kv_usage: dict[int, float] = {}  # highest vLLM-reported share seen
+        self.polls = 0
+        self._unsupported: set[int] = set()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start polling on the running loop (idempotent)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop polling and wait for the task to end."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def poll_once(self) -> None:
+        """Ask every live engine once (concurrently)."""
+        engines = [
+            e
+            for e in self.pools.engines()
+            if e.alive and e.engine_id not in self._unsupported and hasattr(e.client, "load")
+        ]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(e.client.load(), self.timeout_s) for e in engines),
+            return_exceptions=True,
+        )
+        for engine, answer in zip(engines, answers, strict=True):
+            if isinstance(answer, dict):
+                self.latest[engine.engine_id] = answer
+                usage = float(answer.get("kv_usage") or 0.0)
+                peak = self.peak_kv_usage.get(engine.engine_id, 0.0)
+                self.peak_kv_usage[engine.engine_id] = max(peak, usage)
+            elif isinstance(answer, AttributeError | NotImplementedError):
+                self._unsupported.add(engine.engine_id)
+            elif not isinstance(answer, EngineUnavailable | TimeoutError):
+                logger.debug("load of engine %d: %r", engine.engine_id, answer)
+        self.polls += 1
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval_s)
+
+    def reading(self, engine: EngineState) -> KvReading:
+        """The engine's KV use: vLLM's last report, else the router's estimate."""
+        answer = self.latest.get(engine.engine_id)
+        if answer and answer.get("kv_capacity_tokens") and answer.get("steps"):
+            return KvReading(
+                used_tokens=int(answer["kv_used_tokens"]),
+                capacity_tokens=int(answer["kv_capacity_tokens"]),
+                running=int(answer["running"]),
+                waiting=int(answer["waiting"]),
+                source="vllm",
+            )
+        return estimate(engine, answer)
+
+
+def estimate(engine: EngineState, answer: dict[str, Any] | None = None) -> KvReading:
+    """KV use from the router's leases (an upper bound; see the module docstring)."""
+    capacity = engine.kv_capacity_tokens or int((answer or {}).get("kv_capacity_tokens") or 0)
+    used = sum(lease.tokens for lease in engine.leases.values())
+    return KvReading(
+        used_tokens=min(used, capacity) if capacity else used,
+        capacity_tokens=capacity,
+        running=None,
+        waiting=None,
+        source="router-estimate",
+    )
