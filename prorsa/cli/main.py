@@ -11,6 +11,7 @@ from prorsa.cli import traces as traces_cli
 from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
 from prorsa.cli.compare import compare_cmd, demo_cmd, policies_cmd
+from prorsa.cli.rollout import rollout_cmd
 from prorsa.cli.simulate import simulate_cmd
 from prorsa.cli.tune import tune_cmd
 
@@ -33,6 +34,7 @@ app.add_typer(workload_cli.app, name="workload", help="Fit, inspect and sample t
 app.add_typer(models_cli.app, name="models", help="Make small local models for tests and demos.")
 app.add_typer(rl_cli.app, name="rl", help="Train the learned (PPO) allocation policy.")
 app.command("simulate")(simulate_cmd)
+app.command("rollout")(rollout_cmd)
 app.command("compare")(compare_cmd)
 app.command("demo")(demo_cmd)
 app.command("policies")(policies_cmd)

@@ -142,7 +142,8 @@ def run_rollout(
         policy: a policy object instead of ``config.policy`` (tests).
         forecaster: a forecast provider instead of ``config.forecaster``.
         specs: exact specs to run instead of sampling the scenario (must fit the engines).
-        progress: ``progress(completed, total)`` after every finished trajectory.
+        progress: ``progress(completed, total)`` once the engines are ready (0 completed),
+            then after every finished trajectory.
     """
     config.validate()
     out = Path(out_dir)
@@ -263,8 +264,14 @@ async def _run(
             min_dwell_s=config.min_dwell_s,
             forecaster=forecaster,
         )
-    agent = AgentLoop(router, tokens, tools, seed=config.seed, vocabulary=vocabulary,
-                      pad_tool_latency=config.pad_tool_latency)  # fmt: skip
+    agent = AgentLoop(
+        router,
+        tokens,
+        tools,
+        seed=config.seed,
+        vocabulary=vocabulary,
+        pad_tool_latency=config.pad_tool_latency,
+    )
     done = 0
 
     def finished() -> None:
@@ -278,6 +285,8 @@ async def _run(
         await monitor.poll_once()  # KV capacity known before the first tick
         if controller is not None:
             controller.start()
+        if progress is not None:
+            progress(0, len(specs))  # engines are up: the rollout starts now
         limit = len(specs) if config.mode == "sync" else config.max_in_flight
         answers = await _drive(agent, specs, limit, finished)
     finally:
@@ -288,8 +297,11 @@ async def _run(
         await recorder.aclose()
     wall = time.perf_counter() - wall
     outcomes = [a for a in answers if isinstance(a, TrajectoryOutcome)]
-    errors = [f"{s.trajectory_id}: {a!r}" for s, a in zip(specs, answers, strict=True)
-              if not isinstance(a, TrajectoryOutcome)]  # fmt: skip
+    errors = [
+        f"{s.trajectory_id}: {a!r}"
+        for s, a in zip(specs, answers, strict=True)
+        if not isinstance(a, TrajectoryOutcome)
+    ]
     table = _read_back(out)
     metrics = rollout_metrics(table, config.mode)
     metrics.update(
@@ -300,7 +312,7 @@ async def _run(
         final_roles={e.engine_id: e.role.value for e in pools.engines()},
         policy=config.policy if config.policy else type(policy).__name__,
         scenario=config.scenario,
-        kv_source=sorted(set(actuator.kv_sources.values()) or {"router-estimate"}),
+        kv_source=sorted({monitor.reading(e).source for e in pools.engines() if e.alive}),
         kv_capacity_tokens={e.engine_id: e.kv_capacity_tokens for e in pools.engines()},
         peak_kv_usage=monitor.peak_kv_usage,
         controller_ticks=len(controller.decisions) if controller else 0,

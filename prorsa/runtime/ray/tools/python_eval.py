@@ -21,16 +21,61 @@ from prorsa.runtime.ray.tools.base import ToolResult
 
 #: Names an expression may call or read.
 SAFE_NAMES: frozenset[str] = frozenset(
-    {"abs", "min", "max", "sum", "len", "range", "round", "pow", "sorted", "divmod", "all",
-     "any", "int", "float", "bool", "str", "list", "tuple", "math", "True", "False", "None"}
-)  # fmt: skip
+    [
+        "abs",
+        "min",
+        "max",
+        "sum",
+        "len",
+        "range",
+        "round",
+        "pow",
+        "sorted",
+        "divmod",
+        "all",
+        "any",
+        "int",
+        "float",
+        "bool",
+        "str",
+        "list",
+        "tuple",
+        "math",
+        "True",
+        "False",
+        "None",
+    ]
+)
 _SAFE_NODES: tuple[type, ...] = (
-    ast.Expression, ast.Constant, ast.Name, ast.Load, ast.BinOp, ast.UnaryOp, ast.BoolOp,
-    ast.Compare, ast.IfExp, ast.Call, ast.keyword, ast.List, ast.Tuple, ast.Set, ast.Dict,
-    ast.Subscript, ast.Slice, ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp,
-    ast.comprehension, ast.Store, ast.Attribute,
-    ast.operator, ast.unaryop, ast.boolop, ast.cmpop,
-)  # fmt: skip
+    ast.Expression,
+    ast.Constant,
+    ast.Name,
+    ast.Load,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.BoolOp,
+    ast.Compare,
+    ast.IfExp,
+    ast.Call,
+    ast.keyword,
+    ast.List,
+    ast.Tuple,
+    ast.Set,
+    ast.Dict,
+    ast.Subscript,
+    ast.Slice,
+    ast.ListComp,
+    ast.SetComp,
+    ast.GeneratorExp,
+    ast.DictComp,
+    ast.comprehension,
+    ast.Store,
+    ast.Attribute,
+    ast.operator,
+    ast.unaryop,
+    ast.boolop,
+    ast.cmpop,
+)
 
 # Runs in the child: builtins stripped to SAFE_NAMES; the parent already checked the syntax.
 _CHILD = r"""
@@ -100,14 +145,21 @@ class PythonEvalTool:
         refused = check_expression(expression)
         if refused is not None:
             return ToolResult(f"refused: {refused}", ok=False, exec_s=time.perf_counter() - started)
-        cpu_s = max(1, math.ceil(self.timeout_s))
+        # The CPU limit backs up the wall-clock timeout (which normally fires first).
+        cpu_s = math.ceil(self.timeout_s) + 1
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _CHILD, str(self.memory_mb), str(cpu_s),
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _CHILD,
+            str(self.memory_mb),
+            str(cpu_s),
             ",".join(sorted(SAFE_NAMES)),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(expression.encode()), self.timeout_s)
         except (TimeoutError, asyncio.CancelledError):
@@ -126,5 +178,5 @@ class PythonEvalTool:
         # First character is the child's verdict; no output at all means it was killed
         # (CPU or memory limit) before it could write.
         ok = proc.returncode == 0 and text[:1] == "1"
-        text = text[1:] if text else f"killed (exit {proc.returncode}): a resource limit hit"
+        text = text[1:] if text else f"killed (exit {proc.returncode}): a resource limit was hit"
         return ToolResult(text, ok=ok, exec_s=time.perf_counter() - started)
