@@ -138,16 +138,17 @@ def test_observation_uses_vllm_load_when_engines_report_it():
 def test_threshold_policy_switches_roles_mid_rollout_without_losing_turns(tmp_path):
     recorder = Recorder(tmp_path / "tel", run_id="threshold")
     # Prefill takes time here, so the controller sees a backlog to react to.
-    router, agent, _ = build(["prefill", "decode", "decode"], recorder, prefill_s_per_token=5e-5)
+    router, agent, _ = build(["prefill", "decode", "decode"], recorder, prefill_s_per_token=2e-4)
     specs = workload(9, seed=1)
+    # Any prefill backlog grows prefill; decode never counts as hot.
     policy = make_policy(
-        "threshold", prefill_wait_high_s=1e-6, prefill_wait_low_s=5e-7, batch_high=0.5, kv_high=0.99
+        "threshold", prefill_wait_high_s=1e-6, prefill_wait_low_s=5e-7, batch_high=1e9, kv_high=1.0
     )
     policy.reset(SPEC)
 
     async def run():
         actuator = RayActuator(router, drain_timeout_s=0.05)
-        controller = Controller(policy, actuator, AsyncioClock(), interval_s=0.01, min_dwell_s=0)
+        controller = Controller(policy, actuator, AsyncioClock(), interval_s=0.005, min_dwell_s=0)
         controller.start()
         outcomes = await asyncio.gather(*(agent.run(s) for s in specs))
         controller.stop()
