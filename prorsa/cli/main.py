@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from prorsa.cli import forecast as forecast_cli
 from prorsa.cli import models as models_cli
 from prorsa.cli import profile as profile_cli
 from prorsa.cli import rl as rl_cli
@@ -31,6 +32,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."))
 app.add_typer(traces_cli.app, name="traces", help="Import and summarise real agent traces.")
 app.add_typer(profile_cli.app, name="profile", help="List, inspect and refit engine cost profiles.")
 app.add_typer(workload_cli.app, name="workload", help="Fit, inspect and sample task profiles.")
+app.add_typer(forecast_cli.app, name="forecast", help="Train and backtest demand forecasters.")
 app.add_typer(models_cli.app, name="models", help="Make small local models for tests and demos.")
 app.add_typer(rl_cli.app, name="rl", help="Train the learned (PPO) allocation policy.")
 app.command("simulate")(simulate_cmd)

@@ -2,9 +2,11 @@
 
 Per-trajectory models (see :mod:`prorsa.forecast.trajectory`) predict, when a turn
 arrives, log-normal distributions of the turn's output tokens, of the tool time after it
-and of the next turn's new tokens, and the probability that another turn follows. Here
-those distributions are *conditioned on what has happened since* (tokens already decoded,
-seconds already spent in the tool) and turned into expected contributions in closed form:
+(a mixture: instant with some probability, else log-normal) and of the next turn's new
+tokens, and the probability that another turn follows. Here those distributions are
+*conditioned on what has happened since* (tokens already decoded, seconds already spent in
+the tool) and turned into expected contributions in closed form or by three-point
+quadrature:
 
 * a decoding sequence with ``d`` tokens done decodes ``min(O - d, r h)`` more tokens in the
   window (``r``: per-sequence decode rate), stays active ``min(O - d, r h) / r`` seconds
@@ -13,8 +15,10 @@ seconds already spent in the tool) and turned into expected contributions in clo
 * a trajectory in a tool sends its next prefill when the tool ends
   (``P(T <= e + h | T > e)`` times the expected next size), then decodes its next turn
   (integrated over the tool's remaining time at three quantiles);
-* a decoding trajectory that continues sends its next prefill after its expected
-  remaining decode time plus the tool time.
+* a decoding trajectory that continues sends its next prefill after the rest of its decode
+  (at three conditional quantiles of the remaining tokens) plus the tool time;
+* turns beyond those are added as a fluid limit: a trajectory that keeps going makes
+  about one more turn per mean cycle (time to first token + decode + tool).
 
 New trajectories (not yet started) are not in the sum; the calibration stage on top of it
 accounts for them. Everything is vectorised over trajectories x horizons.
@@ -29,13 +33,14 @@ from scipy.special import ndtr, ndtri
 
 from prorsa.forecast.tracker import DECODING, IN_TOOL, PREFILLING, QUEUED, TRANSFERRING
 
-#: Tool times are modelled as log(T + TOOL_SHIFT_S): tools may take no time at all.
+#: Tool calls shorter than this are "instant"; longer ones are log-normal in T + shift.
 TOOL_SHIFT_S = 0.05
 # Beyond this many standard deviations a trajectory is "running long": condition on the
 # quantile there instead of extrapolating the log-normal's far tail.
 _ZMAX = 3.0
 _TINY = 1e-9
 _NODES = np.array([1 / 6, 1 / 2, 5 / 6])  # quadrature over the remaining tool time
+_LOG_CAP = np.log(1e6)  # caps log-normal means with a very wide spread
 
 
 @dataclass
@@ -52,7 +57,8 @@ class Live:
     mu_out: np.ndarray
     sd_out: np.ndarray
     q_cont: np.ndarray
-    mu_tool: np.ndarray
+    p_instant: np.ndarray  # probability that the tool after this turn is instant
+    mu_tool: np.ndarray  # log(T + shift) of a non-instant tool
     sd_tool: np.ndarray
     mu_next: np.ndarray
     sd_next: np.ndarray
@@ -87,31 +93,57 @@ def truncated_moments(
     return first, second
 
 
-def tool_cdf(mu: np.ndarray, sd: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """P(T <= x) with log(T + shift) ~ N(mu, sd); zero for x < 0."""
+def conditional_quantiles(mu: np.ndarray, sd: np.ndarray, above: np.ndarray) -> np.ndarray:
+    """X at the :data:`_NODES` quantiles of X ~ LN(mu, sd) given X > ``above`` (rows x 3)."""
+    sd = np.maximum(sd, 1e-3)
+    z = np.minimum((np.log(np.maximum(above, _TINY)) - mu) / sd, _ZMAX)
+    f = ndtr(z)
+    level = np.clip(f[:, None] + _NODES[None, :] * (1.0 - f)[:, None], 1e-6, 1 - 1e-6)
+    return np.exp(mu[:, None] + sd[:, None] * ndtri(level))
+
+
+def tool_cdf(p_instant: np.ndarray, mu: np.ndarray, sd: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """P(T <= x) for the instant / log-normal tool mixture; zero for x < 0. Broadcasts."""
     z = (np.log(np.maximum(x, 0.0) + TOOL_SHIFT_S) - mu) / np.maximum(sd, 1e-3)
-    return np.where(x < 0, 0.0, ndtr(z))
+    return np.where(x < 0, 0.0, p_instant + (1.0 - p_instant) * ndtr(z))
+
+
+def tool_quantiles(p_instant: np.ndarray, mu: np.ndarray, sd: np.ndarray) -> np.ndarray:
+    """Tool time at the :data:`_NODES` quantiles of the mixture (rows x 3)."""
+    p0 = p_instant[:, None]
+    level = np.clip((_NODES[None, :] - p0) / np.maximum(1.0 - p0, _TINY), 1e-6, 1 - 1e-6)
+    t = np.exp(mu[:, None] + np.maximum(sd, 1e-3)[:, None] * ndtri(level)) - TOOL_SHIFT_S
+    return np.where(_NODES[None, :] <= p0, 0.0, np.maximum(t, 0.0))
 
 
 def expected_size(mu: np.ndarray, sd: np.ndarray) -> np.ndarray:
     """E[N] for log(1 + N) ~ N(mu, sd)."""
-    return np.maximum(np.exp(mu + sd * sd / 2) - 1.0, 0.0)
+    return np.maximum(np.exp(np.minimum(mu + sd * sd / 2, _LOG_CAP)) - 1.0, 0.0)
+
+
+def _mean_output(live: Live, rows: np.ndarray) -> np.ndarray:
+    return np.exp(np.minimum(live.mu_out[rows] + live.sd_out[rows] ** 2 / 2, _LOG_CAP))
+
+
+def _mean_decode_s(live: Live, rows: np.ndarray) -> np.ndarray:
+    return _mean_output(live, rows) / np.maximum(live.rate[rows], _TINY)
+
+
+def _mean_tool_s(live: Live, rows: np.ndarray) -> np.ndarray:
+    log_mean = np.minimum(live.mu_tool[rows] + live.sd_tool[rows] ** 2 / 2, _LOG_CAP)
+    return (1.0 - live.p_instant[rows]) * np.maximum(np.exp(log_mean) - TOOL_SHIFT_S, 0.0)
 
 
 def _decode_terms(
     mu, sd, d, base_kv, rate, wait, horizons
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Tokens, mean sequences, mean KV over (0, h] of one decode starting after ``wait``,
-    and its expected remaining tokens (rows x horizons, last: rows)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens, mean sequences and mean KV over (0, h] of one decode that starts after
+    ``wait`` with ``d`` tokens already done (rows x horizons each)."""
     h = horizons[None, :]
     r = np.maximum(rate, _TINY)[:, None]
     span = np.maximum(h - wait[:, None], 0.0)
     m1, m2 = truncated_moments(mu[:, None], sd[:, None], d[:, None], r * span)
-    tokens = m1
-    seqs = m1 / (r * h)
-    kv = (base_kv[:, None] * m1 / r + m2 / (2 * r)) / h
-    remaining, _ = truncated_moments(mu, sd, d, np.full(len(mu), 1e12))
-    return tokens, seqs, kv, remaining
+    return m1, m1 / (r * h), (base_kv[:, None] * m1 / r + m2 / (2 * r)) / h
 
 
 def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
@@ -125,58 +157,92 @@ def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
     pre = (state == QUEUED) | (state == PREFILLING) | (state == TRANSFERRING)
     pre |= (state == DECODING) & ~live.open
     running = (state == DECODING) & live.open
-    tool = state == IN_TOOL
     next_size = expected_size(live.mu_next, live.sd_next)
-
-    # The current turn's decode (waiting turns start after the recent time to first token).
     cur = np.flatnonzero(pre | running)
     if len(cur):
-        wait = np.where(pre[cur], np.maximum(live.ttft[cur] - live.since_queued[cur], 0.0), 0.0)
-        d = np.where(running[cur], live.decoded[cur], 0.0)
-        tok, seq, kv, remaining = _decode_terms(
-            live.mu_out[cur],
-            live.sd_out[cur],
-            d,
-            live.ctx[cur] + d,
-            live.rate[cur],
-            wait,
-            horizons,
-        )
-        out[cur, 1], out[cur, 2], out[cur, 3] = tok, seq, kv
-        # Its next turn arrives after the rest of the decode and a whole tool call.
-        done_at = wait + remaining / np.maximum(live.rate[cur], _TINY)
-        p = tool_cdf(
-            live.mu_tool[cur, None], live.sd_tool[cur, None], horizons[None, :] - done_at[:, None]
-        )
-        out[cur, 0] = live.q_cont[cur, None] * p * next_size[cur, None]
-
-    # Trajectories in a tool: the next prefill, then the next turn's decode.
-    idx = np.flatnonzero(tool)
+        _current_turn(out, cur, live, pre[cur], next_size[cur], horizons)
+    idx = np.flatnonzero(state == IN_TOOL)
     if len(idx):
-        mu_t, sd_t = live.mu_tool[idx], np.maximum(live.sd_tool[idx], 1e-3)
-        e = np.nan_to_num(live.tool_elapsed[idx], nan=0.0)
-        f_e = tool_cdf(mu_t, sd_t, e)
-        s_e = np.maximum(1.0 - f_e, _TINY)
-        f_h = tool_cdf(mu_t[:, None], sd_t[:, None], e[:, None] + horizons[None, :])
-        p = np.clip((f_h - f_e[:, None]) / s_e[:, None], 0.0, 1.0)
-        out[idx, 0] = p * next_size[idx, None]
-        # Remaining tool time at three conditional quantiles (equal weights).
-        level = np.clip(f_e[:, None] + _NODES[None, :] * s_e[:, None], 1e-6, 1 - 1e-6)
-        remaining = np.exp(mu_t[:, None] + sd_t[:, None] * ndtri(level)) - TOOL_SHIFT_S
-        remaining = np.maximum(remaining - e[:, None], 0.0)
-        base = live.ctx[idx] + np.nan_to_num(live.out_last[idx]) + next_size[idx]
-        rate, ttft = live.rate[idx], live.ttft[idx]
-        for k in range(len(_NODES)):
-            tok, seq, kv, _ = _decode_terms(
-                live.mu_out[idx],
-                live.sd_out[idx],
-                np.zeros(len(idx)),
-                base,
-                rate,
-                remaining[:, k] + ttft,
-                horizons,
-            )
-            out[idx, 1] += tok / len(_NODES)
-            out[idx, 2] += seq / len(_NODES)
-            out[idx, 3] += kv / len(_NODES)
+        _in_tool(out, idx, live, next_size[idx], horizons)
     return out
+
+
+def _current_turn(out, rows, live: Live, waiting, size, horizons) -> None:
+    """The turn being prefilled or decoded, then the trajectory's next arrivals."""
+    rate = np.maximum(live.rate[rows], _TINY)
+    wait = np.where(waiting, np.maximum(live.ttft[rows] - live.since_queued[rows], 0.0), 0.0)
+    d = np.where(waiting, 0.0, live.decoded[rows])
+    mu, sd = live.mu_out[rows], live.sd_out[rows]
+    tok, seq, kv = _decode_terms(mu, sd, d, live.ctx[rows] + d, rate, wait, horizons)
+    out[rows, 1], out[rows, 2], out[rows, 3] = tok, seq, kv
+    # The decode ends at three conditional quantiles of the remaining tokens; the next
+    # prefill comes a tool call later.
+    remaining = np.maximum(conditional_quantiles(mu, sd, d) - d[:, None], 0.0)
+    done = wait[:, None] + remaining / rate[:, None]  # rows x 3
+    p0, mu_t, sd_t = live.p_instant[rows], live.mu_tool[rows], live.sd_tool[rows]
+    p = np.zeros((len(rows), len(horizons)))
+    for k in range(len(_NODES)):
+        x = horizons[None, :] - done[:, k, None]
+        p += tool_cdf(p0[:, None], mu_t[:, None], sd_t[:, None], x) / len(_NODES)
+    q = live.q_cont[rows]
+    out[rows, 0] = q[:, None] * p * size[:, None]
+    arrival = (done[:, :, None] + tool_quantiles(p0, mu_t, sd_t)[:, None, :]).reshape(len(rows), -1)
+    kv_base = live.ctx[rows] + _mean_output(live, rows) + size
+    _later_turns(out, rows, live, horizons, arrival, arrival + live.ttft[rows, None], kv_base)
+
+
+def _in_tool(out, rows, live: Live, size, horizons) -> None:
+    """A trajectory in a tool: its next prefill, that turn's decode, then later turns."""
+    # A tool running for e > 0 s is not instant: condition the log-normal part on it.
+    mu_t, sd_t = live.mu_tool[rows], np.maximum(live.sd_tool[rows], 1e-3)
+    e = np.nan_to_num(live.tool_elapsed[rows], nan=0.0)
+    zero = np.zeros(len(rows))
+    f_e = tool_cdf(zero, mu_t, sd_t, e)
+    s_e = np.maximum(1.0 - f_e, _TINY)
+    f_h = tool_cdf(zero[:, None], mu_t[:, None], sd_t[:, None], e[:, None] + horizons[None, :])
+    out[rows, 0] = np.clip((f_h - f_e[:, None]) / s_e[:, None], 0.0, 1.0) * size[:, None]
+    remaining = conditional_quantiles(mu_t, sd_t, e + TOOL_SHIFT_S) - TOOL_SHIFT_S
+    remaining = np.maximum(remaining - e[:, None], 0.0)  # rows x 3
+    base = live.ctx[rows] + np.nan_to_num(live.out_last[rows]) + size
+    rate, ttft = live.rate[rows], live.ttft[rows]
+    for k in range(len(_NODES)):
+        tok, seq, kv = _decode_terms(
+            live.mu_out[rows], live.sd_out[rows], zero, base, rate, remaining[:, k] + ttft, horizons
+        )
+        out[rows, 1] += tok / len(_NODES)
+        out[rows, 2] += seq / len(_NODES)
+        out[rows, 3] += kv / len(_NODES)
+    first_done = remaining + (ttft + _mean_decode_s(live, rows))[:, None]
+    _later_turns(out, rows, live, horizons, remaining, first_done, base + _mean_output(live, rows))
+
+
+def _later_turns(
+    out: np.ndarray,
+    rows: np.ndarray,
+    live: Live,
+    horizons: np.ndarray,
+    arrivals_from: np.ndarray,
+    decodes_from: np.ndarray,
+    kv_base: np.ndarray,
+) -> None:
+    """Add turns beyond the ones modelled exactly, as a fluid (renewal-reward) limit.
+
+    A trajectory that keeps going cycles through time to first token, decode and tool; by
+    the renewal theorem (cycle lengths here have a coefficient of variation near one) it
+    makes about ``x / cycle`` more arrivals in ``x`` seconds, each bringing the mean next
+    size, and decodes ``mean output / cycle`` tokens per second. ``arrivals_from`` and
+    ``decodes_from`` (rows x quadrature nodes) say where those extra turns begin.
+    """
+    mean_out = _mean_output(live, rows)
+    dec_s = _mean_decode_s(live, rows)
+    cycle = np.maximum(live.ttft[rows] + dec_s + _mean_tool_s(live, rows), 0.1)
+    size = expected_size(live.mu_next[rows], live.sd_next[rows])
+    h = horizons[None, None, :]
+    x_arr = np.maximum(h - arrivals_from[:, :, None], 0.0).mean(axis=1)
+    x_dec = np.maximum(h - decodes_from[:, :, None], 0.0).mean(axis=1)
+    per = (live.q_cont[rows] / cycle)[:, None]
+    out[rows, 0] += per * size[:, None] * x_arr
+    out[rows, 1] += per * mean_out[:, None] * x_dec
+    busy = per * dec_s[:, None] * x_dec / horizons[None, :]
+    out[rows, 2] += busy
+    out[rows, 3] += busy * (kv_base + mean_out / 2)[:, None]

@@ -35,8 +35,12 @@ def train(
     alpha: float | None = None,
     categorical: list[int] | None = None,
     feature_names: list[str] | None = None,
+    init_score: np.ndarray | None = None,
 ):
-    """Train one booster deterministically on one thread (the machine is shared)."""
+    """Train one booster deterministically on one thread (the machine is shared).
+
+    ``init_score`` is an offset the trees correct (add it back after ``predict``).
+    """
     lgb = lightgbm()
     params = {
         "objective": objective,
@@ -59,6 +63,7 @@ def train(
         y,
         feature_name=feature_names or "auto",
         categorical_feature=categorical or "auto",
+        init_score=init_score,
         free_raw_data=True,
     )
     return lgb.train(params, data, num_boost_round=n_estimators)

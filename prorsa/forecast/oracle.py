@@ -158,6 +158,7 @@ class OracleForecaster(Forecaster):
             mu_out=np.log(out_tokens),
             sd_out=exact,
             q_cont=cont,
+            p_instant=(tool < TOOL_SHIFT_S).astype(float),
             mu_tool=np.log(tool + TOOL_SHIFT_S),
             sd_tool=exact,
             mu_next=np.log1p(nxt),

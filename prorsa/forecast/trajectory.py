@@ -1,12 +1,13 @@
 """``lightgbm-trajectory``: bottom-up demand from per-trajectory LightGBM models.
 
-When a turn arrives, four small models look at the trajectory (its turn, context, own
+When a turn arrives, five small models look at the trajectory (its turn, context, own
 history, task, and how its GRPO siblings are doing) and predict:
 
 * ``output`` — the turn's output tokens (log-normal: LightGBM mean of the log, spread
   from out-of-fold residuals per task);
 * ``continues`` — the probability that another turn follows;
-* ``tool`` — the tool time after this turn (log-normal of ``T + 0.05 s``);
+* ``instant`` and ``tool`` — the tool time after this turn: instant (< 0.05 s) with the
+  first model's probability, else log-normal in ``T + 0.05 s``;
 * ``next`` — the next turn's new tokens (log-normal of ``1 + N``).
 
 Every tick these are conditioned on elapsed decode and tool time and summed into the four
@@ -32,6 +33,7 @@ from prorsa.forecast.aggregate import LOSSES, subsample
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
 from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
 from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.features import aggregate_feature_names
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
@@ -41,11 +43,26 @@ logger = logging.getLogger(__name__)
 TURN_MODELS = {
     "output": ("output_tokens", lambda y: np.log(np.maximum(y, 1.0)), "regression", "all"),
     "continues": ("continues", lambda y: y, "binary", "all"),
-    "tool": ("tool_s", lambda y: np.log(np.maximum(y, 0.0) + TOOL_SHIFT_S), "regression", "cont"),
+    "instant": ("tool_s", lambda y: (y < TOOL_SHIFT_S).astype(float), "binary", "cont"),
+    "tool": ("tool_s", lambda y: np.log(np.maximum(y, 0.0) + TOOL_SHIFT_S), "regression", "slow"),
     "next": ("next_new_tokens", lambda y: np.log1p(np.maximum(y, 0.0)), "regression", "cont"),
 }
-_SLOT_ARRAYS = ("mu_output", "mu_continues", "mu_tool", "mu_next")
+_SLOT_ARRAYS = tuple(f"mu_{name}" for name in TURN_MODELS)
 BOTTOM_UP_FEATURES = ("bu_prefill", "bu_decode", "bu_sequences", "bu_kv")
+# The calibration sees few aggregate features: with many, its trees chase the noise of a
+# few thousand ticks instead of correcting the bottom-up sum.
+CALIBRATION_FEATURES = (
+    "live",
+    "queued",
+    "decoding",
+    "in_tool",
+    "start_rate_5",
+    "end_rate_5",
+    "frac_done",
+    "time_s",
+    "decode_rate_per_seq",
+    "ttft_s",
+)
 
 
 @register("lightgbm-trajectory")
@@ -87,19 +104,23 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.max_rows = max_rows
 
     # ------------------------------------------------------------------- fit
-    def _train(self, x, y, objective, *, trees=None, alpha=None, names=None, categorical=True):
+    def _train(
+        self, x, y, objective, *, alpha=None, names=None, calibration=False, init_score=None
+    ):
+        # Calibration fits a few noisy targets per tick: slower learning, bigger leaves.
         return lgbm.train(
             x,
             y,
             objective=objective,
             alpha=alpha,
             seed=self.seed,
-            n_estimators=trees or self.n_estimators,
-            learning_rate=self.learning_rate,
+            n_estimators=self.calibration_estimators if calibration else self.n_estimators,
+            learning_rate=self.learning_rate / 2 if calibration else self.learning_rate,
             num_leaves=self.num_leaves,
-            min_child_samples=self.min_child_samples,
-            categorical=[0] if categorical else None,
+            min_child_samples=self.min_child_samples * (5 if calibration else 1),
+            categorical=None if calibration else [0],
             feature_names=names or list(EVENT_FEATURES),
+            init_score=init_score,
         )
 
     def _fit(self, data: ForecastDataset | None) -> None:
@@ -125,8 +146,10 @@ class LightGBMTrajectoryForecaster(Forecaster):
         for j, (name, (col, transform, objective, rows)) in enumerate(TURN_MODELS.items()):
             label = turns[col].to_numpy(float)
             mask = np.isfinite(label)
-            if rows == "cont":
+            if rows in ("cont", "slow"):
                 mask &= turns["continues"].to_numpy(float) == 1.0
+            if rows == "slow":  # the log-normal part of the tool mixture
+                mask &= turns["tool_s"].to_numpy(float) >= TOOL_SHIFT_S
             idx = np.flatnonzero(mask)
             idx = idx[subsample(len(idx), self.max_rows, self.seed)]
             y = transform(label[idx])
@@ -181,21 +204,25 @@ class LightGBMTrajectoryForecaster(Forecaster):
         np.add.at(sums, inverse, contrib)
         sub = ticks.iloc[ticks_used]
         scale = sub["scale"].to_numpy(float)
-        xs = self._calibration_rows(sub[data.feature_names].to_numpy(float), sums, scale)
+        self.calibration_features_ = [f for f in CALIBRATION_FEATURES if f in data.feature_names]
+        xs = self._calibration_rows(sub[self.calibration_features_].to_numpy(float), sums, scale)
         y = self._targets_matrix(sub, self.horizons_)
         keep = subsample(len(xs), self.max_rows, self.seed)
-        names = [*data.feature_names, *BOTTOM_UP_FEATURES, "horizon_s"]
+        names = [*self.calibration_features_, *BOTTOM_UP_FEATURES, "horizon_s"]
+        n_feats = len(self.calibration_features_)
         for i, target in enumerate(TARGETS):
             yt = y[:, i, :].T.reshape(-1)
+            # The trees correct the bottom-up sum (an offset), rather than replace it.
+            offset = xs[keep, n_feats + i]
             for suffix, objective, alpha in LOSSES:
                 self.boosters_[f"cal:{target}:{suffix}"] = self._train(
                     xs[keep],
                     yt[keep],
                     objective,
                     alpha=alpha,
-                    trees=self.calibration_estimators,
                     names=names,
-                    categorical=False,
+                    calibration=True,
+                    init_score=offset,
                 )
 
     def _calibration_rows(
@@ -246,6 +273,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             mu_out=mu("mu_output", "output"),
             sd_out=spread("output"),
             q_cont=np.clip(mu("mu_continues", "continues"), 0.0, 1.0),
+            p_instant=np.clip(mu("mu_instant", "instant"), 0.0, 1.0),
             mu_tool=mu("mu_tool", "tool"),
             sd_tool=spread("tool"),
             mu_next=mu("mu_next", "next"),
@@ -263,12 +291,18 @@ class LightGBMTrajectoryForecaster(Forecaster):
         live = self._live(snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s)
         return bottom_up(live, np.asarray(horizons, float)).sum(axis=0)
 
+    def _calibration_index(self) -> np.ndarray:
+        if getattr(self, "_cal_index", None) is None:
+            names = aggregate_feature_names(self.lags_, self.tasks_)
+            self._cal_index = np.array([names.index(f) for f in self.calibration_features_])
+        return self._cal_index
+
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
         sums = self.bottom_up_now(horizons)
         if not self.calibrate:
             return {t: sums[i] for i, t in enumerate(TARGETS)}, {}
         scale = float(max(self.tracker_.peak_live, 1))
-        feats = self.current_features()[None, :]
+        feats = self.current_features()[self._calibration_index()][None, :]
         rows = []
         for j, h in enumerate(horizons):
             bu = [normalise(sums[i, j], t, h, scale) for i, t in enumerate(TARGETS)]
@@ -276,9 +310,10 @@ class LightGBMTrajectoryForecaster(Forecaster):
         x = np.vstack(rows)
         point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
-        for target in TARGETS:
+        n_feats = feats.shape[1]
+        for i, target in enumerate(TARGETS):
             for suffix, _, alpha in LOSSES:
-                raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x)
+                raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x) + x[:, n_feats + i]
                 values = np.array(
                     [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
                 )
@@ -294,12 +329,15 @@ class LightGBMTrajectoryForecaster(Forecaster):
             "boosters": lgbm.save_boosters(self.boosters_, path / "boosters.json.gz"),
             "spread": self.spread_,
             "default": self.default_,
+            "calibration_features": getattr(self, "calibration_features_", []),
         }
 
     def _set_state(self, state: dict, path: Path) -> None:
         self.boosters_ = lgbm.load_boosters(path / state["boosters"])
         self.spread_ = {k: list(v) for k, v in state["spread"].items()}
         self.default_ = {k: float(v) for k, v in state["default"].items()}
+        self.calibration_features_ = list(state.get("calibration_features", []))
+        self._cal_index = None
 
 
 def _spread_by_task(residual: np.ndarray, task: np.ndarray, n_tasks: int) -> list[float]:
