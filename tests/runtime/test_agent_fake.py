@@ -21,6 +21,7 @@ from prorsa.runtime.ray.tools import make_tools
 from prorsa.telemetry import Recorder, read_telemetry
 from prorsa.telemetry.schema import FIELDS
 from prorsa.workload import get_scenario
+from tests.runtime.checks import check_turns
 from tests.runtime.fakes import FakeEngine
 
 SPEC = ClusterSpec(3, 1, dict.fromkeys(ROLES, 1), 20_000.0, 2_000.0, 0.05, 0.0)
@@ -71,19 +72,6 @@ def build(roles, recorder=None, engine_cls=FakeEngine, prefill_s_per_token=0.0):
         vocabulary=tools["search"].index.vocabulary,
     )
     return router, agent, engines
-
-
-def check_turns(table, specs) -> None:
-    """Every turn decoded exactly once with its spec's output; tools between turns."""
-    rows = table.to_pylist()
-    for spec in specs:
-        mine = [r for r in rows if r["trajectory_id"] == spec.trajectory_id]
-        kinds = [r["kind"] for r in mine]
-        assert kinds[0] == "traj_start" and kinds[-1] == "traj_end"
-        ends = [r for r in mine if r["kind"] == "decode_end"]
-        assert [r["turn"] for r in ends] == list(range(spec.num_turns))
-        assert [r["output_tokens"] for r in ends] == spec.output_tokens.tolist()
-        assert kinds.count("tool_start") == kinds.count("tool_end") == spec.num_turns - 1
 
 
 def test_agent_loop_runs_multi_turn_with_tools_and_live_rows(tmp_path):

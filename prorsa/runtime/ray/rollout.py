@@ -372,7 +372,9 @@ def _read_back(out: Path) -> pa.Table:
     table, report = read_telemetry(out / "telemetry", validate=True)
     if not report.clean:
         logger.warning("telemetry had a truncated tail: %s", report)
-    return table
+    # Marks real-engine telemetry (the simulator writes "simulator" here).
+    meta = {**(table.schema.metadata or {}), b"prorsa.source": b"ray-vllm"}
+    return table.replace_schema_metadata(meta)
 
 
 def _count(items) -> dict[str, int]:
