@@ -1,0 +1,139 @@
+"""One conformance check, run on every registered forecaster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prorsa.errors import ConfigError, NotFittedError
+from prorsa.forecast import FORECASTERS, TARGETS, build_dataset, load_forecaster, make_forecaster
+from prorsa.forecast.types import Forecast
+from prorsa.registry import Registry
+from tests.sim_helpers import random_specs, run
+
+HORIZONS = (1.0, 5.0, 10.0)
+# Small settings keep the whole suite fast; the checks do not depend on model quality.
+FAST = {
+    "lightgbm-aggregate": {"n_estimators": 8},
+    "lightgbm-trajectory": {"n_estimators": 8, "calibration_estimators": 8},
+    "gru": {"epochs": 2, "window": 6, "hidden": 8},
+}
+
+
+def _telemetry(seed: int, run_id: str) -> pa.Table:
+    specs = random_specs(30, seed=seed, turns=(2, 6))
+    table = run(specs, "static", slots=3, seed=seed).telemetry
+    # Distinct run ids per simulation (metadata prorsa.source=simulator is kept).
+    ids = pa.array([run_id] * table.num_rows, pa.string())
+    field = pa.field("run_id", pa.string(), nullable=False)
+    return table.set_column(table.schema.get_field_index("run_id"), field, ids)
+
+
+@pytest.fixture(scope="module")
+def data():
+    train = build_dataset([_telemetry(0, "a"), _telemetry(1, "b")], horizons=HORIZONS)
+    return train, _telemetry(2, "c")
+
+
+def _stream(forecaster, events: pa.Table, ticks: int = 12) -> list[Forecast]:
+    """Feed the run tick by tick like the controller does; forecasts at each tick."""
+    forecaster.reset()
+    if forecaster.needs_future:
+        forecaster.attach(events)
+    df = events.to_pandas()
+    df["kind"] = df["kind"].astype(str)
+    rows = list(df.itertuples(index=False, name=None))
+    times = df["time"].to_numpy()
+    out, start = [], 0
+    for t in np.arange(1.0, ticks + 1.0):
+        end = int(np.searchsorted(times, t, side="right"))
+        forecaster.update(rows[start:end], float(t))
+        start = end
+        out.append(forecaster.predict())
+    return out
+
+
+def _as_array(forecasts: list[Forecast]) -> np.ndarray:
+    parts = []
+    for fc in forecasts:
+        parts.append(np.stack([fc.point[t] for t in TARGETS]))
+        for q in sorted(fc.quantiles):
+            parts.append(np.stack([fc.quantiles[q][t] for t in TARGETS]))
+    return np.concatenate([p.ravel() for p in parts])
+
+
+@pytest.mark.parametrize("name", FORECASTERS.names())
+def test_forecaster_conformance(name, data, tmp_path):
+    train, events = data
+    make = lambda: make_forecaster(name, horizons=HORIZONS, seed=7, **FAST.get(name, {}))  # noqa: E731
+
+    fresh = make()
+    with pytest.raises(NotFittedError, match="not fitted"):
+        fresh.predict()
+    with pytest.raises(NotFittedError):
+        fresh.update([], 1.0)
+
+    model = make()
+    assert model.fit(train) is model
+    assert all(
+        k.endswith("_")
+        for k in vars(model)
+        if not k.startswith("_") and k not in model.get_params()
+    )
+    forecasts = _stream(model, events)
+    for fc in forecasts:
+        assert fc.horizons_s == HORIZONS
+        assert set(fc.point) == set(TARGETS)
+        for target in TARGETS:
+            values = fc.point[target]
+            assert values.shape == (len(HORIZONS),)
+            assert np.isfinite(values).all() and (values >= 0).all()
+        if fc.quantiles:
+            assert set(fc.quantiles) == {0.5, 0.9}
+            for target in TARGETS:
+                lo, hi = fc.quantiles[0.5][target], fc.quantiles[0.9][target]
+                assert lo.shape == hi.shape == (len(HORIZONS),)
+                assert (lo >= 0).all() and (lo <= hi).all()
+        elif model.provides_quantiles and name != "lightgbm-trajectory":
+            pytest.fail(f"{name} promises quantiles but gave none")
+    # Any subset of the fitted horizons; nothing else.
+    sub = model.predict([5.0])
+    assert sub.horizons_s == (5.0,)
+    np.testing.assert_allclose(
+        sub.point["decode_tokens"], forecasts[-1].point["decode_tokens"][1:2]
+    )
+    with pytest.raises(ConfigError, match="not fitted"):
+        model.predict([3.0])
+
+    # Save / load round trip: identical predictions on the same stream.
+    folder = model.save(tmp_path / name)
+    assert (folder / "manifest.json").exists()
+    loaded = load_forecaster(folder)
+    assert type(loaded) is type(model) and loaded.get_params() == model.get_params()
+    np.testing.assert_array_equal(_as_array(_stream(loaded, events)), _as_array(forecasts))
+
+    # Same seed, same model, same forecasts.
+    again = make().fit(train)
+    np.testing.assert_array_equal(_as_array(_stream(again, events)), _as_array(forecasts))
+
+
+def test_registry_refuses_duplicates():
+    reg: Registry = Registry("forecaster")
+    reg.register("x", object)
+    with pytest.raises(ConfigError, match="already registered"):
+        reg.register("x", object)
+    with pytest.raises(ConfigError, match="already registered"):
+        FORECASTERS.register("ewma", object)
+
+
+def test_expected_forecasters_are_registered():
+    assert {
+        "last-value",
+        "ewma",
+        "kalman",
+        "lightgbm-aggregate",
+        "lightgbm-trajectory",
+        "gru",
+        "oracle",
+    } <= set(FORECASTERS.names())

@@ -1,0 +1,105 @@
+"""Bad input gets a clear InputError / ConfigError naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from prorsa.errors import ConfigError, InputError, NotFittedError
+from prorsa.forecast import ForecastDataset, build_dataset, load_forecaster, make_forecaster
+from prorsa.forecast.oracle import require_simulated
+from prorsa.telemetry import events_to_table
+from prorsa.telemetry.schema import ARROW_SCHEMA
+from tests.conftest import make_two_turn_events
+
+
+@pytest.fixture(scope="module")
+def hand_data():
+    events = make_two_turn_events("a") + make_two_turn_events("b", t0=3.0)
+    return build_dataset(events_to_table(events), horizons=[1, 5])
+
+
+def test_dataset_from_bad_telemetry():
+    with pytest.raises(InputError, match="empty"):
+        build_dataset(ARROW_SCHEMA.empty_table())
+    table = events_to_table(make_two_turn_events()).drop_columns(["output_tokens"])
+    with pytest.raises(InputError, match="output_tokens"):
+        build_dataset(table)
+    with pytest.raises(ConfigError, match="positive"):
+        build_dataset(events_to_table(make_two_turn_events()), horizons=[-1])
+    with pytest.raises(ConfigError, match="tick_s"):
+        build_dataset(events_to_table(make_two_turn_events()), tick_s=0)
+    with pytest.raises(InputError, match="no telemetry"):
+        build_dataset([])
+    twice = [events_to_table(make_two_turn_events())] * 2
+    with pytest.raises(InputError, match="more than one table"):
+        build_dataset(twice)
+
+
+def test_forecaster_bad_input(hand_data):
+    with pytest.raises(ConfigError, match="positive"):
+        make_forecaster("ewma", horizons=[0, 1]).fit(None)
+    with pytest.raises(ConfigError, match="numbers"):
+        make_forecaster("ewma", horizons="soon").fit(None)
+    with pytest.raises(InputError, match="needs a dataset"):
+        make_forecaster("lightgbm-aggregate").fit(None)
+    with pytest.raises(InputError, match="ForecastDataset"):
+        make_forecaster("lightgbm-aggregate").fit(events_to_table(make_two_turn_events()))
+    with pytest.raises(ConfigError, match="not in the dataset"):
+        make_forecaster("lightgbm-aggregate", horizons=[2]).fit(hand_data)
+    with pytest.raises(ConfigError, match="unknown forecaster 'nope'"):
+        make_forecaster("nope")
+    model = make_forecaster("ewma", horizons=[1, 5]).fit(None)
+    with pytest.raises(InputError, match="no tick yet"):
+        model.predict()
+    with pytest.raises(InputError, match="finite"):
+        model.update([], float("nan"))
+    with pytest.raises(NotFittedError, match="fit"):
+        make_forecaster("gru").save("/tmp/never")
+
+
+def test_loading_bad_model_folders(tmp_path):
+    with pytest.raises(InputError, match=r"manifest\.json"):
+        load_forecaster(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(InputError, match="unreadable"):
+        load_forecaster(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(InputError, match="format"):
+        load_forecaster(tmp_path)
+
+
+def test_loading_bad_datasets(tmp_path, hand_data):
+    with pytest.raises(InputError, match="no such dataset"):
+        ForecastDataset.load(tmp_path / "missing.parquet")
+    events = tmp_path / "events.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(events_to_table(make_two_turn_events()), events)
+    with pytest.raises(InputError, match="not a forecast dataset"):
+        ForecastDataset.load(events)
+    path = hand_data.save(tmp_path / "d.parquet")
+    (tmp_path / "d.turns.parquet").unlink()
+    with pytest.raises(InputError, match=r"d\.turns\.parquet"):
+        ForecastDataset.load(path)
+
+
+def test_oracle_refuses_telemetry_not_from_the_simulator(hand_data):
+    table = events_to_table(make_two_turn_events())
+    with pytest.raises(InputError, match=r"prorsa\.source"):
+        require_simulated(table)
+    oracle = make_forecaster("oracle", horizons=[1, 5]).fit(None)
+    with pytest.raises(InputError, match="simulator telemetry only"):
+        oracle.attach(table)
+    marked = table.replace_schema_metadata({b"prorsa.source": b"simulator"})
+    oracle.attach(marked)
+    # A dataset replayed from real traces is refused too.
+    with pytest.raises(InputError, match="simulated runs only"):
+        make_forecaster("oracle", horizons=[1, 5]).fit(hand_data)
+    unattached = make_forecaster("oracle", horizons=[1]).fit(None)
+    unattached.update([], 1.0)
+    with pytest.raises(ConfigError, match="not been shown the future"):
+        unattached.predict()
+    assert isinstance(marked, pa.Table)
