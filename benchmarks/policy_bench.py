@@ -71,9 +71,8 @@ def decision_latency(
     forecaster: str, engines: int = 512, live: int = 10_000, ticks: int = 40
 ) -> dict:
     """observe + forecast + decide at ``engines`` slots with ``live`` trajectories in flight."""
-    from prorsa.runtime.forecast_provider import make_provider
-
     from prorsa.policy import make_policy
+    from prorsa.runtime.forecast_provider import make_provider
     from prorsa.runtime.sim.config import ClusterConfig
     from prorsa.runtime.sim.drivers import SyncDriver
     from prorsa.runtime.sim.simulation import Simulation
@@ -141,6 +140,29 @@ def main() -> None:
             result, RESULTS / f"policy-{engines}", title=f"Policy benchmark, {engines} engines"
         )
         print(f"{engines} engines done after {time.perf_counter() - started:,.0f} s")
+    # Where disaggregation is known to pay: an MoE model with data-parallel attention, whose
+    # colocated prefill stalls every rank. 4 slots of 8 H200s (32 GPUs): prefill at TP8,
+    # decode as 8 TP1 engines, colocated as one DP8 engine.
+    moe = CompareConfig(
+        workloads=[("search", None), ("mixed", None)],
+        policies=POLICIES,
+        modes=["sync"],
+        seeds=2 if args.quick else 3,
+        engines=4,
+        profile="h200-qwen3-30b-a3b-tp1-roofline",
+        trajectories=1024,
+        forecaster=args.forecaster,
+        cluster_overrides={
+            "role_tp": {"prefill": 8, "decode": 1, "colocated": 1},
+            "dp_attention_ranks": 8,
+        },
+    )
+    result = run_compare(moe)
+    for row in result["summary"]:
+        row["engines"] = "4x8-moe-dp8"
+    summary += result["summary"]
+    searched.update({f"{k}/moe": v for k, v in result["best_static"].items()})
+    write_report(result, RESULTS / "policy-moe", title="Policy benchmark, MoE with DP attention")
     latency = decision_latency(args.forecaster)
     met = goals(summary)
     path = save(
