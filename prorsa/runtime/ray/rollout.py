@@ -18,6 +18,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,7 +84,11 @@ def cluster_spec_for(config: RolloutConfig) -> ClusterSpec:
     from prorsa.runtime.sim.config import ClusterConfig
     from prorsa.runtime.sim.simulation import cluster_spec, load_profiles
 
-    sim_config = ClusterConfig(profile=config.profile or CPU_PROFILE, num_slots=config.engines)
+    sim_config = ClusterConfig(
+        profile=config.profile or CPU_PROFILE,
+        num_slots=config.engines,
+        switch_latency_s=config.switch_latency_s,
+    )
     return cluster_spec(sim_config, load_profiles(sim_config), config.min_dwell_s)
 
 
@@ -228,6 +233,9 @@ async def _run(
 
     pools = fleet.pools()
     await _set_roles(pools, roles)
+    if (out / "telemetry").exists():
+        # A previous run's segments would be read back with this one's (same ids).
+        shutil.rmtree(out / "telemetry")
     tools = make_tools(config.tools)
     search = tools.get("search")
     passages = search.index.documents if search is not None else project_corpus()

@@ -55,6 +55,10 @@ class RolloutConfig:
         default=None,
         **_help("Cost profile for the policy's throughput numbers (default: the CPU fit)."),
     )
+    switch_latency_s: float = field(
+        default=0.1,
+        **_help("Switch latency policies assume (no restart here: pause, reset, resume)."),
+    )
     monitor_interval_s: float = field(default=0.25, **_help("Engine load polling period."))
     seed: int = field(default=0, **_help("Seeds the specs, tool plans and engines."))
     run_id: str = field(default="rollout", **_help("Telemetry run id."))
