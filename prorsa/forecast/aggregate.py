@@ -16,6 +16,7 @@ import numpy as np
 from prorsa.forecast import lgbm
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, register
 from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.features import aggregate_feature_names
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
 #: (key suffix, LightGBM objective, quantile level)
@@ -109,3 +110,6 @@ class LightGBMAggregateForecaster(Forecaster):
 
     def _set_state(self, state: dict, path: Path) -> None:
         self.boosters_ = lgbm.load_boosters(path / state["boosters"])
+        width = len(aggregate_feature_names(self.lags_, self.tasks_)) + 1
+        for booster in self.boosters_.values():
+            lgbm.check_width(booster, width, source=str(path / state["boosters"]))

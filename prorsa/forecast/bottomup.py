@@ -39,7 +39,7 @@ TOOL_SHIFT_S = 0.05
 # quantile there instead of extrapolating the log-normal's far tail.
 _ZMAX = 3.0
 _TINY = 1e-9
-_NODES = np.array([1 / 6, 1 / 2, 5 / 6])  # quadrature over the remaining tool time
+_NODES = np.array([1 / 6, 1 / 2, 5 / 6], np.float32)  # quadrature over the remaining tool time
 _LOG_CAP = np.log(1e6)  # caps log-normal means with a very wide spread
 
 
@@ -100,9 +100,9 @@ def fast_ndtr(z: np.ndarray) -> np.ndarray:
     function is kept.
     """
     z = np.asarray(z, np.float32)
-    return (
-        0.5 * (1.0 + np.tanh(np.float32(0.7978846) * (z + np.float32(0.044715) * z * z * z)))
-    ).astype(float)
+    return np.float32(0.5) * (
+        np.float32(1.0) + np.tanh(np.float32(0.7978846) * (z + np.float32(0.044715) * z * z * z))
+    )
 
 
 def fresh_moments(mu: np.ndarray, sd: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,20 +123,27 @@ def conditional_quantiles(mu: np.ndarray, sd: np.ndarray, above: np.ndarray) -> 
     z = np.minimum((np.log(np.maximum(above, _TINY)) - mu) / sd, _ZMAX)
     f = ndtr(z)
     level = np.clip(f[:, None] + _NODES[None, :] * (1.0 - f)[:, None], 1e-6, 1 - 1e-6)
-    return np.exp(mu[:, None] + sd[:, None] * ndtri(level))
+    return np.exp(mu[:, None] + sd[:, None] * ndtri(level).astype(mu.dtype))
 
 
-def tool_cdf(p_instant: np.ndarray, mu: np.ndarray, sd: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """P(T <= x) for the instant / log-normal tool mixture; zero for x < 0. Broadcasts."""
+def tool_cdf(
+    p_instant: np.ndarray, mu: np.ndarray, sd: np.ndarray, x: np.ndarray, *, fast: bool = False
+) -> np.ndarray:
+    """P(T <= x) for the instant / log-normal tool mixture; zero for x < 0. Broadcasts.
+
+    ``fast`` uses :func:`fast_ndtr` (fine unless the result is divided by a tail mass).
+    """
     z = (np.log(np.maximum(x, 0.0) + TOOL_SHIFT_S) - mu) / np.maximum(sd, 1e-3)
-    return np.where(x < 0, 0.0, p_instant + (1.0 - p_instant) * ndtr(z))
+    phi = fast_ndtr(z) if fast else ndtr(z)
+    return np.where(x < 0, 0.0, p_instant + (1.0 - p_instant) * phi)
 
 
 def tool_quantiles(p_instant: np.ndarray, mu: np.ndarray, sd: np.ndarray) -> np.ndarray:
     """Tool time at the :data:`_NODES` quantiles of the mixture (rows x 3)."""
     p0 = p_instant[:, None]
     level = np.clip((_NODES[None, :] - p0) / np.maximum(1.0 - p0, _TINY), 1e-6, 1 - 1e-6)
-    t = np.exp(mu[:, None] + np.maximum(sd, 1e-3)[:, None] * ndtri(level)) - TOOL_SHIFT_S
+    z = ndtri(level).astype(mu.dtype)
+    t = np.exp(mu[:, None] + np.maximum(sd, 1e-3)[:, None] * z) - TOOL_SHIFT_S
     return np.where(_NODES[None, :] <= p0, 0.0, np.maximum(t, 0.0))
 
 
@@ -215,7 +222,7 @@ def _current_turn(out, rows, live: Live, waiting, size, horizons) -> None:
     p = np.zeros((len(rows), len(horizons)))
     for k in range(len(_NODES)):
         x = horizons[None, :] - done[:, k, None]
-        p += tool_cdf(p0[:, None], mu_t[:, None], sd_t[:, None], x) / len(_NODES)
+        p += tool_cdf(p0[:, None], mu_t[:, None], sd_t[:, None], x, fast=True) / len(_NODES)
     q = live.q_cont[rows]
     out[rows, 0] = q[:, None] * p * size[:, None]
     # Pair the decode's k-th node with the tool's (2-k)-th: an antithetic three-point rule.
@@ -245,9 +252,11 @@ def _in_tool(out, rows, live: Live, size, horizons) -> None:
     m1, m2 = fresh_moments(
         live.mu_out[rows][None, :, None], live.sd_out[rows][None, :, None], r * span
     )
-    out[rows, 1] += m1.mean(axis=0)
-    out[rows, 2] += (m1 / (r * h)).mean(axis=0)
-    out[rows, 3] += ((base[None, :, None] * m1 / r + m2 / (2 * r)) / h).mean(axis=0)
+    m1, m2 = m1.sum(axis=0) / len(_NODES), m2.sum(axis=0) / len(_NODES)
+    r, h = r[0], h[0]
+    out[rows, 1] += m1
+    out[rows, 2] += m1 / (r * h)
+    out[rows, 3] += (base[:, None] * m1 / r + m2 / (2 * r)) / h
     first_done = remaining + (ttft + _mean_decode_s(live, rows))[:, None]
     _later_turns(out, rows, live, horizons, remaining, first_done, base + _mean_output(live, rows))
 
@@ -273,9 +282,11 @@ def _later_turns(
     dec_s = _mean_decode_s(live, rows)
     cycle = np.maximum(live.ttft[rows] + dec_s + _mean_tool_s(live, rows), 0.1)
     size = expected_size(live.mu_next[rows], live.sd_next[rows])
-    h = horizons[None, None, :]
-    x_arr = np.maximum(h - arrivals_from[:, :, None], 0.0).mean(axis=1)
-    x_dec = np.maximum(h - decodes_from[:, :, None], 0.0).mean(axis=1)
+    h = horizons[None, :]
+    nodes = arrivals_from.shape[1]
+    # Node by node on 2-D arrays: cheaper than a 3-D array reduced over its middle axis.
+    x_arr = sum(np.maximum(h - arrivals_from[:, k, None], 0.0) for k in range(nodes)) / nodes
+    x_dec = sum(np.maximum(h - decodes_from[:, k, None], 0.0) for k in range(nodes)) / nodes
     per = (live.q_cont[rows] / cycle)[:, None]
     out[rows, 0] += per * size[:, None] * x_arr
     out[rows, 1] += per * mean_out[:, None] * x_dec

@@ -19,6 +19,7 @@ import numpy as np
 from prorsa.errors import ConfigError
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, register
 from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.features import aggregate_feature_names
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
 
@@ -204,3 +205,10 @@ class GRUForecaster(Forecaster):
             self.x_mean_, self.x_std_ = z["x_mean"], z["x_std"]
             self.y_mean_, self.y_std_ = z["y_mean"], z["y_std"]
         self._net = None
+        width = len(aggregate_feature_names(self.lags_, self.tasks_))
+        if len(self.x_mean_) != width:
+            raise InputError(
+                f"model expects {len(self.x_mean_)} input features, this prorsa builds {width}",
+                source=str(file),
+                hint="retrain it (`prorsa forecast ship` regenerates the shipped models)",
+            )

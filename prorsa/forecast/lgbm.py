@@ -92,3 +92,17 @@ def load_boosters(path: Path) -> dict[str, object]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         text = json.load(f)
     return {key: lgb.Booster(model_str=s) for key, s in text.items()}
+
+
+def check_width(booster, expected: int, *, source: str) -> None:
+    """Refuse a booster whose inputs differ from what this version of prorsa builds."""
+    from prorsa.errors import InputError
+
+    got = booster.num_feature()
+    if got != expected:
+        raise InputError(
+            f"model expects {got} input features, this prorsa builds {expected}",
+            source=source,
+            hint="it was saved by another version of prorsa: retrain it "
+            "(`prorsa forecast ship` regenerates the shipped models)",
+        )

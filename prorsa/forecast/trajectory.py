@@ -51,6 +51,10 @@ _SLOT_ARRAYS = tuple(f"mu_{name}" for name in TURN_MODELS)
 BOTTOM_UP_FEATURES = ("bu_prefill", "bu_decode", "bu_sequences", "bu_kv")
 # The calibration sees few aggregate features: with many, its trees chase the noise of a
 # few thousand ticks instead of correcting the bottom-up sum.
+# What was observed over the same horizon just before the tick, per target: lets the
+# calibration fall back on recent demand where the bottom-up sum is off.
+_LAG_PREFIXES = ("lag_prefill_rate_", "lag_decode_rate_", "lag_decodes_", "lag_kv_tokens_")
+LAG_FEATURES = ("lag_prefill", "lag_decode", "lag_sequences", "lag_kv")
 CALIBRATION_FEATURES = (
     "live",
     "queued",
@@ -205,10 +209,12 @@ class LightGBMTrajectoryForecaster(Forecaster):
         sub = ticks.iloc[ticks_used]
         scale = sub["scale"].to_numpy(float)
         self.calibration_features_ = [f for f in CALIBRATION_FEATURES if f in data.feature_names]
-        xs = self._calibration_rows(sub[self.calibration_features_].to_numpy(float), sums, scale)
+        self._cal_index = None
+        feats = sub[data.feature_names].to_numpy(float)
+        xs = self._calibration_rows(feats, sums, scale, self.horizons_)
         y = self._targets_matrix(sub, self.horizons_)
         keep = subsample(len(xs), self.max_rows, self.seed)
-        names = [*self.calibration_features_, *BOTTOM_UP_FEATURES, "horizon_s"]
+        names = [*self.calibration_features_, *BOTTOM_UP_FEATURES, *LAG_FEATURES, "horizon_s"]
         n_feats = len(self.calibration_features_)
         for i, target in enumerate(TARGETS):
             yt = y[:, i, :].T.reshape(-1)
@@ -226,15 +232,21 @@ class LightGBMTrajectoryForecaster(Forecaster):
                 )
 
     def _calibration_rows(
-        self, feats: np.ndarray, sums: np.ndarray, scale: np.ndarray
+        self, feats: np.ndarray, sums: np.ndarray, scale: np.ndarray, horizons: Sequence[float]
     ) -> np.ndarray:
-        """[ticks x horizons, features + bottom-up + horizon], horizon-major."""
+        """Calibration inputs, horizon-major: [ticks x horizons, chosen aggregate features +
+        bottom-up sums + the observed lag at the same horizon + horizon].
+
+        ``feats`` are full aggregate-feature rows; ``sums`` [ticks, targets, horizons].
+        """
+        index, lags = self._calibration_index()
+        base = feats[:, index]
         blocks = []
-        for j, h in enumerate(self.horizons_):
+        for j, h in enumerate(horizons):
             bu = np.column_stack(
                 [normalise(sums[:, i, j], t, h, scale) for i, t in enumerate(TARGETS)]
             )
-            blocks.append(np.column_stack([feats, bu, np.full(len(feats), h)]))
+            blocks.append(np.column_stack([base, bu, feats[:, lags[h]], np.full(len(base), h)]))
         return np.vstack(blocks)
 
     # --------------------------------------------------------------- online
@@ -291,10 +303,16 @@ class LightGBMTrajectoryForecaster(Forecaster):
         live = self._live(snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s)
         return bottom_up(live, np.asarray(horizons, float)).sum(axis=0)
 
-    def _calibration_index(self) -> np.ndarray:
+    def _calibration_index(self) -> tuple[np.ndarray, dict[float, np.ndarray]]:
+        """Columns of the aggregate features the calibration reads (and lags per horizon)."""
         if getattr(self, "_cal_index", None) is None:
             names = aggregate_feature_names(self.lags_, self.tasks_)
-            self._cal_index = np.array([names.index(f) for f in self.calibration_features_])
+            index = np.array([names.index(f) for f in self.calibration_features_], dtype=int)
+            lags = {
+                h: np.array([names.index(f"{p}{h:g}") for p in _LAG_PREFIXES], dtype=int)
+                for h in self.horizons_
+            }
+            self._cal_index = (index, lags)
         return self._cal_index
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
@@ -302,15 +320,10 @@ class LightGBMTrajectoryForecaster(Forecaster):
         if not self.calibrate:
             return {t: sums[i] for i, t in enumerate(TARGETS)}, {}
         scale = float(max(self.tracker_.peak_live, 1))
-        feats = self.current_features()[self._calibration_index()][None, :]
-        rows = []
-        for j, h in enumerate(horizons):
-            bu = [normalise(sums[i, j], t, h, scale) for i, t in enumerate(TARGETS)]
-            rows.append(np.concatenate([feats[0], bu, [h]]))
-        x = np.vstack(rows)
+        x = self._calibration_rows(self.current_features()[None, :], sums[None], scale, horizons)
         point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
-        n_feats = feats.shape[1]
+        n_feats = len(self.calibration_features_)
         for i, target in enumerate(TARGETS):
             for suffix, _, alpha in LOSSES:
                 raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x) + x[:, n_feats + i]
@@ -338,6 +351,13 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.default_ = {k: float(v) for k, v in state["default"].items()}
         self.calibration_features_ = list(state.get("calibration_features", []))
         self._cal_index = None
+        turn_width = len(EVENT_FEATURES)
+        cal_width = (
+            len(self.calibration_features_) + len(BOTTOM_UP_FEATURES) + len(LAG_FEATURES) + 1
+        )
+        for key, booster in self.boosters_.items():
+            width = cal_width if key.startswith("cal:") else turn_width
+            lgbm.check_width(booster, width, source=str(path / state["boosters"]))
 
 
 def _spread_by_task(residual: np.ndarray, task: np.ndarray, n_tasks: int) -> list[float]:
