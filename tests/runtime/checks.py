@@ -10,7 +10,8 @@ from prorsa.workload.spec import TrajectorySpec
 
 
 def check_turns(table: pa.Table, specs: Sequence[TrajectorySpec]) -> None:
-    """Every turn decoded exactly once with its spec's output; a tool call between turns."""
+    """Every turn queued with its spec's new tokens and decoded exactly once with its
+    spec's output; a tool call between turns."""
     rows = table.to_pylist()
     by_traj: dict[str, list[dict]] = {}
     for row in rows:
@@ -24,3 +25,6 @@ def check_turns(table: pa.Table, specs: Sequence[TrajectorySpec]) -> None:
         assert [r["turn"] for r in ends] == list(range(spec.num_turns))
         assert [r["output_tokens"] for r in ends] == spec.output_tokens.tolist()
         assert kinds.count("tool_start") == kinds.count("tool_end") == spec.num_turns - 1
+        # prefill_queued counts appended tokens as the simulator does (forecasters read it).
+        queued = [r["new_tokens"] for r in mine if r["kind"] == "prefill_queued"]
+        assert queued == spec.new_tokens.tolist()

@@ -84,6 +84,7 @@ class PDRouter:
         self._sticky: dict[str, dict[Role, int]] = {}
         self._resident: dict[str, dict[int, tuple[int, int]]] = {}
         self._live: dict[str, tuple[str, int]] = {}  # trajectory -> (state, context tokens)
+        self._last_context: dict[str, int] = {}  # trajectory -> context + output of last turn
         self._ids = itertools.count()
         self._background: set[asyncio.Task] = set()
         self.retries_total = 0
@@ -161,6 +162,7 @@ class PDRouter:
     def forget(self, trajectory_id: str) -> None:
         """Drop a finished trajectory's sticky engines, cache bookkeeping and live state."""
         self._live.pop(trajectory_id, None)
+        self._last_context.pop(trajectory_id, None)
         self._sticky.pop(trajectory_id, None)
         self._resident.pop(trajectory_id, None)
 
@@ -175,8 +177,16 @@ class PDRouter:
         """
         self.validate(request)
         queued_at = self.events.now()
+        context = len(request.prompt_token_ids)
+        # New tokens as the simulator counts them: appended since the trajectory's last
+        # turn ended (its prompt on turn 0), whatever any cache holds.
+        last = self._last_context.get(request.trajectory_id, 0)
         self._event(
-            K.PREFILL_QUEUED, queued_at, request, context_tokens=len(request.prompt_token_ids)
+            K.PREFILL_QUEUED,
+            queued_at,
+            request,
+            context_tokens=context,
+            new_tokens=context - last if context >= last else context,
         )
         retries = reroutes = 0
         while True:
@@ -519,6 +529,7 @@ class PDRouter:
             path=plan.path,
         )
         self._remember(request.trajectory_id, decode, list(request.prompt_token_ids) + output)
+        self._last_context[request.trajectory_id] = len(request.prompt_token_ids) + len(output)
         legs = {"decode": result}
         if prefill_result is not None:
             legs["prefill"] = prefill_result
