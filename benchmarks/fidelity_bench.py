@@ -4,7 +4,9 @@
    NIXL peers shake hands), then measure them directly: prefill of ``n`` new tokens over
    ``c`` cached (vLLM's per-request engine-core timestamps, scheduled to first token) and
    decode steps at batch ``B`` and context sum ``S`` (``B`` concurrent requests, first to
-   last token over the steps). Each sweep runs twice: on one engine alone ("isolated")
+   last token over the steps), and mixed steps (a prefill joining a decoding batch: its
+   scheduled-to-first-token time, minus the modelled parts, gives the mixed-step base).
+   Each sweep runs twice: on one engine alone ("isolated")
    and on all three at once ("loaded", the CPU shared as in a rollout). Fit both with
    ``fit_from_timings``; the loaded fit is saved as ``cpu-tiny-llama-tp1`` next to the
    runtime (``prorsa/runtime/ray/profiles``). Time a role switch of an idle engine.
@@ -171,6 +173,47 @@ async def measure_decode(clients, steps: int) -> list[tuple[int, int, float]]:
     return samples
 
 
+async def measure_mixed(clients, steps: int = 100) -> list[tuple[int, int, int, int, float]]:
+    """``(batch, context_sum, new, cached, seconds)`` of steps that carry a prefill chunk on
+    top of a running decode batch: the joining request's scheduled-to-first-token time."""
+    samples = []
+    salt = 90_000
+    for batch in (4, 8, 16):
+        for n in (64, 256):
+            ctx = 256
+            salt += 1
+            prompts = [tokens(ctx, salt * 100 + i) for i in range(batch)]
+            decodes = [
+                asyncio.ensure_future(x.generate(f"m{salt}-{i}", p, steps, 0.0, ignore_eos=True))
+                for x in clients
+                for i, p in enumerate(prompts)
+            ]
+            await asyncio.sleep(0.2)  # let the batch reach steady decoding
+            joins = await asyncio.gather(
+                *(x.generate(f"j{salt}", tokens(n, salt + 10**6), 1, 0.0) for x in clients)
+            )
+            await asyncio.gather(*decodes)
+            times = [j["timings"]["prefill_s"] for j in joins if j["timings"]["prefill_s"]]
+            if times:
+                context = batch * (ctx + steps // 4)  # decoded about a quarter by then
+                samples.append((batch, context, n, 0, statistics.median(times)))
+    return samples
+
+
+def mixed_overhead(profile, samples) -> float:
+    """Median of each mixed step's time minus its prefill-chunk and per-sequence decode
+    parts: the per-step base the simulator charges a mixed step."""
+    rest = [
+        t
+        - profile.prefill_per_token_s * n
+        - profile.prefill_attn_s_per_token2 * n * (c + n / 2)
+        - profile.decode_per_seq_s * b
+        - profile.decode_per_ctx_token_s * s
+        for b, s, n, c, t in samples
+    ]
+    return max(float(statistics.median(rest)), 0.0)
+
+
 async def measure_switch(fleet, repeats: int = 4) -> float:
     """Mean seconds of a switch's pause + reset + resume on an idle engine."""
     from prorsa.runtime.ray.router import PDRouter, RouterConfig
@@ -184,9 +227,18 @@ async def measure_switch(fleet, repeats: int = 4) -> float:
     return statistics.fmean(times)
 
 
-def fit_profile(fleet, prefill, decode, load: str):
+def fit_profile(fleet, prefill, decode, load: str, mixed=None):
+    """Fit the profile; with ``mixed`` samples, its mixed-step base is measured too."""
+    from dataclasses import replace
+
     from prorsa.runtime.ray.cpu_profile import CPU_PROFILE
     from prorsa.runtime.sim.cost import fit_from_timings
+
+    if mixed:
+        profile = fit_profile(fleet, prefill, decode, load)
+        base = mixed_overhead(profile, mixed)
+        note = {"mixed_overhead_s": f"median residual of {len(mixed)} measured mixed steps"}
+        return replace(profile, mixed_overhead_s=base, provenance={**profile.provenance, **note})
 
     health = fleet.health[0]
     return fit_from_timings(
@@ -371,19 +423,23 @@ def main() -> None:
                     await measure_decode(group, steps=32),
                 )
 
-            samples, sweep_load = {}, {}
+            samples, sweep_load, mixed = {}, {}, {}
             for name, group in (("isolated", clients[:1]), ("loaded", clients)):
                 with CpuWatch() as watch:
                     samples[name] = asyncio.run(measure(group))
+                    mixed[name] = asyncio.run(measure_mixed(group))
                 sweep_load[name] = watch.external_cores
             switch_s = asyncio.run(measure_switch(fleet))
-            profiles = {k: fit_profile(fleet, p, d, k) for k, (p, d) in samples.items()}
+            profiles = {k: fit_profile(fleet, p, d, k, mixed[k]) for k, (p, d) in samples.items()}
             for k, prof in profiles.items():
                 print(
                     f"{k} fit: prefill {prof.provenance['prefill_fit']}, "
                     f"decode {prof.provenance['decode_fit']}"
                 )
-            print(f"switch {switch_s * 1000:.0f} ms")
+            print(
+                f"switch {switch_s * 1000:.0f} ms; mixed-step base "
+                + ", ".join(f"{k} {p.mixed_overhead_s * 1000:.1f} ms" for k, p in profiles.items())
+            )
 
             # The loaded fit (every engine busy, as in a rollout) is the one shipped; the
             # real runs give their policy the same numbers under a name of their own.
@@ -442,7 +498,9 @@ def main() -> None:
         "workload": vars(args),
         "profile": {**profiles["loaded"].to_dict(), "path": str(profile_path)},
         "profile_isolated": profiles["isolated"].to_dict(),
-        "samples": {k: {"prefill": p, "decode": d} for k, (p, d) in samples.items()},
+        "samples": {
+            k: {"prefill": p, "decode": d, "mixed": mixed[k]} for k, (p, d) in samples.items()
+        },
         "transfer": {"base_s": link[0], "bandwidth_gbytes_per_s": link[1]},
         "switch_latency_s": switch_s,
         "sweep_external_cpu_cores": sweep_load,

@@ -76,8 +76,11 @@ def test_static_rollout_writes_complete_valid_telemetry(fleet, tiny_model_dir, t
     assert m["stages"]["transfer"]["turns"] == m["turns"]
     # GRPO groups share their prompt: one turn-0 context length per group.
     rows = table.to_pylist()
-    first = {(r["group_id"], r["context_tokens"]) for r in rows
-             if r["kind"] == "prefill_queued" and r["turn"] == 0}  # fmt: skip
+    first = {
+        (r["group_id"], r["context_tokens"])
+        for r in rows
+        if r["kind"] == "prefill_queued" and r["turn"] == 0
+    }
     assert len(first) == len({s.group_id for s in result.specs})
     assert len((tmp_path / "specs.jsonl").read_text().splitlines()) == 6
     # Forecasters train on it like on simulator telemetry.
@@ -125,11 +128,13 @@ def test_cli_async_predictive_rollout_then_no_orphans(fleet, tiny_model_dir, tmp
     monkeypatch.setattr(rollout, "start_fleet", lambda config, roles, out: (fleet, False))
     pids = fleet.pids()
     out = tmp_path / "cli"
-    args = ["rollout", "--model", str(tiny_model_dir), "--engines", "3", "--policy", "predictive",
-            "--forecaster", "ewma", "--param", "horizon_s=1.0", "--scenario", "math-tool",
-            "--mode", "async", "--in-flight", "2", "--trajectories", "4", "--group-size", "2",
-            "--max-tokens", "12", "--max-turns", "3", "--tool-time-scale", "0.02",
-            "--interval-s", "0.05", "--min-dwell-s", "0", "--out", str(out), "--json"]  # fmt: skip
+    options = (
+        "rollout --engines 3 --policy predictive --forecaster ewma --param horizon_s=1.0 "
+        "--scenario math-tool --mode async --in-flight 2 --trajectories 4 --group-size 2 "
+        "--max-tokens 12 --max-turns 3 --tool-time-scale 0.02 --interval-s 0.05 "
+        "--min-dwell-s 0 --json"
+    )
+    args = [*options.split(), "--model", str(tiny_model_dir), "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     m = json.loads((out / "metrics.json").read_text())
