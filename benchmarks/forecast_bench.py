@@ -53,9 +53,9 @@ def concat(tables):
     import pyarrow as pa
 
     meta = tables[0].schema.metadata
-    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables]).replace_schema_metadata(
-        meta
-    )
+    return pa.concat_tables(
+        [t.replace_schema_metadata(None) for t in tables]
+    ).replace_schema_metadata(meta)
 
 
 def heldout_sets(work: Path) -> dict[str, object]:
@@ -93,6 +93,21 @@ def wape_tables(results: pd.DataFrame) -> dict:
                 float(r.wape), 4
             )
         out[label] = table
+    return out
+
+
+def by_group(results: pd.DataFrame) -> dict:
+    """WAPE at 5 s of prefill and decode tokens per scenario / replayed trace and mode."""
+    x = results[np.isclose(results["horizon_s"], 5.0)]
+    x = x[x["target"].isin(["prefill_tokens", "decode_tokens"])]
+    group = x["run_id"].str.replace(r"-(static|colocate)-e\d+-s\d+$", "", regex=True)
+    out: dict = {}
+    for (g, model, target), part in x.groupby([group, "model", "target"]):
+        total = part["actual"].abs().sum()
+        wape = float((part["actual"] - part["forecast"]).abs().sum() / total) if total else None
+        out.setdefault(g, {}).setdefault(model, {})[target] = (
+            None if wape is None else round(wape, 3)
+        )
     return out
 
 
@@ -183,13 +198,17 @@ def main() -> None:
             print(f"{key}: {name} backtested")
         results[key] = pd.concat(frames, ignore_index=True)
     quality = {key: wape_tables(frame) for key, frame in results.items()}
-    goals = {f"{key}/{span}": goal(quality[key], span) for key in quality for span in ("all", "steady")}
+    goals = {
+        f"{key}/{span}": goal(quality[key], span) for key in quality for span in ("all", "steady")
+    }
     lat = latency()
     p99 = lat["lightgbm-trajectory"]["predict_ms_p99"]
     # Plots: forecast vs actual at 5 s for the headline and the best baseline.
     sim = results["sim"]
     best = goals["sim/steady"]["best_baseline"]
-    keep = sim[sim["model"].isin(["lightgbm-trajectory", best]) & sim["run_id"].str.startswith("swe-")]
+    keep = sim[
+        sim["model"].isin(["lightgbm-trajectory", best]) & sim["run_id"].str.startswith("swe-")
+    ]
     files = plot_backtest(keep, RESULTS, horizon_s=5.0, max_runs=2)
     for f in files:
         f.rename(f.with_name("forecast-" + f.name))
@@ -209,13 +228,12 @@ def main() -> None:
         "wape": quality,
         "wape_h5": {
             key: {
-                span: {
-                    m: {t: v[t]["5"] for t in TARGETS} for m, v in quality[key][span].items()
-                }
+                span: {m: {t: v[t]["5"] for t in TARGETS} for m, v in quality[key][span].items()}
                 for span in ("all", "steady")
             }
             for key in quality
         },
+        "wape_h5_by_workload": {key: by_group(frame) for key, frame in results.items()},
         "predict_latency_backtest": latencies,
         "latency_10k_live": lat,
         "goals": {

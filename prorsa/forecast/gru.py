@@ -81,9 +81,9 @@ class GRUForecaster(Forecaster):
         seed: int = 0,
         window: int = 32,
         hidden: int = 32,
-        epochs: int = 30,
+        epochs: int = 60,
         batch_size: int = 256,
-        learning_rate: float = 3e-3,
+        learning_rate: float = 1e-3,
     ) -> None:
         super().__init__(horizons, seed)
         self.window = window
