@@ -14,7 +14,6 @@ one is started (and Ray with it, if needed) and shut down at the end.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -114,18 +113,9 @@ def initial_roles(policy: Policy, spec: ClusterSpec, total: int, kv_capacity: in
 
 def make_forecast_provider(name: str) -> ForecastProvider:
     """The online forecast provider called ``name`` (the simulator's, unchanged)."""
-    for module in ("prorsa.runtime.forecast_provider", "prorsa.forecast.provider"):
-        try:
-            found = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and module.startswith(exc.name):
-                continue
-            raise
-        return found.make_provider(name)
-    raise ConfigError(
-        "no forecast provider module in this installation",
-        hint="use a policy that needs no forecast (colocate, static, threshold)",
-    )
+    from prorsa.runtime.forecast_provider import make_provider
+
+    return make_provider(name)
 
 
 def run_rollout(
@@ -165,6 +155,10 @@ def run_rollout(
     work = list(specs) if specs is not None else sample_specs(config, config.max_model_len)
     roles = initial_roles(policy, spec, len(work), 0)
     owned = fleet is None
+    if not owned and len(fleet.clients) != config.engines:
+        raise ConfigError(
+            f"the fleet has {len(fleet.clients)} engines; the rollout asks for {config.engines}"
+        )
     ray_started = False
     if owned:
         fleet, ray_started = start_fleet(config, roles, out)
