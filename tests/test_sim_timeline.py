@@ -113,3 +113,16 @@ def test_closed_form_equals_per_step_reference(seed):
     expect = reference_colocated(p, reqs)
     got = [t.loc[f"r{i}", "decode_end"] for i in range(n)]
     assert got == pytest.approx(expect, rel=1e-9, abs=1e-9)
+
+
+def test_request_overhead_delays_each_leg():
+    p = profile(max_step_tokens=4096)
+    spec = TrajectorySpec("a", [1000], [10], [0.0])
+    colocated = _times(run([spec], slots=1, prof=p))
+    delayed = _times(run([spec], slots=1, prof=p, request_overhead_s=0.05))
+    assert delayed.prefill_start == pytest.approx(0.05)
+    assert delayed.decode_end == pytest.approx(colocated.decode_end + 0.05)
+    pd = dict(policy="static", slots=2, prof=p, policy_kw={"prefill_fraction": 0.5})
+    base = _times(run([spec], **pd))
+    slow = _times(run([spec], request_overhead_s=0.05, **pd))
+    assert slow.decode_end == pytest.approx(base.decode_end + 0.10)  # prefill leg + decode leg

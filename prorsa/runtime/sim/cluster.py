@@ -249,7 +249,7 @@ class SimCluster:
         if local:
             req.prefill_engine = decode
             req.prefill_left = req.context - decode.cache.peek(traj.traj_key)
-            decode.submit_prefill(req)
+            self._send_prefill(req, decode)
             return
         prefill = self._choose_prefill(traj, req.context)
         req.prefill_engine = prefill
@@ -268,7 +268,36 @@ class SimCluster:
             )
             return
         req.prefill_left = req.context - cached
-        prefill.submit_prefill(req)
+        self._send_prefill(req, prefill)
+
+    def _send_prefill(self, req: TurnRequest, engine: SimEngine) -> None:
+        """Hand a prefill leg to ``engine`` after the per-request front-end overhead."""
+        overhead = self.config.request_overhead_s
+        if overhead <= 0:
+            engine.submit_prefill(req)
+        else:
+            self.env.schedule(self.env.now + overhead, self._arrive_prefill, req, engine)
+
+    def _arrive_prefill(self, req: TurnRequest, engine: SimEngine) -> None:
+        if engine.accepting:
+            engine.submit_prefill(req)
+        else:  # the engine began switching while the request was on its way
+            self._route(req, int(req.traj.spec.new_tokens[req.turn]))
+
+    def _send_decode(self, req: TurnRequest, engine: SimEngine) -> None:
+        """Hand a decode leg (KV pull) to ``engine`` after the front-end overhead."""
+        overhead = self.config.request_overhead_s
+        if overhead <= 0:
+            engine.submit_incoming(req)
+        else:
+            self.env.schedule(self.env.now + overhead, self._arrive_decode, req, engine)
+
+    def _arrive_decode(self, req: TurnRequest, engine: SimEngine) -> None:
+        if not engine.accepting:
+            engine = self._choose_decode(req.traj)
+            req.decode_engine = engine
+            self._assign(req.traj, engine)
+        engine.submit_incoming(req)
 
     def _pull_done(self, req: TurnRequest, prefill: SimEngine, cached: int) -> None:
         # The pulled blocks travel with the request into memory reserved at admission
@@ -380,7 +409,7 @@ class SimCluster:
             decode = self._choose_decode(traj)
             req.decode_engine = decode
             self._assign(traj, decode)
-        decode.submit_incoming(req)
+        self._send_decode(req, decode)
 
     def start_transfer(self, req: TurnRequest, decode: SimEngine, cached_on_decode: int) -> None:
         tokens = req.context - cached_on_decode

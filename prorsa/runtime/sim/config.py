@@ -40,6 +40,9 @@ class ClusterConfig:
     dp_attention_ranks: int = field(
         **_help("data-parallel attention ranks per colocated engine (MoE)"), default=1
     )
+    request_overhead_s: float = field(
+        **_help("front-end latency per request leg (router, RPC, API server)"), default=0.0
+    )
     transfer_base_s: float = field(**_help("fixed cost of one KV transfer"), default=0.002)
     transfer_bandwidth_gbytes_per_s: float = field(
         **_help("KV link bandwidth per engine, GB/s"), default=25.0
@@ -79,7 +82,13 @@ class ClusterConfig:
             raise ConfigError(f"reuse_mode must be one of {REUSE_MODES}")
         if self.switch_mode not in SWITCH_MODES:
             raise ConfigError(f"switch_mode must be one of {SWITCH_MODES}")
-        for name in ("transfer_base_s", "switch_latency_s", "reshard_latency_s", "drain_timeout_s"):
+        for name in (
+            "request_overhead_s",
+            "transfer_base_s",
+            "switch_latency_s",
+            "reshard_latency_s",
+            "drain_timeout_s",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         if self.transfer_bandwidth_gbytes_per_s <= 0:
