@@ -179,6 +179,16 @@ def test_cli_errors_are_one_line(telemetry, tmp_path):
     )
     assert res.exit_code == 1 and "not a forecast dataset" in res.output
     res = runner.invoke(
-        app, ["forecast", "backtest", "--model", "oracle", "--telemetry", str(telemetry[0])]
+        app,
+        [
+            "forecast",
+            "backtest",
+            "--model",
+            "oracle",
+            "--telemetry",
+            str(telemetry[0]),
+            "--plots",
+            str(tmp_path / "plots"),
+        ],
     )
     assert res.exit_code == 0, res.output  # simulated telemetry: the oracle accepts it
