@@ -360,15 +360,19 @@ def backtest_cmd(
     )
     for col in ("target", "horizon_s", "wape", "mae", "pinball_0.5", "pinball_0.9", "coverage_0.9"):
         table_out.add_column(col, justify="right" if col != "target" else "left")
-    for r in scores.itertuples(index=False):
+
+    def cell(value: float, fmt: str) -> str:
+        return "-" if value != value else format(value, fmt)
+
+    for r in scores.to_dict("records"):
         table_out.add_row(
-            r.target,
-            f"{r.horizon_s:g}",
-            f"{r.wape:.3f}",
-            f"{r.mae:,.1f}",
-            f"{r._5:,.1f}",
-            "-" if r._6 != r._6 else f"{r._6:,.1f}",
-            "-" if r._7 != r._7 else f"{r._7:.2f}",
+            r["target"],
+            f"{r['horizon_s']:g}",
+            cell(r["wape"], ".3f"),
+            cell(r["mae"], ",.1f"),
+            cell(r["pinball_0.5"], ",.1f"),
+            cell(r["pinball_0.9"], ",.1f"),
+            cell(r["coverage_0.9"], ".2f"),
         )
     console.print(table_out)
     if files:
