@@ -78,8 +78,13 @@ def save_boosters(boosters: dict[str, object], path: Path) -> str:
     """Write ``{key: booster}`` as one gzipped JSON of LightGBM model strings."""
     text = {key: b.model_to_string() for key, b in boosters.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt", encoding="utf-8", compresslevel=9) as f:
-        json.dump(text, f)
+    # mtime=0: the same models give the same bytes (reproducible shipped files).
+    data = json.dumps(text).encode("utf-8")
+    with (
+        open(path, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f,
+    ):
+        f.write(data)
     return path.name
 
 
