@@ -127,3 +127,10 @@ def test_conform_casts_and_names_missing_columns():
     assert conform(loose).schema.equals(ARROW_SCHEMA, check_metadata=False)
     with pytest.raises(InputError, match="output_tokens"):
         conform(table.drop(["output_tokens"]), source="f.parquet")
+
+
+def test_conform_keeps_source_metadata():
+    table = events_to_table(make_two_turn_events())
+    loose = table.set_column(5, "turn", table.column("turn").cast(pa.int64()))
+    loose = loose.replace_schema_metadata({b"prorsa.source": b"simulator"})
+    assert conform(loose).schema.metadata[b"prorsa.source"] == b"simulator"

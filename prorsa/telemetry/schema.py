@@ -175,4 +175,6 @@ def conform(table: pa.Table, *, source: str = "<table>") -> pa.Table:
                 f"cannot convert to {field.type}: {exc}", source=source, field=field.name
             ) from None
         arrays.append(col)
-    return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)
+    # Keep the source's own metadata (e.g. ``prorsa.source``) on top of the schema's.
+    metadata = {**(ARROW_SCHEMA.metadata or {}), **(table.schema.metadata or {})}
+    return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA.with_metadata(metadata))
