@@ -289,7 +289,7 @@ def fit_transfer(table, kv_bytes_per_token: int) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------- step 3
-def simulate(specs, policy_name, params, profile, link, switch_s, rollout_cfg):
+def simulate(specs, policy_name, params, profile, link, switch_s, rollout_cfg, overhead_s=0.0):
     from prorsa.policy import make_policy
     from prorsa.runtime.forecast_provider import make_provider
     from prorsa.runtime.ray.rollout_metrics import rollout_metrics
@@ -305,6 +305,7 @@ def simulate(specs, policy_name, params, profile, link, switch_s, rollout_cfg):
         kv_capacity_tokens=profile.kv_capacity_tokens,
         transfer_base_s=link[0],
         transfer_bandwidth_gbytes_per_s=link[1],
+        request_overhead_s=overhead_s,
         # NIXL pulls run concurrently; the base is latency, not time the link is held.
         link_contention=False,
         reuse_mode="reprefill",  # the router re-prefills the last output on the prefill side
@@ -462,6 +463,24 @@ def main() -> None:
             result = run_rollout(calib, tmp / calib.run_id, fleet=fleet)
             link = fit_transfer(result.telemetry, profiles["loaded"].kv_bytes_per_token)
             print(f"KV link: base {link[0] * 1000:.1f} ms, {link[1]:.3f} GB/s")
+            # Per-leg front-end latency (Ray call, vLLM's input processing and output path)
+            # that no engine step contains: the calibration run's median TTFT gap to the
+            # simulator, split over its two legs (prefill, decode).
+            from prorsa.runtime.ray.rollout_metrics import rollout_metrics
+
+            calib_specs = sample_specs(calib, calib.max_model_len)
+            sim0 = simulate(
+                calib_specs,
+                "static",
+                {"prefill_gpus": 1},
+                profiles["loaded"],
+                link,
+                switch_s,
+                calib,
+            )
+            real_ttft = rollout_metrics(result.telemetry)["ttft_s_p50"]
+            overhead_s = max((real_ttft - sim0["ttft_s_p50"]) / 2, 0.0)
+            print(f"request overhead: {overhead_s * 1000:.1f} ms per leg")
 
             runs = []
             for seed in args.seeds:
@@ -476,7 +495,7 @@ def main() -> None:
                     )
                     reals = quiet_runs(_with(cfg, run_id=f"{label}-s{seed}"), specs)
                     sims = {
-                        k: simulate(specs, name, params, prof, link, switch_s, cfg)
+                        k: simulate(specs, name, params, prof, link, switch_s, cfg, overhead_s)
                         for k, prof in profiles.items()
                     }
                     runs.append(_compare(label, seed, reals, sims))
@@ -503,6 +522,7 @@ def main() -> None:
         },
         "transfer": {"base_s": link[0], "bandwidth_gbytes_per_s": link[1]},
         "switch_latency_s": switch_s,
+        "request_overhead_s": overhead_s,
         "sweep_external_cpu_cores": sweep_load,
         "quiet_cores_threshold": QUIET_CORES,
         "runs": runs,
