@@ -75,34 +75,13 @@ def run_and_report(cfg, out: Path, *, as_json: bool, mlflow_uri: str | None, tit
 
 
 def _table(rows: list[dict], title: str) -> Table:
-    from prorsa.experiments.report import COLORS
+    from prorsa.experiments.report import TABLE_COLUMNS, ordered, row_cells
 
     table = Table(title=title)
-    for col in (
-        "policy",
-        "makespan s / traj/h",
-        "speedup (95% CI)",
-        "p99 completion s",
-        "switches",
-        "busy P / D / C",
-    ):
+    for col in TABLE_COLUMNS:
         table.add_column(col, justify="left" if col == "policy" else "right")
-    for r in sorted(
-        rows, key=lambda r: list(COLORS).index(r["policy"]) if r["policy"] in COLORS else 99
-    ):
-        value = (
-            f"{r['makespan_s']:,.1f}"
-            if r["mode"] == "sync"
-            else f"{r['throughput_traj_per_hour']:,.0f}"
-        )
-        ci = r["speedup_ci95"]
-        speed = f"{r['speedup']:.3f}x" + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
-        busy = " / ".join(
-            "-" if r["busy_fraction"][k] is None else f"{r['busy_fraction'][k]:.0%}"
-            for k in ("prefill", "decode", "colocated")
-        )
-        p99 = "-" if r["completion_s_p99"] is None else f"{r['completion_s_p99']:,.1f}"
-        table.add_row(r["policy"], value, speed, p99, f"{r['switches']:.1f}", busy)
+    for r in ordered(rows):
+        table.add_row(*row_cells(r))
     return table
 
 

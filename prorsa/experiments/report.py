@@ -64,10 +64,9 @@ def speedup_bars(summary: list[dict], path: Path) -> Path:
     return path
 
 
-def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> Path | None:
-    """Prefill GPUs over time per dynamic policy, against prefill demand and its forecast."""
-    plt = _plt()
-    chosen = [
+def _seed0_runs(runs: list[dict], workload: str, mode: str) -> list[dict]:
+    """Runs of seed 0 of one workload and mode that kept their time series."""
+    return [
         r
         for r in runs
         if r["cell"]["mode"] == mode
@@ -75,6 +74,12 @@ def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> P
         and r["cell"]["seed"] == 0
         and "series" in r
     ]
+
+
+def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> Path | None:
+    """Prefill GPUs over time per dynamic policy, against prefill demand and its forecast."""
+    plt = _plt()
+    chosen = _seed0_runs(runs, workload, mode)
     if not chosen:
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
@@ -116,14 +121,7 @@ def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> P
 def completion_cdf(runs: list[dict], workload: str, mode: str, path: Path) -> Path | None:
     """Trajectory completion-time CDF per policy (seed 0)."""
     plt = _plt()
-    chosen = [
-        r
-        for r in runs
-        if r["cell"]["mode"] == mode
-        and (r["cell"]["scenario"] or r["cell"]["trace"]) == workload
-        and r["cell"]["seed"] == 0
-        and r.get("series", {}).get("completion_s")
-    ]
+    chosen = [r for r in _seed0_runs(runs, workload, mode) if r["series"]["completion_s"]]
     if not chosen:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -176,32 +174,44 @@ def write_report(
     return path
 
 
-def table_markdown(rows: list[dict]) -> str:
-    head = (
-        "| policy | makespan s / traj/h | speedup (95% CI) | p99 completion s | switches "
-        "| busy P / D / C |"
+TABLE_COLUMNS = (
+    "policy",
+    "makespan s / traj/h",
+    "speedup (95% CI)",
+    "p99 completion s",
+    "switches",
+    "busy P / D / C",
+)
+
+
+def ordered(rows: list[dict]) -> list[dict]:
+    """Summary rows in the canonical policy order."""
+    order = list(COLORS)
+    return sorted(rows, key=lambda r: order.index(r["policy"]) if r["policy"] in order else 99)
+
+
+def row_cells(r: dict) -> list[str]:
+    """One summary row as the table's cells (markdown report and CLI share them)."""
+    value = (
+        f"{r['makespan_s']:,.1f}"
+        if r["mode"] == "sync"
+        else f"{r['throughput_traj_per_hour']:,.0f}"
     )
-    lines = [head, "|---|---|---|---|---|---|"]
-    for r in sorted(
-        rows, key=lambda r: list(COLORS).index(r["policy"]) if r["policy"] in COLORS else 99
-    ):
-        value = (
-            f"{r['makespan_s']:.1f}"
-            if r["mode"] == "sync"
-            else f"{r['throughput_traj_per_hour']:.0f}"
-        )
-        ci = r["speedup_ci95"]
-        speed = (
-            "-"
-            if r["speedup"] is None
-            else f"{r['speedup']:.3f}x" + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else "")
-        )
-        busy = " / ".join(
-            "-" if r["busy_fraction"][k] is None else f"{r['busy_fraction'][k]:.0%}"
-            for k in ("prefill", "decode", "colocated")
-        )
-        p99 = "-" if r["completion_s_p99"] is None else f"{r['completion_s_p99']:.1f}"
-        lines.append(
-            f"| {r['policy']} | {value} | {speed} | {p99} | {r['switches']:.1f} | {busy} |"
-        )
+    ci = r["speedup_ci95"]
+    speed = (
+        "-"
+        if r["speedup"] is None
+        else f"{r['speedup']:.3f}x" + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else "")
+    )
+    busy = " / ".join(
+        "-" if r["busy_fraction"][k] is None else f"{r['busy_fraction'][k]:.0%}"
+        for k in ("prefill", "decode", "colocated")
+    )
+    p99 = "-" if r["completion_s_p99"] is None else f"{r['completion_s_p99']:,.1f}"
+    return [r["policy"], value, speed, p99, f"{r['switches']:.1f}", busy]
+
+
+def table_markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(row_cells(r)) + " |" for r in ordered(rows)]
     return "\n".join(lines)
