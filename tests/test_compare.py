@@ -93,3 +93,35 @@ def test_compare_rejects_bad_matrices():
         run_compare(CompareConfig(workloads=[("swe", None)], policies=["static"]))
     with pytest.raises(ConfigError, match="unknown policy"):
         run_compare(CompareConfig(workloads=[("swe", None)], policies=["colocate", "magic"]))
+
+
+def test_mlflow_logging_only_when_asked(tmp_path):
+    import mlflow
+
+    from prorsa.tracking import log_compare
+
+    result = {
+        "summary": [
+            {
+                "workload": "x",
+                "mode": "sync",
+                "policy": "colocate",
+                "objective": 10.0,
+                "speedup": 1.0,
+                "completion_s_p99": 9.0,
+                "switches": 0.0,
+                "wall_s": 0.1,
+            }
+        ]
+    }
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "report.md").write_text("# r\n")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = log_compare(result, {"engines": 4}, tmp_path / "report", uri)
+    client = mlflow.tracking.MlflowClient(uri)
+    parent = client.get_run(run_id)
+    assert parent.data.params["engines"] == "4"
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'"
+    )
+    assert len(children) == 1 and children[0].data.metrics["speedup"] == 1.0
