@@ -140,6 +140,29 @@ def main() -> None:
             result, RESULTS / f"policy-{engines}", title=f"Policy benchmark, {engines} engines"
         )
         print(f"{engines} engines done after {time.perf_counter() - started:,.0f} s")
+    # Under heavier load (128 trajectories per GPU) allocation starts to matter: queues
+    # build and the dynamic policies actually move engines.
+    heavy = CompareConfig(
+        workloads=[("search", None), ("mixed", None), ("swe", None)],
+        policies=POLICIES,
+        modes=["sync"],
+        seeds=2 if args.quick else 3,
+        engines=16,
+        trajectories=128 * 16,
+        forecaster=args.forecaster,
+    )
+    result = run_compare(heavy)
+    for row in result["summary"]:
+        row["engines"] = "16-heavy"
+    summary += result["summary"]
+    searched.update({f"{k}/16-heavy": v for k, v in result["best_static"].items()})
+    write_report(
+        result,
+        RESULTS / "policy-16-heavy",
+        title="Policy benchmark, 16 engines, 128 trajectories per GPU",
+    )
+    print(f"heavy block done after {time.perf_counter() - started:,.0f} s")
+
     # Where disaggregation is known to pay: an MoE model with data-parallel attention, whose
     # colocated prefill stalls every rank. 4 slots of 8 H200s (32 GPUs): prefill at TP8,
     # decode as 8 TP1 engines, colocated as one DP8 engine.
