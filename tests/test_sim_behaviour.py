@@ -131,6 +131,23 @@ def test_kv_pressure_preempts_and_recomputes():
     res = run(specs, "colocate", slots=1, prof=p)
     assert res.metrics["preemptions"] > 0 and res.metrics["recompute_tokens"] > 0
     _conservation(res, specs)
+    # A preempted turn still decodes every remaining token after it is admitted again.
+    df = res.telemetry.to_pandas()
+    df["kind"] = df["kind"].astype(str)
+    checked = 0
+    for (traj, turn), rows in df.groupby(["trajectory_id", "turn"]):
+        preempts = rows[(rows.kind == "prefill_queued") & (rows.detail != "")]
+        if preempts.empty:
+            continue
+        last = json.loads(preempts.detail.iloc[-1])
+        context = int(rows[rows.kind == "prefill_start"].context_tokens.iloc[0])
+        output = int(rows[rows.kind == "decode_end"].output_tokens.iloc[0])
+        remaining = output - (last["recompute_tokens"] - context)
+        restart = rows[(rows.kind == "decode_start") & (rows.time >= preempts.time.iloc[-1])]
+        span = rows[rows.kind == "decode_end"].time.iloc[0] - restart.time.iloc[0]
+        assert span >= remaining * p.decode_base_s - 1e-9, (traj, turn)
+        checked += 1
+    assert checked > 0
 
 
 def test_async_driver_keeps_concurrency_and_staleness():

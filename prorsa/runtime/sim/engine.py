@@ -334,7 +334,10 @@ class SimEngine:
                 now + duration, self._end_step, self.version, priority=PRIORITY_COMPLETE
             )
         elif batch:
-            first_finish = self._finish_heap[0][0] - self.steps
+            heap = self._finish_heap
+            while heap[0][2].heap_entry is not heap[0]:
+                heapq.heappop(heap)  # drop stale entries before reading the next finish
+            first_finish = heap[0][0] - self.steps
             free = self.kv_capacity - self.kv_used - self.cache.total
             if free < batch:
                 # Running sequences grow by one token per step: make room for a stretch
@@ -441,19 +444,21 @@ class SimEngine:
     # --------------------------------------------------------------- decode side
     def _join(self, req: TurnRequest) -> None:
         remaining = req.output - req.decoded
-        req.active = True
         req.join_step = self.steps
         req.ctx_at_join = req.context + req.decoded
         req.finish_step = self.steps + remaining
         self._heap_seq += 1
-        heapq.heappush(self._finish_heap, (req.finish_step, self._heap_seq, req))
+        # The entry itself marks the join: a request preempted or migrated and admitted
+        # again gets a new entry, and the old one is recognised as stale when popped.
+        req.heap_entry = (req.finish_step, self._heap_seq, req)
+        heapq.heappush(self._finish_heap, req.heap_entry)
         self.running[req] = None
         self.ctx_sum += req.ctx_at_join
         self.cluster.on_decode_start(req, self)
 
     def _leave(self, req: TurnRequest) -> int:
         """Remove ``req`` from the batch; returns its current context length."""
-        req.active = False
+        req.heap_entry = None
         del self.running[req]
         ctx = req.ctx_at_join + (self.steps - req.join_step)
         self.ctx_sum -= ctx
@@ -463,9 +468,10 @@ class SimEngine:
         heap = self._finish_heap
         steps = self.steps
         while heap and heap[0][0] <= steps:
-            _, _, req = heapq.heappop(heap)
-            if not req.active:
-                continue  # preempted or migrated earlier; stale heap entry
+            entry = heapq.heappop(heap)
+            req = entry[2]
+            if req.heap_entry is not entry:
+                continue  # preempted or migrated since; a stale entry
             ctx = self._leave(req)
             req.decoded = req.output
             self.kv_used -= ctx

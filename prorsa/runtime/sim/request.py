@@ -46,7 +46,6 @@ class TurnRequest:
     """One turn of one trajectory as it moves through prefill, transfer and decode."""
 
     __slots__ = (
-        "active",
         "cached",
         "context",
         "ctx_at_join",
@@ -54,6 +53,7 @@ class TurnRequest:
         "decoded",
         "finish_step",
         "first_decode_s",
+        "heap_entry",
         "join_step",
         "local",
         "output",
@@ -82,12 +82,12 @@ class TurnRequest:
         self.prefill_engine = None
         self.decode_engine = None
         self.local = False
-        self.active = False
         self.finish_step = 0
         self.join_step = 0
         self.ctx_at_join = 0
         self.queued_s = 0.0
         self.first_decode_s = -1.0
+        self.heap_entry: tuple | None = None  # this turn's live entry in its engine's heap
         self.prefill_attempts = 0
         self.pulled = 0  # prefix tokens copied in from the decode engine (pull reuse)
         self.recompute_tokens = 0
