@@ -14,6 +14,7 @@ trajectories. Writes benchmarks/results/policy.json (and report.md + plots next 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -112,12 +113,29 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="2 seeds, 16 engines, sync only")
     parser.add_argument("--forecaster", default="lightgbm-trajectory")
+    parser.add_argument("--reuse", action="store_true", help="reuse blocks already saved")
     args = parser.parse_args()
     sizes = [16] if args.quick else [16, 64]
     modes = ["sync"] if args.quick else ["sync", "async"]
     seeds = 2 if args.quick else 5
-    summary, runs, searched = [], [], {}
+    summary, searched = [], {}
     started = time.perf_counter()
+
+    def block(name: str, cfg: CompareConfig, label, title: str) -> None:
+        """Run one comparison block (or reuse its saved results with --reuse)."""
+        saved = RESULTS / f"policy-{name}" / "results.json"
+        if args.reuse and saved.exists():
+            result = json.loads(saved.read_text())
+        else:
+            result = run_compare(cfg)
+            write_report(result, RESULTS / f"policy-{name}", title=title)
+        for row in result["summary"]:
+            row["engines"] = label
+            row["workload"] = row["workload"].split("/")[-1]
+        summary.extend(result["summary"])
+        searched.update({f"{k}/{name}": v for k, v in result["best_static"].items()})
+        print(f"block {name} done after {time.perf_counter() - started:,.0f} s")
+
     for engines in sizes:
         cfg = CompareConfig(
             workloads=WORKLOADS,
@@ -129,17 +147,7 @@ def main() -> None:
             max_in_flight=16 * engines,
             forecaster=args.forecaster,
         )
-        result = run_compare(cfg)
-        for row in result["summary"]:
-            row["engines"] = engines
-            row["workload"] = row["workload"].split("/")[-1]
-        summary += result["summary"]
-        runs += result["runs"]
-        searched.update({f"{k}/{engines}": v for k, v in result["best_static"].items()})
-        write_report(
-            result, RESULTS / f"policy-{engines}", title=f"Policy benchmark, {engines} engines"
-        )
-        print(f"{engines} engines done after {time.perf_counter() - started:,.0f} s")
+        block(str(engines), cfg, engines, f"Policy benchmark, {engines} engines")
     # Under heavier load (128 trajectories per GPU) allocation starts to matter: queues
     # build and the dynamic policies actually move engines.
     heavy = CompareConfig(
@@ -151,18 +159,7 @@ def main() -> None:
         trajectories=128 * 16,
         forecaster=args.forecaster,
     )
-    result = run_compare(heavy)
-    for row in result["summary"]:
-        row["engines"] = "16-heavy"
-    summary += result["summary"]
-    searched.update({f"{k}/16-heavy": v for k, v in result["best_static"].items()})
-    write_report(
-        result,
-        RESULTS / "policy-16-heavy",
-        title="Policy benchmark, 16 engines, 128 trajectories per GPU",
-    )
-    print(f"heavy block done after {time.perf_counter() - started:,.0f} s")
-
+    block("16-heavy", heavy, "16-heavy", "Policy benchmark, 16 engines, 128 trajectories per GPU")
     # Where disaggregation is known to pay: an MoE model with data-parallel attention, whose
     # colocated prefill stalls every rank. 4 slots of 8 H200s (32 GPUs): prefill at TP8,
     # decode as 8 TP1 engines, colocated as one DP8 engine.
@@ -180,12 +177,7 @@ def main() -> None:
             "dp_attention_ranks": 8,
         },
     )
-    result = run_compare(moe)
-    for row in result["summary"]:
-        row["engines"] = "4x8-moe-dp8"
-    summary += result["summary"]
-    searched.update({f"{k}/moe": v for k, v in result["best_static"].items()})
-    write_report(result, RESULTS / "policy-moe", title="Policy benchmark, MoE with DP attention")
+    block("moe", moe, "4x8-moe-dp8", "Policy benchmark, MoE with data-parallel attention")
     latency = decision_latency(args.forecaster)
     met = goals(summary)
     path = save(

@@ -45,8 +45,9 @@ def test_compare_cli_writes_report_and_sane_summary(tmp_path):
     assert all(r["seeds"] == 2 and r["speedup_ci95"] is not None for r in summary)
     saved = json.loads((out / "results.json").read_text())
     searched = saved["best_static"]["search/sync"]
-    best = min(searched["objective_by_prefill"].items(), key=lambda kv: (kv[1], int(kv[0])))
-    assert int(best[0]) == searched["prefill_gpus"]
+    objective = searched["objective_by_prefill_slots"]
+    best = min(objective.items(), key=lambda kv: (kv[1], int(kv[0])))
+    assert int(best[0]) == searched["prefill_slots"] == searched["prefill_gpus"]  # 1-GPU slots
     for name in (
         "report.md",
         "speedup.png",
@@ -86,6 +87,23 @@ def test_speedups_are_paired_by_seed():
     )
     p = next(r for r in rows if r["policy"] == "p")
     assert p["speedup"] == pytest.approx((2.0 + 1.0) / 2)  # not 300/250
+
+
+def test_best_static_counts_gpus_when_slots_hold_several():
+    cfg = CompareConfig(
+        workloads=[("search", None)],
+        policies=["colocate", "best-static"],
+        seeds=1,
+        engines=3,
+        trajectories=24,
+        workers=1,
+        cluster_overrides={"role_tp": {"prefill": 2, "decode": 1, "colocated": 1}},
+    )
+    result = run_compare(cfg)
+    found = result["best_static"]["search/sync"]
+    assert found["prefill_gpus"] == 2 * found["prefill_slots"]
+    best = next(r for r in result["runs"] if r["cell"]["policy"] == "best-static")
+    assert best["cell"]["policy_params"]["prefill_gpus"] == found["prefill_gpus"]
 
 
 def test_compare_rejects_bad_matrices():

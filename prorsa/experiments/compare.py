@@ -118,7 +118,11 @@ def _search_static(cfg: CompareConfig, pool, progress) -> dict:
     for workload in cfg.workloads:
         for mode in cfg.modes:
             best, seen = _search_one(cfg, pool, progress, workload, mode)
-            found[_key(workload, mode)] = {"prefill_gpus": best, "objective_by_prefill": seen}
+            found[_key(workload, mode)] = {
+                "prefill_slots": best,
+                "prefill_gpus": best * _slot_gpus(cfg),
+                "objective_by_prefill_slots": seen,
+            }
             logger.info(
                 "best static for %s: %dP%dD", _key(workload, mode), best, cfg.engines - best
             )
@@ -129,7 +133,7 @@ def _search_one(cfg: CompareConfig, pool, progress, workload, mode: str) -> tupl
     """Search the static split on seed 0; the coarse grid runs in parallel first."""
     cache: dict[int, float] = {}
 
-    size = max(cfg.cluster_overrides.get("role_tp", {"prefill": 1}).values())
+    size = _slot_gpus(cfg)
 
     def evaluate_many(xs: list[int]) -> None:
         cells = [
@@ -150,6 +154,11 @@ def _search_one(cfg: CompareConfig, pool, progress, workload, mode: str) -> tupl
     slots = cfg.engines
     evaluate_many(sorted({1, slots - 1, *range(1, slots, max((slots - 1) // 8, 1))}))
     return search_best_static(evaluate, slots)
+
+
+def _slot_gpus(cfg: CompareConfig) -> int:
+    """GPUs per slot: the largest tensor-parallel degree of any role."""
+    return max(cfg.cluster_overrides.get("role_tp", {"prefill": 1}).values())
 
 
 def _map(pool, cells: list[Cell], progress) -> list[dict]:

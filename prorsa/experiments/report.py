@@ -160,8 +160,9 @@ def write_report(
         if key in result.get("best_static", {}):
             found = result["best_static"][key]
             lines += [
-                f"best-static: {found['prefill_gpus']} prefill slots "
-                f"(searched {len(found['objective_by_prefill'])} splits on seed 0)",
+                f"best-static: {found['prefill_slots']} prefill slots "
+                f"({found['prefill_gpus']} GPUs; searched "
+                f"{len(found['objective_by_prefill_slots'])} splits on seed 0)",
                 "",
             ]
         slug = f"{workload}-{mode}".replace("/", "_").replace(".", "_")
