@@ -82,7 +82,8 @@ def _first_switch_to_prefill(policy, timeline):
             observation(t, roles, prefill_queue=queue),
             forecast(t, rate) if policy.needs_forecast else None,
         )
-        if alloc.gpus["prefill"] > 2:
+        # Colocated slots prefill too: either way more GPUs now serve prefill.
+        if alloc.gpus.get("prefill", 0) + alloc.gpus.get("colocated", 0) > 2:
             return t
     return None
 
@@ -103,11 +104,18 @@ def test_prefill_burst_moves_predictive_before_threshold():
     assert mpc < 20
 
 
-def test_predictive_holds_when_gain_is_below_switch_cost():
-    policy = make_policy("predictive", min_gain=0.5)
-    policy.reset(spec(8))
-    alloc = policy.decide(observation(1.0, ROLES8), forecast(1.0, 40_000.0))
-    assert (alloc.gpus["prefill"] == 2 and "hold" in alloc.reason) or "balanced" in alloc.reason
+def test_predictive_weighs_switch_cost_and_lost_cache():
+    # 2.8 prefill slots needed on 2: worth a switch when switching is cheap...
+    cheap = make_policy("predictive", switch_cost_weight=0.1)
+    cheap.reset(spec(8))
+    gpus = cheap.decide(observation(1.0, ROLES8), forecast(1.0, 40_000.0)).gpus
+    assert gpus.get("prefill", 0) + gpus.get("colocated", 0) > 2
+    # ...but not when the decode slots to move cache many contexts (rebuilt next turn).
+    costly = make_policy("predictive")
+    costly.reset(spec(8))
+    obs = observation(1.0, ROLES8, decode_kv=5_000_000, kv_capacity=10_000_000)
+    alloc = costly.decide(obs, forecast(1.0, 40_000.0, kv=5_000_000))
+    assert alloc.gpus["prefill"] == 2 and "hold" in alloc.reason
 
 
 def test_mpc_dp_matches_brute_force():
@@ -157,3 +165,31 @@ def test_controller_plan_never_touches_switching_or_dwelling_slots():
     orders = plan_switches(obs, alloc, min_dwell_s=1.0)
     assert orders and all(sid != 1 for sid, _ in orders)
     assert len(orders) == 1  # 1 + 1 switching already = 2; one more reaches 3
+
+
+def test_mode_choice_colocates_dense_models_and_splits_under_dp_attention():
+    from dataclasses import replace
+
+    from prorsa.policy.demand import choose_mode
+
+    colocated = observation(5.0, ["colocated"] * 8, decode_kv=0)
+    dense = spec(8)
+    # Pooled capacity always serves at least as much as a split: stay colocated.
+    assert (
+        choose_mode(
+            colocated, dense, 3.0, 4.0, current_prefill=1, payback_s=30, switch_cost_weight=1.0
+        )
+        is None
+    )
+    # With DP8 attention each prefill slot-second stalls 8 ranks: a split pays.
+    moe = replace(dense, dp_attention_ranks=8)
+    x = choose_mode(
+        colocated, moe, 1.5, 4.0, current_prefill=1, payback_s=30, switch_cost_weight=1.0
+    )
+    assert isinstance(x, int) and 1 <= x <= 7
+    # A split short of prefill on a dense model colocates when the saving pays the switch.
+    split = observation(5.0, ROLES8, decode_kv=10_000)
+    assert (
+        choose_mode(split, dense, 5.0, 2.0, current_prefill=2, payback_s=30, switch_cost_weight=1.0)
+        == "colocated"
+    )

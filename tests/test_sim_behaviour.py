@@ -245,3 +245,28 @@ def test_controller_never_double_switches_a_slot():
             in_progress.add(d["slot"])
         elif d["stage"] == "serving":
             in_progress.discard(d["slot"])
+
+
+class ColocateThenSplit(Policy):
+    """All colocated, then at t >= 2 s one slot prefill and the rest decode."""
+
+    def decide(self, obs, forecast):
+        n = len(obs.slots)
+        if obs.time_s < 2.0:
+            return Allocation(gpus={"colocated": n})
+        return Allocation(gpus={"prefill": 1, "decode": n - 1})
+
+
+def test_colocated_to_decode_is_an_instant_relabel():
+    specs = random_specs(40, seed=11, turns=(3, 8))
+    res = run(specs, ColocateThenSplit(), slots=3, switch_latency_s=5.0)
+    df = res.telemetry.to_pandas()
+    df["kind"] = df["kind"].astype(str)
+    ends = [json.loads(d) for d in df[df.kind == "role_switch_end"].detail]
+    relabels = [d for d in ends if d.get("relabel")]
+    real = [d for d in ends if not d.get("relabel")]
+    assert len(relabels) == 2 and all(d["to"] == "decode" and d["total_s"] == 0 for d in relabels)
+    assert len(real) == 1 and real[0]["to"] == "prefill" and real[0]["total_s"] >= 5.0
+    _conservation(res, specs)
+    busy = res.metrics["busy_fraction"]
+    assert busy["colocated"] is not None and busy["decode"] is not None

@@ -25,6 +25,15 @@ class ClusterSpec:
     decode_tokens_per_s_per_gpu: float
     switch_latency_s: float
     min_dwell_s: float
+    # Data-parallel attention ranks of a colocated engine: its prefill stalls that many ranks.
+    dp_attention_ranks: int = 1
+    # Extra switch latency when the two roles' tensor-parallel layouts differ.
+    reshard_latency_s: float = 0.0
+
+    def switch_latency_between(self, old: str, new: str) -> float:
+        """Seconds a slot serves nothing when moving from role ``old`` to ``new``."""
+        reshard = self.role_tp.get(old, 1) != self.role_tp.get(new, 1)
+        return self.switch_latency_s + (self.reshard_latency_s if reshard else 0.0)
 
     @property
     def total_gpus(self) -> int:
@@ -76,10 +85,25 @@ class SplitPolicy(Policy):
         if cluster.num_slots < 2:
             raise ConfigError(f"{name}: a prefill/decode split needs at least two slots")
 
+    def starts_colocated(self, start: str) -> bool:
+        """Resolve a ``start`` parameter: ``"auto"`` colocates unless the colocated engines
+        use data-parallel attention, whose prefill stalls every rank."""
+        if start == "auto":
+            return self.cluster_.dp_attention_ranks <= 1
+        return start == "colocated"
+
     def initial_prefill_slots(self) -> int:
         """``prefill_fraction`` of the slots, at least one on each side."""
         slots = self.cluster_.num_slots
         return min(max(round(self.prefill_fraction * slots), 1), slots - 1)
+
+    def colocate(self, reason: str) -> Allocation:
+        """Every slot colocated."""
+        return Allocation(
+            gpus={"colocated": self.cluster_.total_gpus},
+            local_prefill_threshold=self.local_prefill_threshold,
+            reason=reason,
+        )
 
     def split(self, prefill_slots: int, reason: str) -> Allocation:
         """An allocation of ``prefill_slots`` prefill slots and the rest decode."""

@@ -21,6 +21,9 @@ class Load:
     prefill_backlog_tokens: float  # queued on prefill slots (not yet computed)
     decode_sequences: float  # decoding or waiting to decode
     decode_kv_tokens: float  # KV held by decoding trajectories
+    # Contexts of trajectories between turns (in a tool, or queued for their next prefill):
+    # in agentic rollouts the decode side keeps them cached so the next turn is cheap.
+    idle_context_tokens: float
     prefill_slots: int
     decode_slots: int
 
@@ -28,7 +31,9 @@ class Load:
 def current_load(obs: ClusterObservation) -> Load:
     """Backlog, live decode sequences and KV, and the slots per role (switching slots
     counted toward their target)."""
-    backlog = sum(s.queued_prefill_tokens for s in obs.slots if s.role == "prefill")
+    # Prefill waiting anywhere: on prefill slots, and on colocated or decode slots that
+    # prefill locally.
+    backlog = sum(s.queued_prefill_tokens for s in obs.slots)
     prefill = sum(
         1 for s in obs.slots if (s.target_role if s.role == SWITCHING else s.role) == "prefill"
     )
@@ -39,6 +44,7 @@ def current_load(obs: ClusterObservation) -> Load:
         prefill_backlog_tokens=float(backlog),
         decode_sequences=float(states.get("decoding", 0) + states.get("transferring", 0)),
         decode_kv_tokens=float(tokens.get("decoding", 0) + tokens.get("transferring", 0)),
+        idle_context_tokens=float(tokens.get("in_tool", 0) + tokens.get("queued", 0)),
         prefill_slots=prefill,
         decode_slots=decode_side,
     )
@@ -88,3 +94,75 @@ def split_slots(total: int, prefill_need: float, decode_need: float) -> int:
     need = prefill_need + decode_need
     share = 0.5 if need <= 0 else prefill_need / need
     return int(min(max(round(total * share), 1), total - 1))
+
+
+def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
+    """Slot-seconds of prefill needed to rebuild the KV of the ``slots`` decode slots the
+    controller would move first (the least loaded), were they switched away.
+
+    Their trajectories' contexts (in use and cached between turns) are lost with the role,
+    and every one of those trajectories must be prefilled again on its next turn.
+    """
+    if slots <= 0:
+        return 0.0
+    decode = sorted(
+        (s for s in obs.slots if s.role in ("decode", "colocated")),
+        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
+    )[:slots]
+    tokens = sum(s.kv_used_tokens + s.cached_tokens for s in decode)
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
+    return tokens / max(per_slot, 1e-9)
+
+
+def split_shortage(prefill: int, slots: int, need_p: float, need_d: float) -> float:
+    """Slots of demand a ``prefill`` / ``slots - prefill`` split leaves unserved."""
+    return max(need_p - prefill, 0.0) + max(need_d - (slots - prefill), 0.0)
+
+
+def colocated_shortage(spec: ClusterSpec, need_p: float, need_d: float) -> float:
+    """Slots of demand left unserved with every slot colocated.
+
+    Colocation pools capacity, but with data-parallel attention a prefill chunk holds every
+    rank of its engine, so prefill costs ``dp_attention_ranks`` times its work there.
+    """
+    return max(need_p * spec.dp_attention_ranks + need_d - spec.num_slots, 0.0)
+
+
+def colocated_now(obs: ClusterObservation) -> bool:
+    """True when no slot serves (or is heading to) prefill or decode alone."""
+    roles = [s.target_role if s.role == SWITCHING else s.role for s in obs.slots]
+    return all(r == "colocated" for r in roles)
+
+
+def choose_mode(
+    obs: ClusterObservation,
+    spec: ClusterSpec,
+    need_p: float,
+    need_d: float,
+    *,
+    current_prefill: int,
+    payback_s: float,
+    switch_cost_weight: float,
+) -> str | int | None:
+    """Whether to change between colocation and disaggregation.
+
+    Returns ``"colocated"`` to colocate every slot, a prefill slot count to disaggregate,
+    or None to stay in the current mode (a split policy then tunes its split). A change
+    must save more unserved slot-seconds over ``payback_s`` than it costs: the switching
+    slots' latency plus rebuilding the contexts cached on the decode-side slots it moves.
+    """
+    n = spec.num_slots
+    best_x = min(range(1, n), key=lambda x: (split_shortage(x, n, need_p, need_d), x))
+    pd_short = split_shortage(best_x, n, need_p, need_d)
+    c_short = colocated_shortage(spec, need_p, need_d)
+    if colocated_now(obs):
+        saved = (c_short - pd_short) * payback_s
+        latency = best_x * spec.switch_latency_between("colocated", "prefill")
+        lost = latency + decode_slot_rebuild_s(obs, spec, best_x)
+        return best_x if saved > switch_cost_weight * lost else None
+    current_short = split_shortage(current_prefill, n, need_p, need_d)
+    saved = (current_short - c_short) * payback_s
+    # Prefill slots move (decode slots only change how the router uses them).
+    latency = current_prefill * spec.switch_latency_between("prefill", "colocated")
+    lost = latency + decode_slot_rebuild_s(obs, spec, current_prefill)
+    return "colocated" if saved > switch_cost_weight * lost else None

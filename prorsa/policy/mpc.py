@@ -7,7 +7,14 @@ import numpy as np
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
-from prorsa.policy.demand import Sizing, current_load, kv_capacity_per_slot
+from prorsa.policy.demand import (
+    Sizing,
+    choose_mode,
+    colocated_now,
+    current_load,
+    decode_slot_rebuild_s,
+    kv_capacity_per_slot,
+)
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
 
@@ -21,9 +28,11 @@ class MPCPolicy(SplitPolicy):
     slots the interval's cost is the slot-seconds of demand left unserved,
     ``w_p * max(r_p - x_eff, 0) + w_d * max(r_d - (N - x)_eff, 0)`` times its length,
     where slots that switch in this interval serve nothing for ``switch_latency + drain_s``;
-    each switched slot also costs ``switch_cost_s``. The stage cost depends only on
-    ``(x_prev, x)``, so dynamic programming over ``x`` finds the exact optimum of this
-    model; the first interval's allocation is applied and the plan is redone next tick.
+    each switched slot also costs ``switch_cost_s``, and each decode slot moved to prefill
+    the prefill slot-seconds needed to rebuild the contexts it caches. The stage cost
+    depends only on ``(x_prev, x)``, so dynamic programming over ``x`` finds the exact
+    optimum of this model; the first interval's allocation is applied and the plan is redone
+    next tick.
 
     Args:
         drain_s: expected time a switching slot spends draining its old work.
@@ -31,7 +40,11 @@ class MPCPolicy(SplitPolicy):
         prefill_weight / decode_weight: relative cost of a short slot-second per side.
         max_step: at most this many slots change in one interval (0: unlimited).
         quantile: plan on this demand quantile when available (None: point forecast).
-        prefill_fraction: split used until the first forecast arrives.
+        start: ``"auto"``, ``"colocated"`` or ``"split"`` before the first forecast (as in
+            :class:`PredictivePolicy`); colocation stays in
+            the action space either way (see :func:`prorsa.policy.demand.choose_mode`,
+            applied to the horizon's average demand over the horizon's length).
+        prefill_fraction: split used until the first forecast arrives with ``start="split"``.
         local_prefill_threshold: if set, applied on every tick.
     """
 
@@ -45,6 +58,7 @@ class MPCPolicy(SplitPolicy):
         decode_weight: float = 1.0,
         max_step: int = 0,
         quantile: float | None = 0.9,
+        start: str = "auto",
         prefill_fraction: float = 0.25,
         local_prefill_threshold: int | None = None,
         target_batch_per_gpu: float = 64.0,
@@ -57,6 +71,7 @@ class MPCPolicy(SplitPolicy):
         self.decode_weight = decode_weight
         self.max_step = max_step
         self.quantile = quantile
+        self.start = start
         self.prefill_fraction = prefill_fraction
         self.local_prefill_threshold = local_prefill_threshold
         self.target_batch_per_gpu = target_batch_per_gpu
@@ -81,6 +96,8 @@ class MPCPolicy(SplitPolicy):
             raise ConfigError("mpc: drain_s, switch_cost_s and weights must be >= 0")
         if self.max_step < 0:
             raise ConfigError("mpc: max_step must be >= 0")
+        if self.start not in ("auto", "colocated", "split"):
+            raise ConfigError("mpc: start must be 'auto', 'colocated' or 'split'")
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
@@ -107,6 +124,8 @@ class MPCPolicy(SplitPolicy):
         kv = np.maximum(np.asarray(table["decode_kv_tokens"], dtype=float), 0.0)
         seqs[0] = max(seqs[0], load.decode_sequences)
         kv[0] = max(kv[0], load.decode_kv_tokens)
+        # Decode engines also cache the contexts of trajectories between turns.
+        kv = kv + load.idle_context_tokens
         cap = kv_capacity_per_slot(obs)
         need_d = np.array(
             [sizing.decode_slots_needed(spec, s, k, cap) for s, k in zip(seqs, kv, strict=True)]
@@ -114,7 +133,12 @@ class MPCPolicy(SplitPolicy):
         return lengths, need_p, need_d
 
     def plan(
-        self, current: int, lengths: np.ndarray, need_p: np.ndarray, need_d: np.ndarray
+        self,
+        current: int,
+        lengths: np.ndarray,
+        need_p: np.ndarray,
+        need_d: np.ndarray,
+        rebuild_s_per_slot: float = 0.0,
     ) -> list[int]:
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan."""
         n = self.cluster_.num_slots
@@ -134,7 +158,7 @@ class MPCPolicy(SplitPolicy):
             eff_d = (n - xs[None, :]) - lost * gained_d
             short = self.prefill_weight * np.maximum(need_p[k] - eff_p, 0.0)
             short = short + self.decode_weight * np.maximum(need_d[k] - eff_d, 0.0)
-            stage = short * length + self.switch_cost_s * moved
+            stage = short * length + self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
             total = np.where(allowed, cost[:, None] + stage, np.inf)
             best_prev = np.argmin(total, axis=0)
             cost = total[best_prev, np.arange(len(xs))]
@@ -147,11 +171,32 @@ class MPCPolicy(SplitPolicy):
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
-        if forecast is None or current == 0:
+        if forecast is None:
+            if colocated_now(obs) and self.starts_colocated(self.start):
+                return self.colocate("mpc: start colocated")
             return self.split(current or self.initial_prefill_slots(), "mpc: no forecast yet")
-        current = min(max(current, 1), slots - 1)
         lengths, need_p, need_d = self.requirements(obs, forecast)
-        self.last_plan_ = self.plan(current, lengths, need_p, need_d)
+        # Colocation versus disaggregation on the horizon's average demand; within a split,
+        # the DP below plans the split itself.
+        weights = lengths / lengths.sum()
+        mode = choose_mode(
+            obs,
+            self.cluster_,
+            float(need_p @ weights),
+            float(need_d @ weights),
+            current_prefill=max(current, 1),
+            payback_s=float(lengths.sum()),
+            switch_cost_weight=1.0,
+        )
+        if mode == "colocated":
+            return self.colocate("mpc: colocate")
+        if mode is not None:
+            return self.split(mode, "mpc: disaggregate")
+        if colocated_now(obs):
+            return self.colocate("mpc: hold colocated")
+        current = min(max(current, 1), slots - 1)
+        rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1)
+        self.last_plan_ = self.plan(current, lengths, need_p, need_d, rebuild)
         target = self.last_plan_[0]
         return self.split(target, f"mpc: plan {self.last_plan_}")
 

@@ -7,9 +7,13 @@ from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
 from prorsa.policy.demand import (
     Sizing,
+    choose_mode,
+    colocated_now,
     current_load,
+    decode_slot_rebuild_s,
     forecast_rate,
     kv_capacity_per_slot,
+    split_shortage,
     split_slots,
 )
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
@@ -23,14 +27,26 @@ class PredictivePolicy(SplitPolicy):
     when the forecaster gives quantiles) plus the backlog, over prefill throughput; decode
     need = forecast live sequences and KV over decode capacity. The split equalises the two
     utilisations; it is applied only if it lowers the busier side's utilisation by at least
-    ``min_gain`` and the slot-seconds it saves over the horizon exceed
-    ``switch_cost_weight`` times those lost to switching.
+    ``min_gain`` and the slot-seconds it saves over ``payback_s`` exceed
+    ``switch_cost_weight`` times those a switch costs: the switching slots' service, plus,
+    for decode slots moved to prefill, the prefill needed to rebuild the contexts they
+    cache. Decode need counts those cached contexts (trajectories between turns) too.
+
+    Colocation is part of the action space: with every slot colocated the cluster pools
+    its capacity (prefill costing ``dp_attention_ranks`` times its work under data-parallel
+    attention), and the policy moves between colocation and a split when the same
+    savings-versus-cost test says so (:func:`prorsa.policy.demand.choose_mode`).
 
     Args:
         horizon_s: forecast horizon used for sizing (must be one the forecaster predicts).
         quantile: demand quantile to size for (None: point forecast).
         min_gain: minimum drop in the busier side's utilisation worth a switch.
         switch_cost_weight: how heavily to weigh slot-seconds lost while switching.
+        payback_s: how long the sized demand is assumed to last when weighing a switch's
+            savings against its one-time cost.
+        start: ``"colocated"`` (start colocated, disaggregate once a forecast shows it
+            pays), ``"split"`` (start at ``prefill_fraction``), or ``"auto"``: colocated
+            unless colocated engines use data-parallel attention.
         prefill_fraction: split used until the first forecast arrives.
         local_prefill_threshold: if set, applied on every tick.
         target_batch_per_gpu, kv_target_fraction, prefill_target_util: sizing knobs.
@@ -44,6 +60,8 @@ class PredictivePolicy(SplitPolicy):
         quantile: float | None = 0.9,
         min_gain: float = 0.15,
         switch_cost_weight: float = 1.0,
+        payback_s: float = 30.0,
+        start: str = "auto",
         prefill_fraction: float = 0.25,
         local_prefill_threshold: int | None = None,
         target_batch_per_gpu: float = 64.0,
@@ -54,6 +72,8 @@ class PredictivePolicy(SplitPolicy):
         self.quantile = quantile
         self.min_gain = min_gain
         self.switch_cost_weight = switch_cost_weight
+        self.payback_s = payback_s
+        self.start = start
         self.prefill_fraction = prefill_fraction
         self.local_prefill_threshold = local_prefill_threshold
         self.target_batch_per_gpu = target_batch_per_gpu
@@ -67,6 +87,7 @@ class PredictivePolicy(SplitPolicy):
             "quantile": trial.suggest_categorical("quantile", [0.5, 0.9]),
             "min_gain": trial.suggest_float("min_gain", 0.0, 0.5),
             "switch_cost_weight": trial.suggest_float("switch_cost_weight", 0.0, 3.0),
+            "payback_s": trial.suggest_float("payback_s", 5.0, 120.0, log=True),
             "target_batch_per_gpu": trial.suggest_float(
                 "target_batch_per_gpu", 16.0, 256.0, log=True
             ),
@@ -77,8 +98,12 @@ class PredictivePolicy(SplitPolicy):
         super().reset(cluster, seed)
         if self.horizon_s <= 0:
             raise ConfigError("predictive: horizon_s must be > 0")
-        if self.min_gain < 0 or self.switch_cost_weight < 0:
-            raise ConfigError("predictive: min_gain and switch_cost_weight must be >= 0")
+        if self.min_gain < 0 or self.switch_cost_weight < 0 or self.payback_s <= 0:
+            raise ConfigError(
+                "predictive: min_gain, switch_cost_weight >= 0 and payback_s > 0 required"
+            )
+        if self.start not in ("auto", "colocated", "split"):
+            raise ConfigError("predictive: start must be 'auto', 'colocated' or 'split'")
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
@@ -95,7 +120,7 @@ class PredictivePolicy(SplitPolicy):
         decode = self.sizing_.decode_slots_needed(
             spec,
             max(seqs, load.decode_sequences),
-            max(kv, load.decode_kv_tokens),
+            max(kv, load.decode_kv_tokens) + load.idle_context_tokens,
             kv_capacity_per_slot(obs),
         )
         return prefill, decode
@@ -103,19 +128,40 @@ class PredictivePolicy(SplitPolicy):
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
-        if forecast is None or current == 0:
-            return self.split(
-                current or self.initial_prefill_slots(), "predictive: no forecast yet"
-            )
+        if forecast is None:
+            if colocated_now(obs) and self.starts_colocated(self.start):
+                return self.colocate("predictive: start colocated")
+            return self.split(current or self.initial_prefill_slots(), "predictive: no forecast")
         need_p, need_d = self.needs(obs, forecast)
+        mode = choose_mode(
+            obs,
+            self.cluster_,
+            need_p,
+            need_d,
+            current_prefill=max(current, 1),
+            payback_s=self.payback_s,
+            switch_cost_weight=self.switch_cost_weight,
+        )
+        if mode == "colocated":
+            return self.colocate(f"predictive: colocate (need {need_p:.1f}P/{need_d:.1f}D)")
+        if mode is not None:
+            return self.split(mode, f"predictive: disaggregate (need {need_p:.1f}P/{need_d:.1f}D)")
+        if colocated_now(obs):
+            return self.colocate("predictive: hold colocated")
         target = split_slots(slots, need_p, need_d)
         if target == current:
             return self.split(current, "predictive: balanced")
         gain = _max_util(current, slots, need_p, need_d) - _max_util(target, slots, need_p, need_d)
         saved = (
-            _shortage(current, slots, need_p, need_d) - _shortage(target, slots, need_p, need_d)
-        ) * self.horizon_s
-        lost = self.switch_cost_weight * abs(target - current) * self.cluster_.switch_latency_s
+            split_shortage(current, slots, need_p, need_d)
+            - split_shortage(target, slots, need_p, need_d)
+        ) * self.payback_s
+        # A switch costs the slots' service while they switch, and moving decode slots to
+        # prefill also throws away the contexts they cache (re-prefilled next turn).
+        rebuild = decode_slot_rebuild_s(obs, self.cluster_, target - current)
+        lost = self.switch_cost_weight * (
+            abs(target - current) * self.cluster_.switch_latency_s + rebuild
+        )
         if gain >= self.min_gain and saved >= lost:
             return self.split(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
         return self.split(current, "predictive: hold (gain below switch cost)")
@@ -123,7 +169,3 @@ class PredictivePolicy(SplitPolicy):
 
 def _max_util(prefill: int, slots: int, need_p: float, need_d: float) -> float:
     return max(need_p / prefill, need_d / (slots - prefill))
-
-
-def _shortage(prefill: int, slots: int, need_p: float, need_d: float) -> float:
-    return max(need_p - prefill, 0.0) + max(need_d - (slots - prefill), 0.0)

@@ -19,6 +19,8 @@ class ThresholdPolicy(SplitPolicy):
             prefill throughput) above which prefill grows, below which it may shrink.
         kv_high: decode-side KV use above which decode grows.
         batch_high: decode sequences per decode GPU above which decode grows.
+        cooldown_s: after a change, hold for this long (autoscalers' cooldown window: a
+            queue needs time to react to new capacity, or the policy oscillates).
     """
 
     def __init__(
@@ -28,12 +30,14 @@ class ThresholdPolicy(SplitPolicy):
         prefill_wait_low_s: float = 0.1,
         kv_high: float = 0.85,
         batch_high: float = 96.0,
+        cooldown_s: float = 30.0,
     ) -> None:
         self.prefill_fraction = prefill_fraction
         self.prefill_wait_high_s = prefill_wait_high_s
         self.prefill_wait_low_s = prefill_wait_low_s
         self.kv_high = kv_high
         self.batch_high = batch_high
+        self.cooldown_s = cooldown_s
 
     @classmethod
     def search_space(cls, trial) -> dict:
@@ -44,6 +48,7 @@ class ThresholdPolicy(SplitPolicy):
             "prefill_wait_low_s": high * trial.suggest_float("low_over_high", 0.05, 0.5),
             "kv_high": trial.suggest_float("kv_high", 0.6, 0.97),
             "batch_high": trial.suggest_float("batch_high", 16.0, 256.0, log=True),
+            "cooldown_s": trial.suggest_float("cooldown_s", 0.0, 60.0),
         }
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
@@ -52,6 +57,9 @@ class ThresholdPolicy(SplitPolicy):
             raise ConfigError("threshold: need 0 <= prefill_wait_low_s < prefill_wait_high_s")
         if not 0 < self.kv_high <= 1:
             raise ConfigError("threshold: kv_high must be in (0, 1]")
+        if self.cooldown_s < 0:
+            raise ConfigError("threshold: cooldown_s must be >= 0")
+        self.last_change_s_ = float("-inf")
         self.started_ = False
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
@@ -70,8 +78,12 @@ class ThresholdPolicy(SplitPolicy):
         kv_use = kv_used / kv_cap
         batch = load.decode_sequences / max(load.decode_slots * size, 1)
         decode_hot = kv_use > self.kv_high or batch > self.batch_high
+        if obs.time_s - self.last_change_s_ < self.cooldown_s:
+            return self.split(prefill, "threshold: cooling down")
         if wait_s > self.prefill_wait_high_s and not decode_hot and prefill < slots - 1:
+            self.last_change_s_ = obs.time_s
             return self.split(prefill + 1, f"threshold: prefill wait {wait_s:.2f}s")
         if wait_s < self.prefill_wait_low_s and decode_hot and prefill > 1:
+            self.last_change_s_ = obs.time_s
             return self.split(prefill - 1, f"threshold: decode kv {kv_use:.0%} batch {batch:.0f}")
         return self.split(prefill, "threshold: hold")

@@ -32,6 +32,9 @@ class SlotView:
     kv_capacity_tokens: int
     busy: bool
     since_s: float  # time the slot entered its current role (or began switching)
+    # Prefix-cache tokens the slot holds beyond in-use KV (contexts of trajectories between
+    # turns); a role switch throws them away, so they price a switch.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

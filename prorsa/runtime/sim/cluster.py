@@ -78,6 +78,7 @@ class SimCluster:
         self.slots: list[Slot] = []
         self.engines: dict[int, SimEngine] = {}
         self.retired: list[tuple[str, SimEngine]] = []
+        self.busy_carry_s = dict.fromkeys(ROLES, 0.0)  # GPU-busy seconds of relabelled engines
         self.decode_side: list[SimEngine] = []
         self.prefill_side: list[SimEngine] = []
         self.link_free_at: dict[int, float] = {}
@@ -579,7 +580,13 @@ class SimCluster:
             return False
         if slot.role == new_role:
             return False
-        if slot.role in DECODE_SIDE and new_role not in DECODE_SIDE:
+        same_layout = self.config.role_tp[slot.role] == self.config.role_tp[new_role]
+        if slot.role in DECODE_SIDE and new_role in DECODE_SIDE and same_layout:
+            # Decode and colocated engines are the same engine (vLLM's kv_both): only the
+            # router's use of it changes, so the switch is a relabel, with nothing to drain.
+            self._relabel(slot, new_role)
+            return True
+        if slot.role in DECODE_SIDE:
             remaining = [e for e in self.decode_side if e.slot_id != slot_id]
             if not remaining:
                 logger.info("refused: switching slot %d would leave no decode-side engine", slot_id)
@@ -624,6 +631,41 @@ class SimCluster:
             self.env.schedule(now + self.config.drain_timeout_s, self._drain_timeout, slot, now)
         self._check_slot(slot)
         return True
+
+    def _relabel(self, slot: Slot, new_role: str) -> None:
+        now = self.env.now
+        old_role = slot.role
+        self.switches += 1
+        for stage, kind in (
+            ("stop_new_work", "role_switch_start"),
+            ("drained", "role_switch_start"),
+            ("serving", "role_switch_end"),
+        ):
+            self.emit(
+                None,
+                0,
+                kind,
+                slot.engines[0].engine_id,
+                detail=json.dumps(
+                    {
+                        "slot": slot.slot_id,
+                        "from": old_role,
+                        "to": new_role,
+                        "stage": stage,
+                        "relabel": True,
+                        "total_s": 0.0,
+                    }
+                ),
+            )
+        slot.role = new_role
+        slot.since_s = now
+        slot.history.append((now, new_role))
+        for engine in slot.engines:
+            # Busy time so far belongs to the old role.
+            self.busy_carry_s[old_role] += engine.busy_s * engine.tp
+            engine.busy_s = 0.0
+            engine.role = new_role
+        self._refresh_eligible()
 
     def _reroute_queued(self, req: TurnRequest, engine: SimEngine) -> None:
         traj = req.traj
@@ -741,6 +783,7 @@ class SimCluster:
                     kv_capacity_tokens=sum(e.kv_capacity for e in engines),
                     busy=any(e.phase != 0 for e in engines),
                     since_s=slot.since_s,
+                    cached_tokens=sum(e.cache.total for e in engines),
                 )
             )
         return ClusterObservation(

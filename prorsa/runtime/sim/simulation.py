@@ -110,6 +110,8 @@ def cluster_spec(
         decode_tokens_per_s_per_gpu=decode_tps,
         switch_latency_s=config.switch_latency_s,
         min_dwell_s=min_dwell_s,
+        dp_attention_ranks=config.dp_attention_ranks,
+        reshard_latency_s=config.reshard_latency_s,
     )
 
 
