@@ -128,7 +128,7 @@ def main() -> None:
             result = json.loads(saved.read_text())
         else:
             result = run_compare(cfg)
-            write_report(result, RESULTS / f"policy-{name}", title=title)
+        write_report(result, RESULTS / f"policy-{name}", title=title)
         for row in result["summary"]:
             row["engines"] = label
             row["workload"] = row["workload"].split("/")[-1]

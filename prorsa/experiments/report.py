@@ -15,6 +15,7 @@ COLORS = {
     "predictive": "#1f77b4",
     "mpc": "#2ca02c",
     "oracle": "#9467bd",
+    "rl": "#17becf",
 }
 
 
@@ -27,6 +28,13 @@ def _plt():
     return plt
 
 
+def workload_label(workload: str, sep: str = " ") -> str:
+    """A short name for plots and headings: a replayed trace shows as ``replay <file stem>``."""
+    if "/" in workload or workload.endswith(".parquet"):
+        return f"replay{sep}{Path(workload).name.split('.')[0]}"
+    return workload
+
+
 def speedup_bars(summary: list[dict], path: Path) -> Path:
     """Speedup over colocation per workload/mode and policy, with 95% CIs."""
     plt = _plt()
@@ -34,7 +42,7 @@ def speedup_bars(summary: list[dict], path: Path) -> Path:
     policies = [p for p in COLORS if any(r["policy"] == p for r in summary)]
     policies += sorted({r["policy"] for r in summary} - set(policies))
     width = 0.8 / max(len(policies), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 2.0 * len(groups)), 4.2))
     for i, policy in enumerate(policies):
         xs, ys, err = [], [], []
         for g, (workload, mode) in enumerate(groups):
@@ -54,7 +62,12 @@ def speedup_bars(summary: list[dict], path: Path) -> Path:
             err.append(0.0 if ci is None else (ci[1] - ci[0]) / 2)
         ax.bar(xs, ys, width, yerr=err, capsize=2, label=policy, color=COLORS.get(policy))
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(range(len(groups)), [f"{w}\n{m}" for w, m in groups])
+    # Speedups cluster near 1x; an axis from 0 would hide the differences that matter.
+    shown = [r["speedup"] for r in summary if r["speedup"] is not None] or [1.0]
+    low, high = min(min(shown), 1.0), max(max(shown), 1.0)
+    pad = max(0.02, 0.1 * (high - low))
+    ax.set_ylim(low - pad, high + pad)
+    ax.set_xticks(range(len(groups)), [f"{workload_label(w, sep=chr(10))}\n{m}" for w, m in groups])
     ax.set_ylabel("speedup over colocation (x)")
     ax.legend(fontsize=8, ncol=min(len(policies), 4))
     ax.set_title("Rollout speedup (95% CI over seeds)")
@@ -95,6 +108,10 @@ def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> P
                 lw=0.8,
                 label="actual",
             )
+            # The first tick carries every first prompt at once; scale to the steady part.
+            demand = np.asarray(s["prefill_tokens_per_s"]) / 1e3
+            if demand.size > 10:
+                top.set_ylim(0, 1.3 * float(np.percentile(demand, 99)) + 1e-9)
             demand_drawn = True
         if s["forecast_prefill_tokens_per_s"]:
             ft, fv = zip(*s["forecast_prefill_tokens_per_s"], strict=True)
@@ -111,7 +128,7 @@ def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> P
     bottom.set_ylabel("GPUs serving prefill")
     bottom.set_xlabel("time (s)")
     bottom.legend(fontsize=8, ncol=3)
-    top.set_title(f"Allocation against demand — {workload}, {mode}, seed 0")
+    top.set_title(f"Allocation against demand — {workload_label(workload)}, {mode}, seed 0")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -131,7 +148,7 @@ def completion_cdf(runs: list[dict], workload: str, mode: str, path: Path) -> Pa
         ax.plot(c, np.arange(1, len(c) + 1) / len(c), label=policy, color=COLORS.get(policy))
     ax.set_xlabel("trajectory completion time (s)")
     ax.set_ylabel("fraction of trajectories")
-    ax.set_title(f"Completion-time CDF — {workload}, {mode}")
+    ax.set_title(f"Completion-time CDF — {workload_label(workload)}, {mode}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -155,7 +172,7 @@ def write_report(
     lines += [f"![speedup]({bars.name})", ""]
     for workload, mode in sorted({(r["workload"], r["mode"]) for r in summary}):
         rows = [r for r in summary if (r["workload"], r["mode"]) == (workload, mode)]
-        lines += [f"## {workload} — {mode}", "", table_markdown(rows), ""]
+        lines += [f"## {workload_label(workload)} — {mode}", "", table_markdown(rows), ""]
         key = f"{workload}/{mode}"
         if key in result.get("best_static", {}):
             found = result["best_static"][key]
@@ -165,7 +182,7 @@ def write_report(
                 f"{len(found['objective_by_prefill_slots'])} splits on seed 0)",
                 "",
             ]
-        slug = f"{workload}-{mode}".replace("/", "_").replace(".", "_")
+        slug = f"{workload_label(workload, sep='-')}-{mode}"
         for name, maker in (("allocation", allocation_plot), ("completion", completion_cdf)):
             png = maker(runs, workload, mode, out / f"{name}-{slug}.png")
             if png is not None:
