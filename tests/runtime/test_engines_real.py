@@ -13,9 +13,10 @@ import time
 import pytest
 
 from prorsa.errors import ConfigError, InputError
-from prorsa.runtime.ray.config import EngineConfig, nixl_available
+from prorsa.runtime.ray.config import nixl_available
 from prorsa.runtime.ray.router import PDRouter, RouterConfig, TurnRequest
 from prorsa.telemetry import Recorder, read_telemetry
+from tests.runtime.fleets import start_tiny_fleet
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,18 +31,7 @@ def tokens(n: int, start: int = 7) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fleet(ray_session, tiny_model_dir, tmp_path_factory):
-    from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
-
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        max_model_len=1024,
-        max_num_seqs=8,
-        kv_cache_gib=0.125,
-        connector="auto",
-        kv_storage_dir=str(tmp_path_factory.mktemp("kv")),
-    )
-    fleet = EngineFleet.start(FleetSpec(config, roles=ROLES))
+    fleet = start_tiny_fleet(tiny_model_dir, tmp_path_factory.mktemp("kv"), ROLES, max_num_seqs=8)
     yield fleet
     fleet.shutdown()
 

@@ -6,30 +6,23 @@ import asyncio
 
 import pytest
 
-from prorsa.runtime.ray.config import EngineConfig
 from prorsa.runtime.ray.router import PDRouter, RouterConfig, TurnRequest
+from tests.runtime.fleets import start_tiny_fleet
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def fleet(ray_session, tiny_model_dir, tmp_path_factory):
-    from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
-
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        max_model_len=1024,
-        max_num_seqs=4,
-        kv_cache_gib=0.125,
-        connector="example",
-        kv_storage_dir=str(tmp_path_factory.mktemp("kv-store")),
-    )
     # Engine 2 has no connector: its greedy output is the reference.
-    spec = FleetSpec(
-        config, roles=["prefill", "decode", "colocated"], overrides={2: {"connector": None}}
+    fleet = start_tiny_fleet(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("kv-store"),
+        ["prefill", "decode", "colocated"],
+        max_num_seqs=4,
+        connector="example",
+        overrides={2: {"connector": None}},
     )
-    fleet = EngineFleet.start(spec)
     yield fleet
     fleet.shutdown()
 

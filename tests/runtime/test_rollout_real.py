@@ -13,29 +13,23 @@ import time
 
 import pytest
 
-from prorsa.runtime.ray.config import EngineConfig
 from prorsa.runtime.ray.rollout import run_rollout
 from prorsa.runtime.ray.rollout_config import RolloutConfig
 from prorsa.telemetry import ARROW_SCHEMA, find_violations, read_telemetry
 from tests.runtime.checks import check_turns
+from tests.runtime.fleets import start_tiny_fleet
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def fleet(ray_session, tiny_model_dir, tmp_path_factory):
-    from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
-
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        max_model_len=1024,
+    fleet = start_tiny_fleet(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("kv"),
+        ["prefill", "decode", "decode"],
         max_num_seqs=16,
-        kv_cache_gib=0.125,
-        connector="auto",
-        kv_storage_dir=str(tmp_path_factory.mktemp("kv")),
     )
-    fleet = EngineFleet.start(FleetSpec(config, roles=["prefill", "decode", "decode"]))
     yield fleet
     fleet.shutdown()
 
