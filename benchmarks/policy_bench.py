@@ -75,15 +75,17 @@ def decision_latency(
     from prorsa.policy import make_policy
     from prorsa.runtime.forecast_provider import make_provider
     from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.drivers import SyncDriver
+    from prorsa.runtime.sim.drivers import AsyncDriver
     from prorsa.runtime.sim.simulation import Simulation
     from prorsa.workload import get_scenario
 
-    specs = get_scenario("mixed").sample(live, seed=0, group_size=8)
+    # An async driver refills finished trajectories, so ``live`` stay in flight at every
+    # measured tick (recorded below).
+    specs = get_scenario("mixed").sample(4 * live, seed=0, group_size=8)
     sim = Simulation(
         ClusterConfig(profile="h200-qwen2.5-7b-tp1", num_slots=engines),
         make_policy("predictive"),
-        SyncDriver([specs]),
+        AsyncDriver(iter(specs), total=len(specs), max_in_flight=live),
         forecaster=make_provider(forecaster),
         interval_s=1e9,  # the benchmark ticks the controller itself
     )
@@ -91,17 +93,18 @@ def decision_latency(
     sim.advance(20.0)
     controller = sim.controller
     controller.tick()  # first tick ingests the history so far
-    latencies = []
+    latencies, live_counts = [], []
     for _ in range(ticks):
         sim.advance(sim.env.now + 1.0)
+        live_counts.append(sum(v for k, v in sim.cluster.state_counts.items() if k != "done"))
         t0 = time.perf_counter()
         controller.tick()
         latencies.append(time.perf_counter() - t0)
-    live_now = sum(v for k, v in sim.cluster.state_counts.items() if k != "done")
     ms = np.asarray(latencies) * 1e3
     return {
         "engines": engines,
-        "live_trajectories": live_now,
+        "live_trajectories": min(live_counts),
+        "live_trajectories_max": max(live_counts),
         "forecaster": forecaster,
         "ticks": ticks,
         "p50_ms": float(np.percentile(ms, 50)),
@@ -198,7 +201,8 @@ def main() -> None:
                 f"speedup {row['speedup']:.3f}x"
             )
     print(
-        f"decision latency at {latency['engines']} engines / {latency['live_trajectories']} live: "
+        f"decision latency at {latency['engines']} engines, "
+        f">= {latency['live_trajectories']} live: "
         f"p50 {latency['p50_ms']:.1f} ms, p99 {latency['p99_ms']:.1f} ms"
     )
     for key, entry in met.items():
