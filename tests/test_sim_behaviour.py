@@ -14,6 +14,7 @@ from prorsa.runtime.sim.core import Environment
 from prorsa.runtime.sim.drivers import AsyncDriver, SyncDriver
 from prorsa.telemetry.validation import validate_table
 from prorsa.telemetry.views import turn_table
+from prorsa.workload.spec import TrajectorySpec
 from tests.sim_helpers import profile, random_specs, run
 
 
@@ -270,3 +271,32 @@ def test_colocated_to_decode_is_an_instant_relabel():
     _conservation(res, specs)
     busy = res.metrics["busy_fraction"]
     assert busy["colocated"] is not None and busy["decode"] is not None
+
+
+class FlipEverySecond(Policy):
+    """Alternates 1P2D and 2P1D every second: most of the run is spent switching."""
+
+    def decide(self, obs, forecast):
+        prefill = 1 + int(obs.time_s) % 2
+        return Allocation(gpus={"prefill": prefill, "decode": len(obs.slots) - prefill})
+
+
+def test_busy_fraction_never_exceeds_one_while_switching():
+    # Work a draining engine finishes belongs to the switching time, not its old role's.
+    rng = np.random.default_rng(5)
+    specs = [
+        TrajectorySpec(
+            f"t{i:03d}",
+            rng.integers(50, 400, 4),
+            rng.integers(300, 800, 4),  # long decodes: a decode slot drains for seconds
+            np.full(4, 0.2),
+            task="test",
+        )
+        for i in range(48)
+    ]
+    res = run(specs, FlipEverySecond(), slots=3, switch_latency_s=0.2)
+    assert res.metrics["switches_completed"] >= 4
+    busy = res.metrics["busy_fraction"]
+    assert busy["prefill"] is not None and busy["decode"] is not None
+    assert all(v is None or 0.0 <= v <= 1.0 + 1e-9 for v in busy.values()), busy
+    _conservation(res, specs)

@@ -78,7 +78,8 @@ class SimCluster:
         self.slots: list[Slot] = []
         self.engines: dict[int, SimEngine] = {}
         self.retired: list[tuple[str, SimEngine]] = []
-        self.busy_carry_s = dict.fromkeys(ROLES, 0.0)  # GPU-busy seconds of relabelled engines
+        # GPU-busy seconds of engines that changed role (busy while draining is "switching").
+        self.busy_carry_s = dict.fromkeys((*ROLES, SWITCHING), 0.0)
         self.decode_side: list[SimEngine] = []
         self.prefill_side: list[SimEngine] = []
         self.link_free_at: dict[int, float] = {}
@@ -601,6 +602,9 @@ class SimCluster:
         self.switches += 1
         for engine in slot.engines:
             engine.accepting = False
+            # Work done from here on is draining, in GPU-time the slot holds as switching.
+            self.busy_carry_s[old_role] += engine.busy_s * engine.tp
+            engine.busy_s = 0.0
         self._refresh_eligible()
         self.emit(
             None,
@@ -727,7 +731,7 @@ class SimCluster:
         old = slot.engines
         same_layout = self.config.role_tp[info["from"]] == self.config.role_tp[info["to"]]
         for engine in old:
-            self.retired.append((info["from"], engine))
+            self.retired.append((SWITCHING, engine))
             del self.engines[engine.engine_id]
         slot.role = info["to"]
         slot.target_role = None

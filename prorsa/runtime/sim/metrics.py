@@ -37,7 +37,7 @@ def role_gpu_seconds(cluster: SimCluster, end_s: float) -> dict[str, float]:
 
 
 def busy_fractions(cluster: SimCluster, end_s: float) -> dict[str, float | None]:
-    """Share of each role's GPU-time spent executing steps."""
+    """Share of each role's GPU-time spent executing steps (draining counts as switching)."""
     busy = dict(cluster.busy_carry_s)
     for role, engine in cluster.retired:
         busy[role] += engine.busy_s * engine.tp
