@@ -136,7 +136,9 @@ def main() -> None:
             row["engines"] = label
             row["workload"] = row["workload"].split("/")[-1]
         summary.extend(result["summary"])
-        searched.update({f"{k}/{name}": v for k, v in result["best_static"].items()})
+        for key, found in result["best_static"].items():
+            workload, mode = key.rsplit("/", 1)  # a replayed trace's key is its path
+            searched[f"{workload.split('/')[-1]}/{mode}/{name}"] = found
         print(f"block {name} done after {time.perf_counter() - started:,.0f} s")
 
     for engines in sizes:
