@@ -17,6 +17,7 @@ COLORS = {
     "oracle": "#9467bd",
     "rl": "#17becf",
 }
+LINESTYLES = ("-", "--", "-.", ":")
 
 
 def _plt():
@@ -97,7 +98,7 @@ def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> P
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     demand_drawn = False
-    for run in chosen:
+    for i, run in enumerate(chosen):
         s, policy = run["series"], run["cell"]["policy"]
         t = np.asarray(s["time_s"])
         if not demand_drawn:
@@ -122,7 +123,16 @@ def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> P
                 label=f"forecast ({policy})",
                 color=COLORS.get(policy),
             )
-        bottom.step(t, s["gpus"]["prefill"], where="post", label=policy, color=COLORS.get(policy))
+        bottom.step(
+            t,
+            s["gpus"]["prefill"],
+            where="post",
+            label=policy,
+            color=COLORS.get(policy),
+            # Policies often hold the same allocation; dashes keep coinciding lines visible.
+            linestyle=LINESTYLES[i % len(LINESTYLES)],
+            lw=2.2 - 0.25 * (i % 4),
+        )
     top.set_ylabel("prefill demand (k tokens/s)")
     top.legend(fontsize=8)
     bottom.set_ylabel("GPUs serving prefill")
