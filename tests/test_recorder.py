@@ -31,16 +31,27 @@ def test_round_trip_and_close_flushes(tmp_path):
     assert set(table.column("run_id").to_pylist()) == {"run-1"}
 
 
-def test_flushes_within_interval_without_close(tmp_path):
-    rec = Recorder(tmp_path, flush_interval_s=0.2)
-    rec.record(0.0, "t", "traj_start")
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        table, _ = read_telemetry(tmp_path)
-        if table.num_rows == 1:
-            break
+def _rows_on_disk_within(path, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    while True:
+        table, _ = read_telemetry(path)
+        if table.num_rows or time.monotonic() >= deadline:
+            return table.num_rows
         time.sleep(0.05)
-    assert table.num_rows == 1, "event not on disk within one second"
+
+
+def test_flushes_within_interval_without_close(tmp_path):
+    # The timer, not close(), puts the event on disk: with a 30 s interval it is not there
+    # after 0.5 s; with 0.2 s it is there well before that 30 s (2 s leaves room for a
+    # machine busy with other work).
+    slow = Recorder(tmp_path / "slow", flush_interval_s=30.0)
+    slow.record(0.0, "t", "traj_start")
+    assert _rows_on_disk_within(tmp_path / "slow", 0.5) == 0
+    slow.close()
+    assert read_telemetry(tmp_path / "slow")[0].num_rows == 1
+    rec = Recorder(tmp_path / "fast", flush_interval_s=0.2)
+    rec.record(0.0, "t", "traj_start")
+    assert _rows_on_disk_within(tmp_path / "fast", 2.0) == 1, "event not on disk within 2 s"
     rec.close()
 
 
