@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from prorsa.errors import ConfigError
-from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+from prorsa.policy.types import SWITCHING, Allocation, ClusterObservation, Forecast
 from prorsa.registry import Registry
 
 
@@ -67,6 +67,12 @@ class Policy(ABC):
         return {}
 
 
+def colocated_now(obs: ClusterObservation) -> bool:
+    """True when no slot serves (or is heading to) prefill or decode alone."""
+    roles = [s.target_role if s.role == SWITCHING else s.role for s in obs.slots]
+    return all(r == "colocated" for r in roles)
+
+
 class SplitPolicy(Policy):
     """Base of policies that split the slots into prefill and decode (no colocated).
 
@@ -84,13 +90,6 @@ class SplitPolicy(Policy):
             raise ConfigError(f"{name}: prefill_fraction must be in (0, 1)")
         if cluster.num_slots < 2:
             raise ConfigError(f"{name}: a prefill/decode split needs at least two slots")
-
-    def starts_colocated(self, start: str) -> bool:
-        """Resolve a ``start`` parameter: ``"auto"`` colocates unless the colocated engines
-        use data-parallel attention, whose prefill stalls every rank."""
-        if start == "auto":
-            return self.cluster_.dp_attention_ranks <= 1
-        return start == "colocated"
 
     def initial_prefill_slots(self) -> int:
         """``prefill_fraction`` of the slots, at least one on each side."""
@@ -114,6 +113,54 @@ class SplitPolicy(Policy):
             local_prefill_threshold=self.local_prefill_threshold,
             reason=reason,
         )
+
+
+class ModeChoosingPolicy(SplitPolicy):
+    """A split policy that may also colocate every slot (``predictive``, ``mpc``).
+
+    Subclasses store ``start`` (``"auto"``, ``"colocated"`` or ``"split"``: the mode before
+    the first forecast) and call :meth:`before_forecast` and :meth:`apply_mode` from
+    ``decide``; ``apply_mode`` returns None when the policy should tune its split itself.
+    """
+
+    start: str = "auto"
+
+    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
+        super().reset(cluster, seed)
+        if self.start not in ("auto", "colocated", "split"):
+            raise ConfigError(
+                f"{type(self).__name__}: start must be 'auto', 'colocated' or 'split'"
+            )
+
+    def starts_colocated(self, start: str) -> bool:
+        """Resolve a ``start`` parameter: ``"auto"`` colocates unless the colocated engines
+        use data-parallel attention, whose prefill stalls every rank."""
+        if start == "auto":
+            return self.cluster_.dp_attention_ranks <= 1
+        return start == "colocated"
+
+    def before_forecast(
+        self, obs: ClusterObservation, current_prefill: int, name: str
+    ) -> Allocation:
+        """The allocation while no forecast has arrived: colocated if the cluster is and
+        ``start`` says so, else the current split (or ``prefill_fraction``)."""
+        if colocated_now(obs) and self.starts_colocated(self.start):
+            return self.colocate(f"{name}: start colocated")
+        return self.split(current_prefill or self.initial_prefill_slots(), f"{name}: no forecast")
+
+    def apply_mode(
+        self, obs: ClusterObservation, mode: str | int | None, name: str, why: str = ""
+    ) -> Allocation | None:
+        """The allocation :func:`~prorsa.policy.demand.choose_mode` asks for: colocate,
+        disaggregate into ``mode`` prefill slots, or hold colocation; None when the cluster
+        is split and stays split."""
+        if mode == "colocated":
+            return self.colocate(f"{name}: colocate{why}")
+        if mode is not None:
+            return self.split(mode, f"{name}: disaggregate{why}")
+        if colocated_now(obs):
+            return self.colocate(f"{name}: hold colocated")
+        return None
 
 
 POLICIES: Registry[type[Policy]] = Registry("policy")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prorsa.policy.base import ClusterSpec
+from prorsa.policy.base import ClusterSpec, colocated_now
 from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast
 
 
@@ -126,12 +126,6 @@ def colocated_shortage(spec: ClusterSpec, need_p: float, need_d: float) -> float
     rank of its engine, so prefill costs ``dp_attention_ranks`` times its work there.
     """
     return max(need_p * spec.dp_attention_ranks + need_d - spec.num_slots, 0.0)
-
-
-def colocated_now(obs: ClusterObservation) -> bool:
-    """True when no slot serves (or is heading to) prefill or decode alone."""
-    roles = [s.target_role if s.role == SWITCHING else s.role for s in obs.slots]
-    return all(r == "colocated" for r in roles)
 
 
 def choose_mode(

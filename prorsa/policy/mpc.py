@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
+from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
     Sizing,
     choose_mode,
-    colocated_now,
     current_load,
     decode_slot_rebuild_s,
     kv_capacity_per_slot,
@@ -19,7 +18,7 @@ from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
 
 @POLICIES.register("mpc")
-class MPCPolicy(SplitPolicy):
+class MPCPolicy(ModeChoosingPolicy):
     """Receding-horizon plan over the forecaster's horizons.
 
     The forecast's horizons ``h_1 < ... < h_K`` cut the future into intervals. In interval
@@ -96,8 +95,6 @@ class MPCPolicy(SplitPolicy):
             raise ConfigError("mpc: drain_s, switch_cost_s and weights must be >= 0")
         if self.max_step < 0:
             raise ConfigError("mpc: max_step must be >= 0")
-        if self.start not in ("auto", "colocated", "split"):
-            raise ConfigError("mpc: start must be 'auto', 'colocated' or 'split'")
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
@@ -172,9 +169,7 @@ class MPCPolicy(SplitPolicy):
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
         if forecast is None:
-            if colocated_now(obs) and self.starts_colocated(self.start):
-                return self.colocate("mpc: start colocated")
-            return self.split(current or self.initial_prefill_slots(), "mpc: no forecast yet")
+            return self.before_forecast(obs, current, "mpc")
         lengths, need_p, need_d = self.requirements(obs, forecast)
         # Colocation versus disaggregation on the horizon's average demand; within a split,
         # the DP below plans the split itself.
@@ -188,12 +183,9 @@ class MPCPolicy(SplitPolicy):
             payback_s=float(lengths.sum()),
             switch_cost_weight=1.0,
         )
-        if mode == "colocated":
-            return self.colocate("mpc: colocate")
-        if mode is not None:
-            return self.split(mode, "mpc: disaggregate")
-        if colocated_now(obs):
-            return self.colocate("mpc: hold colocated")
+        changed = self.apply_mode(obs, mode, "mpc")
+        if changed is not None:
+            return changed
         current = min(max(current, 1), slots - 1)
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1)
         self.last_plan_ = self.plan(current, lengths, need_p, need_d, rebuild)

@@ -4,11 +4,10 @@ horizon, and switch only when the gain outweighs the cost of switching."""
 from __future__ import annotations
 
 from prorsa.errors import ConfigError
-from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
+from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
     Sizing,
     choose_mode,
-    colocated_now,
     current_load,
     decode_slot_rebuild_s,
     forecast_rate,
@@ -20,7 +19,7 @@ from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
 
 @POLICIES.register("predictive")
-class PredictivePolicy(SplitPolicy):
+class PredictivePolicy(ModeChoosingPolicy):
     """Proportional sizing on forecast demand with switch-cost hysteresis.
 
     Each tick: prefill need = forecast prefill tokens over ``horizon_s`` (at ``quantile``
@@ -102,8 +101,6 @@ class PredictivePolicy(SplitPolicy):
             raise ConfigError(
                 "predictive: min_gain, switch_cost_weight >= 0 and payback_s > 0 required"
             )
-        if self.start not in ("auto", "colocated", "split"):
-            raise ConfigError("predictive: start must be 'auto', 'colocated' or 'split'")
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
@@ -129,9 +126,7 @@ class PredictivePolicy(SplitPolicy):
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
         if forecast is None:
-            if colocated_now(obs) and self.starts_colocated(self.start):
-                return self.colocate("predictive: start colocated")
-            return self.split(current or self.initial_prefill_slots(), "predictive: no forecast")
+            return self.before_forecast(obs, current, "predictive")
         need_p, need_d = self.needs(obs, forecast)
         mode = choose_mode(
             obs,
@@ -142,12 +137,9 @@ class PredictivePolicy(SplitPolicy):
             payback_s=self.payback_s,
             switch_cost_weight=self.switch_cost_weight,
         )
-        if mode == "colocated":
-            return self.colocate(f"predictive: colocate (need {need_p:.1f}P/{need_d:.1f}D)")
-        if mode is not None:
-            return self.split(mode, f"predictive: disaggregate (need {need_p:.1f}P/{need_d:.1f}D)")
-        if colocated_now(obs):
-            return self.colocate("predictive: hold colocated")
+        changed = self.apply_mode(obs, mode, "predictive", f" (need {need_p:.1f}P/{need_d:.1f}D)")
+        if changed is not None:
+            return changed
         target = split_slots(slots, need_p, need_d)
         if target == current:
             return self.split(current, "predictive: balanced")
