@@ -77,8 +77,8 @@ class SimCluster:
         self.local_prefill_threshold = config.local_prefill_threshold
         self.slots: list[Slot] = []
         self.engines: dict[int, SimEngine] = {}
-        self.retired: list[tuple[str, SimEngine]] = []
-        # GPU-busy seconds of engines that changed role (busy while draining is "switching").
+        self.retired: list[SimEngine] = []  # engines replaced by a role switch
+        # GPU-busy seconds booked when a slot changes role (busy while draining: "switching").
         self.busy_carry_s = dict.fromkeys((*ROLES, SWITCHING), 0.0)
         self.decode_side: list[SimEngine] = []
         self.prefill_side: list[SimEngine] = []
@@ -600,11 +600,10 @@ class SimCluster:
         slot.since_s = now
         slot.history.append((now, SWITCHING))
         self.switches += 1
+        # Work done from here on is draining, in GPU-time the slot holds as switching.
+        self._close_busy(slot, old_role)
         for engine in slot.engines:
             engine.accepting = False
-            # Work done from here on is draining, in GPU-time the slot holds as switching.
-            self.busy_carry_s[old_role] += engine.busy_s * engine.tp
-            engine.busy_s = 0.0
         self._refresh_eligible()
         self.emit(
             None,
@@ -664,12 +663,16 @@ class SimCluster:
         slot.role = new_role
         slot.since_s = now
         slot.history.append((now, new_role))
+        self._close_busy(slot, old_role)
         for engine in slot.engines:
-            # Busy time so far belongs to the old role.
-            self.busy_carry_s[old_role] += engine.busy_s * engine.tp
-            engine.busy_s = 0.0
             engine.role = new_role
         self._refresh_eligible()
+
+    def _close_busy(self, slot: Slot, role: str) -> None:
+        """Book the slot's busy GPU-seconds so far to ``role`` and restart its count."""
+        for engine in slot.engines:
+            self.busy_carry_s[role] += engine.busy_s * engine.tp
+            engine.busy_s = 0.0
 
     def _reroute_queued(self, req: TurnRequest, engine: SimEngine) -> None:
         traj = req.traj
@@ -730,8 +733,9 @@ class SimCluster:
         now = self.env.now
         old = slot.engines
         same_layout = self.config.role_tp[info["from"]] == self.config.role_tp[info["to"]]
+        self._close_busy(slot, SWITCHING)
         for engine in old:
-            self.retired.append((SWITCHING, engine))
+            self.retired.append(engine)
             del self.engines[engine.engine_id]
         slot.role = info["to"]
         slot.target_role = None

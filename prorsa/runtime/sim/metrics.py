@@ -39,8 +39,6 @@ def role_gpu_seconds(cluster: SimCluster, end_s: float) -> dict[str, float]:
 def busy_fractions(cluster: SimCluster, end_s: float) -> dict[str, float | None]:
     """Share of each role's GPU-time spent executing steps (draining counts as switching)."""
     busy = dict(cluster.busy_carry_s)
-    for role, engine in cluster.retired:
-        busy[role] += engine.busy_s * engine.tp
     for slot in cluster.slots:
         if slot.role in ROLES:
             for engine in slot.engines:
@@ -58,7 +56,6 @@ def compute_metrics(
     recomputes the per-turn numbers from events, and a test checks the two agree.
     """
     end_s = driver.end_s or cluster.env.now
-    retired = [e for _, e in cluster.retired]
     metrics: dict[str, object] = {
         "mode": driver.mode,
         "end_s": end_s,
@@ -70,7 +67,9 @@ def compute_metrics(
         ),
         "preemptions": cluster.preemptions,
         "migrations": cluster.migrations,
-        "recompute_tokens": sum(e.recompute_tokens for e in [*cluster.engines.values(), *retired]),
+        "recompute_tokens": sum(
+            e.recompute_tokens for e in [*cluster.engines.values(), *cluster.retired]
+        ),
         "busy_fraction": busy_fractions(cluster, end_s),
         "gpu_seconds_by_role": role_gpu_seconds(cluster, end_s),
         "turns": cluster.turns_done,
