@@ -46,3 +46,19 @@ class InputError(ProrsaError):
 
 class NotFittedError(ProrsaError, ValueError):
     """A model was used before ``fit``."""
+
+
+class OutputError(ProrsaError):
+    """An output path cannot be used (wrong kind, not writable, one of the inputs)."""
+
+    def __init__(self, message: str, *, path: str, hint: str | None = None) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}", hint=hint)
+
+
+class RecorderError(ProrsaError):
+    """The telemetry recorder could not keep an event (writer failed, buffer stayed full)."""
+
+
+class PartialRunError(InputError):
+    """Telemetry of a run that did not complete, given where a complete run is required."""

@@ -1,7 +1,8 @@
-"""Helpers shared by CLI commands: error handling, JSON output, progress bars."""
+"""Helpers shared by CLI commands: error handling and JSON output."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -9,8 +10,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from prorsa.errors import ProrsaError
 
@@ -30,26 +33,83 @@ def set_debug(debug: bool) -> None:
 
 
 def friendly_errors(func: F) -> F:
-    """Turn known errors into one line plus a hint and exit code 1 (traceback with --debug)."""
+    """Turn every expected failure into one line plus a hint (traceback with --debug).
+
+    Exit codes: 1 for an expected failure (bad input or configuration, an output that
+    cannot be written, a file that is not what it should be), 130 for Ctrl-C, 70 for an
+    unexpected error (a bug: the message says so and ``--debug`` shows the traceback).
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except ProrsaError as exc:
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except KeyboardInterrupt:
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            if exc.hint:
-                err_console.print(f"[dim]hint:[/] {exc.hint}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except FileNotFoundError as exc:
+            err_console.print("[bold red]interrupted[/]", highlight=False)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as exc:  # every error becomes one line; the bugs say so
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-            raise typer.Exit(1) from None
+            message, hint, code = describe_error(exc)
+            err_console.print(
+                f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True
+            )
+            if hint:
+                err_console.print(f"[dim]hint:[/] {escape(hint)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+EXIT_ERROR = 1
+EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: the program, not the input, is at fault
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
+_OS_HINTS = {
+    errno.ENOSPC: "free space on that disk or write the output elsewhere",
+    errno.EDQUOT: "free space within your quota or write the output elsewhere",
+    errno.EROFS: "that file system is read-only; write the output elsewhere",
+    errno.EACCES: "check the permissions of the file and its folder",
+    errno.EPERM: "check the permissions of the file and its folder",
+    errno.EISDIR: "give a file path, not a folder",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.ENOENT: "check the path",
+}
+
+
+def describe_error(exc: BaseException) -> tuple[str, str | None, int]:
+    """One line, an optional hint and the exit code for an error raised by a command."""
+    import pyarrow as pa
+
+    if isinstance(exc, ProrsaError):
+        return str(exc), exc.hint, EXIT_ERROR
+    if isinstance(exc, OSError) and not isinstance(exc, pa.ArrowException):
+        where = exc.filename if exc.filename is not None else None
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        if exc.filename2 is not None:
+            where = f"{exc.filename} -> {exc.filename2}"
+        message = f"{where}: {reason}" if where is not None else reason
+        return message, _OS_HINTS.get(exc.errno or 0), EXIT_ERROR
+    if isinstance(exc, pa.ArrowException):
+        return (
+            f"cannot read the data: {exc}",
+            "telemetry must be a .parquet file, a .ptel segment or a recorder folder; "
+            "import public traces with `prorsa traces import`",
+            EXIT_ERROR,
+        )
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text: {exc}", "is this a binary file?", EXIT_ERROR
+    if isinstance(exc, ValueError):
+        return f"invalid value: {exc}", None, EXIT_ERROR
+    return (
+        f"internal error: {type(exc).__name__}: {exc}",
+        "this is a bug in prorsa; rerun with --debug for the traceback and report it",
+        EXIT_INTERNAL,
+    )
 
 
 def print_json(data: Any) -> None:

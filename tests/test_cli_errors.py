@@ -1,0 +1,99 @@
+"""The CLI error handler: every expected failure is one line, tracebacks only with --debug."""
+
+from __future__ import annotations
+
+import errno
+
+import pyarrow as pa
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from prorsa.cli.common import EXIT_INTERNAL, EXIT_INTERRUPTED, friendly_errors, set_debug
+from prorsa.errors import ConfigError
+
+runner = CliRunner()
+
+
+def _app(exc: BaseException) -> typer.Typer:
+    app = typer.Typer()
+
+    @app.command()
+    @friendly_errors
+    def boom() -> None:
+        raise exc
+
+    return app
+
+
+@pytest.fixture(autouse=True)
+def _no_debug():
+    set_debug(False)
+    yield
+    set_debug(False)
+
+
+@pytest.mark.parametrize(
+    ("exc", "line", "hint"),
+    [
+        (ConfigError("bad interval", hint="use > 0"), "error: bad interval", "hint: use > 0"),
+        (
+            OSError(errno.ENOSPC, "No space left on device", "/out/x.parquet"),
+            "error: /out/x.parquet: No space left on device",
+            "free space",
+        ),
+        (
+            OSError(errno.EROFS, "Read-only file system", "/ro/x"),
+            "error: /ro/x: Read-only file system",
+            "read-only",
+        ),
+        (
+            IsADirectoryError(errno.EISDIR, "Is a directory", "out"),
+            "error: out: Is a directory",
+            "not a folder",
+        ),
+        (
+            pa.ArrowInvalid("Parquet magic bytes not found in footer"),
+            "error: cannot read the data: Parquet magic bytes",
+            ".parquet file",
+        ),
+        (ValueError("could not convert 'x' to float"), "error: invalid value: could not", None),
+    ],
+)
+def test_expected_failures_are_one_line(exc, line, hint):
+    result = runner.invoke(_app(exc), [])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.output.startswith(line)
+    if hint:
+        assert hint in result.output
+    assert len(result.output.strip().splitlines()) <= 2
+
+
+def test_ctrl_c_exits_130_without_traceback():
+    result = runner.invoke(_app(KeyboardInterrupt()), [])
+    assert result.exit_code == EXIT_INTERRUPTED
+    assert result.output.strip() == "interrupted"
+
+
+def test_a_bug_is_one_line_that_says_so():
+    result = runner.invoke(_app(TypeError("unsupported operand")), [])
+    assert result.exit_code == EXIT_INTERNAL
+    assert "internal error: TypeError: unsupported operand" in result.output
+    assert "--debug" in result.output and "Traceback" not in result.output
+
+
+def test_debug_shows_the_exception():
+    set_debug(True)
+    result = runner.invoke(_app(ConfigError("bad")), [])
+    assert isinstance(result.exception, ConfigError)
+
+
+def test_markup_in_messages_is_printed_verbatim():
+    result = runner.invoke(_app(ConfigError("field [bold]x[/bold] bad")), [])
+    assert "field [bold]x[/bold] bad" in result.output
+
+
+def test_typer_exit_passes_through():
+    result = runner.invoke(_app(typer.Exit(3)), [])
+    assert result.exit_code == 3 and result.output == ""
