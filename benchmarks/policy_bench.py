@@ -96,7 +96,7 @@ def decision_latency(
     latencies, live_counts = [], []
     for _ in range(ticks):
         sim.advance(sim.env.now + 1.0)
-        live_counts.append(sum(v for k, v in sim.cluster.state_counts.items() if k != "done"))
+        live_counts.append(sum(v for k, v in sim.cluster.states.counts.items() if k != "done"))
         t0 = time.perf_counter()
         controller.tick()
         latencies.append(time.perf_counter() - t0)

@@ -5,10 +5,11 @@ It reads the future, so it works on simulations only:
 * **from telemetry** (``attach(table)``, what backtests do): the forecast at tick ``t`` is
   the target computed from the run's own future events — exact by construction. Telemetry
   whose schema metadata lacks ``prorsa.source=simulator`` is refused.
-* **inside a running simulation** (``attach_live(cluster)``, what the provider adapter
+* **inside a running simulation** (``attach_truth(port)``, what the provider adapter
   does): the future events do not exist yet, so it reads the ground-truth specs of the
-  live trajectories (``cluster.live[id].spec``): each turn's exact output tokens, the exact
-  tool time and the next turn's exact new tokens, and whether another turn follows. These
+  live trajectories from a :class:`~prorsa.workload.truth.GroundTruth` port
+  (``port.spec(trajectory_id)``): each turn's exact output tokens, the exact tool time
+  and the next turn's exact new tokens, and whether another turn follows. These
   go through the same closed forms as ``lightgbm-trajectory`` with near-zero spread. What
   it does *not* know: decode speed and queueing ahead (it uses the recent per-sequence
   decode rate and time to first token, like everyone), tokens already decoded in a running
@@ -30,6 +31,7 @@ from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.targets import event_frame, run_targets
 from prorsa.forecast.tracker import IN_TOOL, rows_of
 from prorsa.forecast.types import DEFAULT_HORIZONS, TARGETS, target_column
+from prorsa.workload.truth import GroundTruth
 
 SIMULATOR = "simulator"
 _EXACT = 1e-3  # log-space spread of a value known exactly
@@ -74,7 +76,7 @@ class OracleForecaster(Forecaster):
 
     def _set_state(self, state: dict, path) -> None:
         self._future: dict[str, pd.DataFrame] = {}
-        self._cluster = None
+        self._truth = None
 
     # -------------------------------------------------------------- attach
     def attach(self, telemetry: pa.Table | pd.DataFrame) -> OracleForecaster:
@@ -83,15 +85,15 @@ class OracleForecaster(Forecaster):
         require_simulated(telemetry)
         events = event_frame(telemetry)
         self._future = {str(r): run for r, run in events.groupby("run_id", sort=False)}
-        self._cluster = None
+        self._truth = None
         return self
 
-    def attach_live(self, cluster: object) -> OracleForecaster:
-        """Read ground truth from a running simulation's cluster (``cluster.live``)."""
+    def attach_truth(self, truth: GroundTruth) -> OracleForecaster:
+        """Read the live trajectories' specs from a running simulation's ground-truth port."""
         self._check_fitted()
-        if not hasattr(cluster, "live") or not isinstance(cluster.live, dict):
-            raise ConfigError("the oracle needs a simulator cluster with .live trajectories")
-        self._cluster = cluster
+        if not callable(getattr(truth, "spec", None)):
+            raise ConfigError("the oracle needs a ground-truth port with a spec(trajectory_id)")
+        self._truth = truth
         return self
 
     def _reset_stream(self) -> None:
@@ -105,7 +107,7 @@ class OracleForecaster(Forecaster):
 
     # -------------------------------------------------------------- predict
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
-        if self._cluster is not None:
+        if self._truth is not None:
             return self._predict_live(horizons), {}
         if not self._future:
             raise ConfigError(
@@ -130,13 +132,12 @@ class OracleForecaster(Forecaster):
         cont = np.zeros(n)
         tool = np.zeros(n)
         nxt = np.zeros(n)
-        live = self._cluster.live
+        truth = self._truth
         in_tool = snap["state"] == IN_TOOL
         for i, (tid, turn) in enumerate(zip(ids, snap["turn"], strict=True)):
-            traj = live.get(tid)
-            if traj is None:
+            spec = truth.spec(tid)
+            if spec is None:
                 continue
-            spec = traj.spec
             out_tokens[i] = spec.output_tokens[turn]
             tool[i] = spec.tool_latency_s[turn]
             if turn + 1 < spec.num_turns:

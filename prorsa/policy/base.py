@@ -6,7 +6,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from prorsa.errors import ConfigError
-from prorsa.policy.types import SWITCHING, Allocation, ClusterObservation, Forecast
+from prorsa.policy.types import (
+    SWITCHING,
+    Allocation,
+    ClusterObservation,
+    Forecast,
+    switch_latency_s,
+)
 from prorsa.registry import Registry
 
 
@@ -32,8 +38,9 @@ class ClusterSpec:
 
     def switch_latency_between(self, old: str, new: str) -> float:
         """Seconds a slot serves nothing when moving from role ``old`` to ``new``."""
-        reshard = self.role_tp.get(old, 1) != self.role_tp.get(new, 1)
-        return self.switch_latency_s + (self.reshard_latency_s if reshard else 0.0)
+        return switch_latency_s(
+            old, new, self.role_tp, base_s=self.switch_latency_s, reshard_s=self.reshard_latency_s
+        )
 
     @property
     def total_gpus(self) -> int:

@@ -8,6 +8,7 @@ and strings only: no engine objects, no clocks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prorsa.errors import ConfigError
@@ -15,6 +16,22 @@ from prorsa.forecast.types import Forecast  # noqa: F401  (re-exported)
 
 ROLES = ("prefill", "decode", "colocated")
 SWITCHING = "switching"
+
+
+def switch_latency_s(
+    old_role: str,
+    new_role: str,
+    role_tp: Mapping[str, int],
+    *,
+    base_s: float,
+    reshard_s: float,
+) -> float:
+    """Seconds a unit serves nothing once drained when moving from ``old_role`` to
+    ``new_role``: ``base_s``, plus ``reshard_s`` when the two roles run different
+    tensor-parallel layouts (the engine restarts resharded). Policies price switches with
+    it and both runtimes apply it."""
+    reshard = role_tp.get(old_role, 1) != role_tp.get(new_role, 1)
+    return base_s + (reshard_s if reshard else 0.0)
 
 
 @dataclass(frozen=True)
@@ -42,8 +59,8 @@ class ClusterObservation:
     """The cluster at one control tick.
 
     ``trajectory_state`` counts live trajectories per lifecycle state (the design's
-    ``cluster_state_at``) and ``trajectory_tokens`` sums their context tokens.
-    ``live`` optionally carries per-trajectory detail for forecasters that need it.
+    ``cluster_state_at``) and ``trajectory_tokens`` sums their context tokens. Plain
+    values only: forecasters read the event stream through their own port.
     """
 
     time_s: float
@@ -55,7 +72,6 @@ class ClusterObservation:
     completed_trajectories: int = 0
     total_trajectories: int | None = None
     local_prefill_threshold: int = 0
-    live: object | None = None
 
     @property
     def total_gpus(self) -> int:

@@ -17,6 +17,8 @@ from typing import Protocol
 from prorsa.errors import ConfigError
 from prorsa.policy.base import Policy
 from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
+from prorsa.telemetry.columns import EventLog
+from prorsa.workload.truth import GroundTruth
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,15 @@ class Actuator(Protocol):
     def note_allocation(self, gpus: dict[str, int], reason: str) -> None: ...
 
 
-class ForecastProvider(Protocol):
-    """Turns the observation stream into forecasts (keeps its own history)."""
+class ForecastSource(Protocol):
+    """Forecasts demand at each tick from the run's event stream (keeps its own history).
+
+    A runtime calls :meth:`attach` once before the run with its event log (and, in a
+    simulation, the ground-truth port the oracle reads); the controller then calls
+    :meth:`forecast` every tick.
+    """
+
+    def attach(self, events: EventLog, truth: GroundTruth | None = None) -> None: ...
 
     def forecast(self, obs: ClusterObservation) -> Forecast | None: ...
 
@@ -143,7 +152,7 @@ class Controller:
         *,
         interval_s: float = 1.0,
         min_dwell_s: float = 10.0,
-        forecaster: ForecastProvider | None = None,
+        forecaster: ForecastSource | None = None,
         keep_forecasts: bool = False,
     ) -> None:
         if interval_s <= 0:

@@ -3,12 +3,12 @@
 ``make_provider(name_or_path)`` resolves, in order: a saved model folder (a path with a
 ``manifest.json``), a shipped model ``models/<name>/``, or a registered forecaster that
 needs no training data (``last-value``, ``ewma``, ``kalman``, ``oracle``). The provider
-keeps the forecaster's stream: at every tick it feeds the tracker the events recorded
+keeps the forecaster's stream: at every tick it feeds the forecaster the events recorded
 since the previous tick and forecasts from there.
 
-In the simulator the events are ``obs.live.rows`` (``obs.live`` is the ``SimCluster``), so
-the run must record telemetry. The oracle is additionally given the cluster itself, from
-which it reads the live trajectories' ground-truth specs.
+A runtime attaches its event log before the run (:meth:`ForecastProvider.attach`), so the
+run must record telemetry; in a simulation it also attaches the ground-truth port, which
+only the oracle reads. The observation itself carries no events.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from prorsa.forecast import FORECASTERS, Forecaster, load_forecaster
 from prorsa.forecast.base import MANIFEST
 from prorsa.forecast.types import Forecast, check_horizons
 from prorsa.policy.types import ClusterObservation
+from prorsa.telemetry.columns import EventLog
+from prorsa.workload.truth import GroundTruth
 
 logger = logging.getLogger(__name__)
 
@@ -76,32 +78,35 @@ class ForecastProvider:
                 f"horizon(s) {unknown} not fitted by '{forecaster.name}' ({list(fitted)})"
             )
         self._seen = 0
-        self._source: object | None = None
+        self._events: EventLog | None = None
+
+    def attach(self, events: EventLog, truth: GroundTruth | None = None) -> None:
+        """Start a new stream from a run's event log (and ground truth, for the oracle)."""
+        self._events = events
+        self._seen = 0
+        self.forecaster.reset()
+        if self.forecaster.needs_future:
+            if truth is None:
+                raise ConfigError(
+                    f"forecaster '{self.forecaster.name}' reads the future, which only a "
+                    "simulation provides",
+                    hint="use a forecaster that learns from the past on real engines",
+                )
+            self.forecaster.attach_truth(truth)  # type: ignore[attr-defined]
 
     def forecast(self, obs: ClusterObservation) -> Forecast | None:
-        live = obs.live
-        rows = getattr(live, "rows", None)
-        if rows is None:
+        events = self._events
+        if events is None:
             raise ConfigError(
-                "the forecast provider needs the run's lifecycle events (obs.live.rows); "
-                "this observation carries none",
-                hint="run the simulator with telemetry recording on",
+                "the forecast provider has no event stream",
+                hint="the runtime must call attach(event_log) before the first tick",
             )
-        if not getattr(live, "record", True):
-            raise ConfigError(
-                "this run records no telemetry, so the forecaster has nothing to read",
-                hint="simulate with record=True (the default) when using a forecaster",
-            )
-        if live is not self._source:
-            # A new run (or the first tick): start the stream from its first event.
-            self._source = live
-            self._seen = 0
-            self.forecaster.reset()
-            if self.forecaster.needs_future:
-                self.forecaster.attach_live(live)  # type: ignore[attr-defined]
-        new = rows[self._seen :]
-        self._seen = len(rows)
-        self.forecaster.update(new, obs.time_s)
+        batch = events.batch(self._seen)
+        self._seen = batch.stop
+        if getattr(self.forecaster, "accepts_batches", False):
+            self.forecaster.update(batch, obs.time_s)
+        else:
+            self.forecaster.update(list(batch.rows()), obs.time_s)
         return self.forecaster.predict(self.horizons)
 
 

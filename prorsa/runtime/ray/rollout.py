@@ -80,8 +80,8 @@ def sample_specs(config: RolloutConfig, max_context_tokens: int) -> list[Traject
 
 def cluster_spec_for(config: RolloutConfig) -> ClusterSpec:
     """Static cluster facts for the policy, throughputs from the cost profile."""
-    from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.simulation import cluster_spec, load_profiles
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
 
     sim_config = ClusterConfig(
         profile=config.profile or CPU_PROFILE,

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +31,31 @@ class DriverResult:
     trainer_steps: int = 0
 
 
-class SyncDriver:
+class Driver(ABC):
+    """How trajectories enter a simulation, and when the run ends.
+
+    ``total`` is how many trajectories the run completes (an async driver may lower it
+    when its stream runs dry); ``result`` is filled as the run goes.
+    """
+
+    mode: str
+    total: int
+    result: DriverResult
+
+    @abstractmethod
+    def start(self, env: Environment, launch: Callable[[TrajectorySpec], TrajState]) -> None:
+        """Schedule the first launches; ``launch(spec)`` starts a trajectory now."""
+
+    @abstractmethod
+    def on_done(self, traj: TrajState) -> None:
+        """A trajectory finished."""
+
+    def known_specs(self) -> Sequence[Sequence[TrajectorySpec]]:
+        """Batches of specs known before the run (for up-front capacity checks)."""
+        return ()
+
+
+class SyncDriver(Driver):
     """Run ``steps`` synchronous rollout steps; each takes the next batch of specs."""
 
     mode = "sync"
@@ -41,6 +66,9 @@ class SyncDriver:
         self.batches = batches
         self.result = DriverResult(mode="sync")
         self.total = sum(len(b) for b in batches)
+
+    def known_specs(self) -> Sequence[Sequence[TrajectorySpec]]:
+        return self.batches
 
     def start(self, env: Environment, launch: Callable[[TrajectorySpec], TrajState]) -> None:
         self.env = env
@@ -69,7 +97,7 @@ class SyncDriver:
             self.env.schedule(self.env.now, self._next_step, priority=PRIORITY_ARRIVAL)
 
 
-class AsyncDriver:
+class AsyncDriver(Driver):
     """Keep ``max_in_flight`` trajectories running until ``total`` have completed.
 
     ``batch_size`` and ``train_step_s`` model the trainer consuming completed
@@ -156,7 +184,7 @@ class AsyncDriver:
         self._fill()
 
 
-class ArrivalDriver:
+class ArrivalDriver(Driver):
     """Open-loop arrivals: trajectory ``i`` starts at ``arrival_s[i]`` (e.g. a replayed
     request trace such as Azure's). The run ends when all have completed."""
 
@@ -170,8 +198,10 @@ class ArrivalDriver:
         self.specs = specs
         self.arrival_s = arrival_s
         self.total = len(specs)
-        self.batches = [specs]  # for capacity checks
         self.result = DriverResult(mode="sync")
+
+    def known_specs(self) -> Sequence[Sequence[TrajectorySpec]]:
+        return [self.specs]
 
     def start(self, env: Environment, launch: Callable[[TrajectorySpec], TrajState]) -> None:
         self.env = env

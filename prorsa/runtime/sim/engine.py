@@ -22,17 +22,51 @@ import dataclasses
 import heapq
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from prorsa.runtime.sim.core import PRIORITY_COMPLETE, PRIORITY_PLAN
+from prorsa.runtime.sim.core import PRIORITY_COMPLETE, PRIORITY_PLAN, Environment
 from prorsa.runtime.sim.prefix_cache import PrefixCache
-from prorsa.runtime.sim.request import TurnRequest
+from prorsa.runtime.sim.request import SimTurn
 
 if TYPE_CHECKING:
-    from prorsa.runtime.sim.cluster import SimCluster
     from prorsa.runtime.sim.cost import CostProfile
 
 IDLE, STEP, EPOCH = 0, 1, 2
+
+
+class EngineEvents(Protocol):
+    """What an engine tells the cluster it belongs to (the simulator's cluster implements it).
+
+    Engines only report; the cluster decides what happens next (routing, transfers,
+    telemetry, bookkeeping).
+    """
+
+    def on_prefill_start(self, req: SimTurn, engine: SimEngine) -> None:
+        """The first chunk of ``req``'s prefill is scheduled on ``engine``."""
+
+    def on_prefill_end(self, req: SimTurn, engine: SimEngine, *, local: bool) -> None:
+        """``req``'s prefill finished; ``local``: it decodes here, else its KV must move."""
+
+    def start_transfer(self, req: SimTurn, decode: SimEngine, cached_on_decode: int) -> None:
+        """``decode`` reserved KV for ``req``: copy it from the prefill engine."""
+
+    def on_decode_start(self, req: SimTurn, engine: SimEngine) -> None:
+        """``req`` joined ``engine``'s decode batch."""
+
+    def on_decode_end(self, req: SimTurn, engine: SimEngine) -> None:
+        """``req`` decoded its last token on ``engine``."""
+
+    def on_preempt(self, req: SimTurn, engine: SimEngine) -> None:
+        """``req`` was preempted (its KV dropped) and will be recomputed on ``engine``."""
+
+    def on_migrate(self, engine: SimEngine, moved: list[tuple[SimTurn, int]]) -> None:
+        """``engine`` handed over its decodes (with their current contexts) for migration."""
+
+    def on_engine_idle(self, engine: SimEngine) -> None:
+        """``engine`` has nothing left to run."""
+
+    def fail_capacity(self, req: SimTurn, engine: SimEngine) -> None:
+        """``req`` can never fit ``engine``'s KV memory (raises)."""
 
 
 class StepCosts:
@@ -115,7 +149,6 @@ class SimEngine:
         "budget",
         "busy_s",
         "cache",
-        "cluster",
         "costs",
         "ctx_sum",
         "decode_waiting",
@@ -125,6 +158,7 @@ class SimEngine:
         "epoch_ctx",
         "epoch_k",
         "epoch_start",
+        "events",
         "held_for_transfer",
         "incoming",
         "incoming_tokens",
@@ -153,7 +187,8 @@ class SimEngine:
 
     def __init__(
         self,
-        cluster: SimCluster,
+        env: Environment,
+        events: EngineEvents,
         engine_id: int,
         slot_id: int,
         role: str,
@@ -163,8 +198,8 @@ class SimEngine:
         max_batch: int,
         max_step_tokens: int,
     ) -> None:
-        self.cluster = cluster
-        self.env = cluster.env
+        self.env = env
+        self.events = events
         self.engine_id = engine_id
         self.slot_id = slot_id
         self.role = role
@@ -176,14 +211,14 @@ class SimEngine:
         self.accepting = True  # false while draining for a role switch
         self.owned = 0  # live trajectories whose decode side sticks to this engine
         self.cache = PrefixCache()
-        self.prefill_queue: deque[TurnRequest] = deque()  # waiting for KV admission
-        self.prefill_active: deque[TurnRequest] = deque()  # admitted, chunked FCFS
+        self.prefill_queue: deque[SimTurn] = deque()  # waiting for KV admission
+        self.prefill_active: deque[SimTurn] = deque()  # admitted, chunked FCFS
         self.queued_prefill_tokens = 0
-        self.decode_waiting: deque[TurnRequest] = deque()  # KV present, joins next boundary
-        self.incoming: deque[TurnRequest] = deque()  # remote KV waiting for room here
+        self.decode_waiting: deque[SimTurn] = deque()  # KV present, joins next boundary
+        self.incoming: deque[SimTurn] = deque()  # remote KV waiting for room here
         self.incoming_tokens = 0
-        self.running: dict[TurnRequest, None] = {}  # admission order (for preemption)
-        self._finish_heap: list[tuple[int, int, TurnRequest]] = []
+        self.running: dict[SimTurn, None] = {}  # admission order (for preemption)
+        self._finish_heap: list[tuple[int, int, SimTurn]] = []
         self._heap_seq = 0
         self.steps = 0  # decode steps executed so far (sequence finish times key off it)
         self.ctx_sum = 0  # context tokens of running sequences, now
@@ -200,7 +235,7 @@ class SimEngine:
         self.epoch_k = 0
         self.epoch_batch = 0
         self.epoch_ctx = 0
-        self.step_chunks: list[tuple[TurnRequest, int]] = []
+        self.step_chunks: list[tuple[SimTurn, int]] = []
         self.step_started = 0.0
         self.busy_s = 0.0
         self.preemptions = 0
@@ -228,13 +263,13 @@ class SimEngine:
         )
 
     # --------------------------------------------------------------- submission
-    def submit_prefill(self, req: TurnRequest) -> None:
+    def submit_prefill(self, req: SimTurn) -> None:
         """Queue ``req``'s prefill here (remote prefill or local prefill-then-decode)."""
         self.prefill_queue.append(req)
         self.queued_prefill_tokens += req.prefill_left
         self._wake()
 
-    def submit_incoming(self, req: TurnRequest) -> None:
+    def submit_incoming(self, req: SimTurn) -> None:
         """A remote prefill finished: reserve KV here, then pull it over a link."""
         self.incoming.append(req)
         self.incoming_tokens += req.context
@@ -253,15 +288,15 @@ class SimEngine:
             incoming.popleft()
             self.incoming_tokens -= req.context
             self.transfers_in += 1
-            self.cluster.start_transfer(req, self, min(cached, req.context))
+            self.events.start_transfer(req, self, min(cached, req.context))
 
-    def transfer_arrived(self, req: TurnRequest) -> None:
+    def transfer_arrived(self, req: SimTurn) -> None:
         """KV of ``req`` landed here (reserved at pump time); decode from the next boundary."""
         self.transfers_in -= 1
         self.decode_waiting.append(req)
         self._wake()
 
-    def release_hold(self, req: TurnRequest) -> None:
+    def release_hold(self, req: SimTurn) -> None:
         """The KV this prefill engine held for ``req``'s transfer has been copied out."""
         self.kv_used -= req.context
         self.held_for_transfer -= 1
@@ -300,7 +335,7 @@ class SimEngine:
         self.boundary_pending = False
         if self.migrate_requested:
             self.migrate_requested = False
-            self.cluster.on_migrate(self, self._take_decodes())
+            self.events.on_migrate(self, self._take_decodes())
         while self.decode_waiting and len(self.running) < self.max_batch:
             self._join(self.decode_waiting.popleft())
         if self.prefill_queue:
@@ -320,7 +355,7 @@ class SimEngine:
                 chunks.append((req, n))
                 budget -= n
                 if req.prefill_left == req.prefill_tokens:
-                    self.cluster.on_prefill_start(req, self)
+                    self.events.on_prefill_start(req, self)
             if batch:
                 decode_s = costs.da + costs.db * batch + costs.dc * self.ctx_sum
                 duration = max(costs.mix + prefill_s + decode_s - costs.da, costs.floor)
@@ -359,7 +394,7 @@ class SimEngine:
             self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
         else:
             self.phase = IDLE
-            self.cluster.on_engine_idle(self)
+            self.events.on_engine_idle(self)
 
     def _end_step(self, version: int) -> None:
         if version != self.version:
@@ -407,7 +442,7 @@ class SimEngine:
             req = queue[0]
             footprint = req.context + req.decoded if req.recomputing else req.context
             if footprint > self.kv_capacity:
-                self.cluster.fail_capacity(req, self)
+                self.events.fail_capacity(req, self)
             traj = req.traj
             pinned = cache.take(traj.traj_key)
             # Keep headroom for the running batch to grow a while, so an admission does not
@@ -431,18 +466,18 @@ class SimEngine:
             self.queued_prefill_tokens += req.prefill_left
             self.prefill_active.append(req)
 
-    def _prefill_done(self, req: TurnRequest) -> None:
+    def _prefill_done(self, req: SimTurn) -> None:
         if req.local or req.recomputing:
             # KV stays here: this engine decodes the turn.
             req.recomputing = False
-            self.cluster.on_prefill_end(req, self, local=True)
+            self.events.on_prefill_end(req, self, local=True)
             self.decode_waiting.append(req)
         else:
             self.held_for_transfer += 1
-            self.cluster.on_prefill_end(req, self, local=False)
+            self.events.on_prefill_end(req, self, local=False)
 
     # --------------------------------------------------------------- decode side
-    def _join(self, req: TurnRequest) -> None:
+    def _join(self, req: SimTurn) -> None:
         remaining = req.output - req.decoded
         req.join_step = self.steps
         req.ctx_at_join = req.context + req.decoded
@@ -454,9 +489,9 @@ class SimEngine:
         heapq.heappush(self._finish_heap, req.heap_entry)
         self.running[req] = None
         self.ctx_sum += req.ctx_at_join
-        self.cluster.on_decode_start(req, self)
+        self.events.on_decode_start(req, self)
 
-    def _leave(self, req: TurnRequest) -> int:
+    def _leave(self, req: SimTurn) -> int:
         """Remove ``req`` from the batch; returns its current context length."""
         req.heap_entry = None
         del self.running[req]
@@ -476,7 +511,7 @@ class SimEngine:
             req.decoded = req.output
             self.kv_used -= ctx
             self.cache.put(req.traj.traj_key, ctx)
-            self.cluster.on_decode_end(req, self)
+            self.events.on_decode_end(req, self)
         self._after_free()
 
     def _preempt_last(self) -> None:
@@ -493,14 +528,14 @@ class SimEngine:
         self.preemptions += 1
         self.prefill_queue.appendleft(req)
         self.queued_prefill_tokens += ctx
-        self.cluster.on_preempt(req, self)
+        self.events.on_preempt(req, self)
 
     def request_migration(self) -> None:
         """Hand every running and waiting decode to the cluster at the next step boundary."""
         self.migrate_requested = True
         self._wake()
 
-    def _take_decodes(self) -> list[tuple[TurnRequest, int]]:
+    def _take_decodes(self) -> list[tuple[SimTurn, int]]:
         moved = []
         for req in list(self.running):
             ctx = self._leave(req)
@@ -514,7 +549,7 @@ class SimEngine:
             moved.append((req, ctx))
         return moved
 
-    def take_queued_prefills(self) -> list[TurnRequest]:
+    def take_queued_prefills(self) -> list[SimTurn]:
         """Remove prefills not yet admitted (they can be routed elsewhere)."""
         taken = list(self.prefill_queue)
         self.prefill_queue.clear()
@@ -522,7 +557,7 @@ class SimEngine:
             self.queued_prefill_tokens -= req.prefill_left
         return taken
 
-    def take_incoming(self) -> list[TurnRequest]:
+    def take_incoming(self) -> list[SimTurn]:
         """Remove incoming transfers that have not started (they can go elsewhere)."""
         taken = list(self.incoming)
         self.incoming.clear()
@@ -548,7 +583,7 @@ class SimEngine:
         if self.prefill_queue and self.phase == IDLE and not self.at_boundary:
             self._wake()
 
-    def accept_migrated(self, req: TurnRequest) -> None:
+    def accept_migrated(self, req: SimTurn) -> None:
         self.decode_waiting.append(req)
         self._wake()
 

@@ -1,9 +1,20 @@
 """A Gymnasium environment around the simulator, for training allocation agents.
 
-Each ``step`` applies one action (prefill slots -1, 0 or +1) at a control tick and
-simulates until the next tick. The reward is minus the simulated time that passed (in
-control intervals) minus a small penalty per queued trajectory share, so an episode's
-return tracks minus the rollout's makespan.
+An episode is one simulated rollout drawn from a :class:`~prorsa.runtime.sim.rl_domain.
+DomainConfig` (cluster family and size, load, scenario, sync/async). The first action
+picks the initial layout (free, before any work arrives); each later action is the agent's
+decision at the next decision tick, applied through the same :class:`ExternalPolicy`
+machinery, safety rule included, that the deployed ``rl`` policy uses.
+
+Reward (switch-cost aware, relative to colocation on the same workload sample):
+
+    r_t = -(dt_t / T_colocate) - switch_penalty * switching_slot_s_t / (N * T_colocate)
+
+``dt_t`` is the simulated time the step covered, ``T_colocate`` the time colocation takes
+to finish the same trajectories (a reference run at reset), ``N`` the slot count and
+``switching_slot_s_t`` the slot-seconds spent switching during the step. The undiscounted
+return is ``-T_agent / T_colocate`` minus the switching term: -1 means "as fast as
+colocation", and it is comparable across cluster sizes, loads and scenarios.
 """
 
 from __future__ import annotations
@@ -13,84 +24,173 @@ from typing import ClassVar
 import gymnasium as gym
 import numpy as np
 
-from prorsa.policy.rl import ACTIONS, OBS_FEATURES, ExternalPolicy, observation_vector
-from prorsa.runtime.sim.config import ClusterConfig
-from prorsa.runtime.sim.scenario import WorkloadConfig, build_driver
+from prorsa.policy import make_policy
+from prorsa.policy.base import ClusterSpec, Policy
+from prorsa.policy.rl import OBS_FEATURES, TARGETS, ExternalPolicy
+from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+from prorsa.runtime.sim.drivers import Driver, DriverResult
+from prorsa.runtime.sim.rl_domain import DomainConfig, EpisodeConfig
+from prorsa.runtime.sim.scenario import build_driver
 from prorsa.runtime.sim.simulation import Simulation
+
+# Stop just before a decision tick, so the agent's action is in place when it fires.
+_BEFORE_TICK_S = 1e-6
 
 
 class AllocationEnv(gym.Env):
-    """Allocation as a sequential decision problem over one simulated rollout."""
+    """Allocation as a sequential decision problem over one simulated rollout.
+
+    Args:
+        domain: what episodes are drawn from (default: the full training domain).
+        interval_s / min_dwell_s: the controller's tick and per-slot dwell (as in
+            ``prorsa compare``).
+        decision_interval_s / min_hold_s / max_changes_per_min: the policy's decision
+            period and safety rule (see :class:`~prorsa.policy.rl.TargetPolicy`).
+        switch_penalty: weight of the switching slot-seconds term of the reward.
+        max_steps: truncate an episode after this many decisions.
+
+    ``reset(options={"episode": EpisodeConfig(...)})`` pins the episode (evaluation).
+    """
 
     metadata: ClassVar[dict] = {"render_modes": []}
 
     def __init__(
         self,
-        scenario: str = "swe",
-        engines: int = 8,
-        profile: str = "h200-qwen2.5-7b-tp1",
-        trajectories: int = 64,
-        mode: str = "sync",
-        interval_s: float = 2.0,
-        min_dwell_s: float = 4.0,
-        group_size: int = 8,
-        queue_penalty: float = 0.5,
-        max_steps: int = 5000,
+        domain: DomainConfig | None = None,
+        *,
+        interval_s: float = 1.0,
+        min_dwell_s: float = 10.0,
+        decision_interval_s: float = 10.0,
+        min_hold_s: float = 20.0,
+        max_changes_per_min: float = 1.0,
+        switch_penalty: float = 1.0,
+        max_steps: int = 1000,
     ) -> None:
-        self.scenario = scenario
-        self.engines = engines
-        self.profile = profile
-        self.trajectories = trajectories
-        self.mode = mode
+        self.domain = domain or DomainConfig()
+        self.domain.validate()
         self.interval_s = interval_s
         self.min_dwell_s = min_dwell_s
-        self.group_size = group_size
-        self.queue_penalty = queue_penalty
+        self.decision_interval_s = decision_interval_s
+        self.min_hold_s = min_hold_s
+        self.max_changes_per_min = max_changes_per_min
+        self.switch_penalty = switch_penalty
         self.max_steps = max_steps
         self.observation_space = gym.spaces.Box(
             0.0, 1.0, shape=(len(OBS_FEATURES),), dtype=np.float32
         )
-        self.action_space = gym.spaces.Discrete(len(ACTIONS))
+        self.action_space = gym.spaces.Discrete(len(TARGETS))
         self.sim: Simulation | None = None
+        self.episode: EpisodeConfig | None = None
+
+    def set_max_slots(self, max_slots: int) -> None:
+        """Curriculum hook: later episodes use at most ``max_slots`` slots."""
+        self.domain.max_slots = max_slots
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
-        work = WorkloadConfig(
-            scenario=self.scenario,
-            mode=self.mode,
-            trajectories=self.trajectories,
-            group_size=self.group_size,
-            seed=int(self.np_random.integers(2**31)),
-        )
-        self.policy = ExternalPolicy()
-        self.sim = Simulation(
-            ClusterConfig(profile=self.profile, num_slots=self.engines),
-            self.policy,
-            build_driver(work),
-            interval_s=self.interval_s,
-            min_dwell_s=self.min_dwell_s,
-            seed=work.seed,
-            record=False,
-        )
-        self.sim.start()
+        pinned = (options or {}).get("episode")
+        self.episode = pinned or self.domain.sample(self.np_random)
+        self.reference_s = self._colocated_end_s(self.episode)
+        self.policy = self._new_policy()
+        obs, spec = _first_observation(self._simulation(self.episode, _FirstObservation()))
+        self.policy.reset(spec, self.episode.seed)
+        self.sim = None
         self.steps = 0
-        self.sim.advance(self.interval_s * 0.5)
-        return self._obs(), {}
+        self.elapsed_s = 0.0
+        return self.policy.features(obs), {"episode": self.episode.as_dict()}
 
     def step(self, action):
-        if self.sim is None:
+        if self.episode is None:
             raise RuntimeError("call reset() before step()")
         self.policy.action = int(action)
-        before = self.sim.env.now
-        # The controller ticks at multiples of interval_s; run through the next one.
-        done = self.sim.advance(before + self.interval_s)
+        if self.sim is None:
+            self.sim = self._simulation(self.episode, self.policy, build_driver(self.episode.workload()))
+            self.sim.start()
+            until = self.policy.next_decision_s_
+        else:
+            until = self.policy.next_decision_s_ + self.decision_interval_s
+        before_s, switching_before = self.sim.env.now, self.policy.switching_slot_s_
+        done = self.sim.advance(until - _BEFORE_TICK_S)
         self.steps += 1
-        obs = self._obs()
-        elapsed = (self.sim.env.now - before) / self.interval_s
-        queued = float(obs[OBS_FEATURES.index("queued_share")])
-        reward = -elapsed - self.queue_penalty * queued
+        now = self.sim.env.now
+        switching = self.policy.switching_slot_s_ - switching_before
+        scale = self.reference_s
+        reward = -(now - before_s) / scale
+        reward -= self.switch_penalty * switching / (self.episode.num_slots * scale)
+        obs = self.policy.features(self.sim.actuator.observe())
         truncated = not done and self.steps >= self.max_steps
-        return obs, float(reward), bool(done), bool(truncated), {"time_s": self.sim.env.now}
+        info = {"time_s": now}
+        if done or truncated:
+            info.update(self._summary(now))
+        return obs, float(reward), bool(done), bool(truncated), info
 
-    def _obs(self) -> np.ndarray:
-        return observation_vector(self.sim.actuator.observe(), self.sim.spec)
+    def _summary(self, end_s: float) -> dict:
+        metrics = self.sim.finish().metrics
+        minutes = max(end_s / 60.0, 1e-9)
+        return {
+            "speedup_vs_colocate": self.reference_s / max(end_s, 1e-9),
+            "target_changes_per_min": self.policy.target_changes / minutes,
+            "switches_per_min": metrics["switches_completed"] / minutes,
+            "initial_target": self.policy.initial_target_.label,
+        }
+
+    def _new_policy(self) -> ExternalPolicy:
+        return ExternalPolicy(
+            decision_interval_s=self.decision_interval_s,
+            min_hold_s=self.min_hold_s,
+            max_changes_per_min=self.max_changes_per_min,
+        )
+
+    def _simulation(self, episode: EpisodeConfig, policy: Policy, driver=None) -> Simulation:
+        return Simulation(
+            episode.cluster(),
+            policy,
+            driver if driver is not None else _IdleDriver(episode.trajectories),
+            interval_s=self.interval_s,
+            min_dwell_s=self.min_dwell_s,
+            seed=episode.seed,
+            record=False,
+        )
+
+    def _colocated_end_s(self, episode: EpisodeConfig) -> float:
+        """Seconds colocation takes on the same trajectories (the reward's yardstick)."""
+        sim = self._simulation(episode, make_policy("colocate"), build_driver(episode.workload()))
+        sim.start()
+        sim.advance(None)
+        return max(float(sim.env.now), 1e-9)
+
+
+class _FirstObservation(Policy):
+    """Captures what a policy sees before any work arrives (the free initial decision)."""
+
+    dynamic = False
+
+    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
+        super().reset(cluster, seed)
+        self.seen: ClusterObservation | None = None
+
+    def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
+        self.seen = obs
+        return Allocation(gpus={"colocated": self.cluster_.total_gpus})
+
+
+def _first_observation(sim: Simulation) -> tuple[ClusterObservation, ClusterSpec]:
+    sim.start()
+    return sim.policy.seen, sim.spec
+
+
+class _IdleDriver(Driver):
+    """A driver that launches nothing: lets :func:`_first_observation` start a simulation
+    for its initial observation without sampling the workload twice."""
+
+    mode = "sync"
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.result = DriverResult(mode="sync")
+
+    def start(self, env, launch) -> None:
+        pass
+
+    def on_done(self, traj) -> None:
+        pass

@@ -38,7 +38,7 @@ def role_gpu_seconds(cluster: SimCluster, end_s: float) -> dict[str, float]:
 
 def busy_fractions(cluster: SimCluster, end_s: float) -> dict[str, float | None]:
     """Share of each role's GPU-time spent executing steps (draining counts as switching)."""
-    busy = dict(cluster.busy_carry_s)
+    busy = dict(cluster.tally.busy_carry_s)
     for slot in cluster.slots:
         if slot.role in ROLES:
             for engine in slot.engines:
@@ -56,32 +56,33 @@ def compute_metrics(
     recomputes the per-turn numbers from events, and a test checks the two agree.
     """
     end_s = driver.end_s or cluster.env.now
+    tally = cluster.tally
     metrics: dict[str, object] = {
         "mode": driver.mode,
         "end_s": end_s,
         "trajectories_started": driver.started,
         "trajectories_completed": driver.completed,
-        "switches_started": cluster.switches,
+        "switches_started": tally.switches,
         "switches_completed": sum(
             1 for s in cluster.slots for _, r in s.history[1:] if r != SWITCHING
         ),
-        "preemptions": cluster.preemptions,
-        "migrations": cluster.migrations,
+        "preemptions": tally.preemptions,
+        "migrations": tally.migrations,
         "recompute_tokens": sum(
             e.recompute_tokens for e in [*cluster.engines.values(), *cluster.retired]
         ),
         "busy_fraction": busy_fractions(cluster, end_s),
         "gpu_seconds_by_role": role_gpu_seconds(cluster, end_s),
-        "turns": cluster.turns_done,
-        "prefill_tokens_computed": cluster.prefill_tokens_computed,
-        "prefill_tokens_cached": cluster.prefill_tokens_cached,
-        "decode_tokens": cluster.decode_tokens,
-        "completion_s_p50": _pct(cluster.completion_s, 50),
-        "completion_s_p99": _pct(cluster.completion_s, 99),
-        "ttft_s_p50": _pct(cluster.ttft_s, 50),
-        "ttft_s_p99": _pct(cluster.ttft_s, 99),
-        "tpot_s_p50": _pct(cluster.tpot_s, 50),
-        "tpot_s_p99": _pct(cluster.tpot_s, 99),
+        "turns": tally.turns_done,
+        "prefill_tokens_computed": tally.prefill_tokens_computed,
+        "prefill_tokens_cached": tally.prefill_tokens_cached,
+        "decode_tokens": tally.decode_tokens,
+        "completion_s_p50": _pct(tally.completion_s, 50),
+        "completion_s_p99": _pct(tally.completion_s, 99),
+        "ttft_s_p50": _pct(tally.ttft_s, 50),
+        "ttft_s_p99": _pct(tally.ttft_s, 99),
+        "tpot_s_p50": _pct(tally.tpot_s, 50),
+        "tpot_s_p99": _pct(tally.tpot_s, 99),
     }
     if driver.mode == "sync":
         metrics["makespan_s"] = float(sum(driver.step_makespans_s))
@@ -89,7 +90,7 @@ def compute_metrics(
     else:
         metrics["throughput_traj_per_hour"] = driver.completed / end_s * 3600 if end_s > 0 else 0.0
         metrics["trainer_steps"] = driver.trainer_steps
-        metrics["decode_tokens_per_s"] = cluster.decode_tokens / end_s if end_s > 0 else 0.0
+        metrics["decode_tokens_per_s"] = tally.decode_tokens / end_s if end_s > 0 else 0.0
     return metrics
 
 

@@ -12,10 +12,10 @@ class TrajState:
         "decode_engine",
         "done_turns",
         "group_key",
+        "key",
         "prefill_engine",
         "prev_context",
         "prev_output",
-        "row_key",
         "spec",
         "start_s",
         "state",
@@ -25,10 +25,10 @@ class TrajState:
         "turn",
     )
 
-    def __init__(self, spec: TrajectorySpec, start_s: float) -> None:
+    def __init__(self, spec: TrajectorySpec, start_s: float, key: int) -> None:
         self.spec = spec
-        self.traj_key = "t:" + spec.trajectory_id
-        self.row_key = (spec.trajectory_id, spec.group_id, spec.task)  # telemetry columns
+        self.key = key  # the trajectory's telemetry key (ClusterTelemetry.key)
+        self.traj_key = "t:" + spec.trajectory_id  # prefix-cache entry of its context
         self.group_key = "g:" + spec.group_id if spec.group_id and spec.shared_prompt_tokens else ""
         self.turn = 0
         self.done_turns = 0
@@ -42,7 +42,7 @@ class TrajState:
         self.prev_output = 0
 
 
-class TurnRequest:
+class SimTurn:
     """One turn of one trajectory as it moves through prefill, transfer and decode."""
 
     __slots__ = (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -11,34 +10,16 @@ import pyarrow as pa
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec, Policy
-from prorsa.runtime.controller import Controller, ForecastProvider, roles_for_allocation
+from prorsa.policy.types import ClusterObservation
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
+from prorsa.runtime.controller import Controller, ForecastSource, roles_for_allocation
 from prorsa.runtime.sim.cluster import SimCluster
-from prorsa.runtime.sim.config import ClusterConfig
 from prorsa.runtime.sim.core import PRIORITY_CONTROL, Environment
-from prorsa.runtime.sim.drivers import AsyncDriver, DriverResult, SyncDriver
+from prorsa.runtime.sim.drivers import Driver, DriverResult
 from prorsa.runtime.sim.metrics import compute_metrics
-from prorsa.telemetry.schema import rows_to_table
 
 logger = logging.getLogger(__name__)
-
-
-def profile_name_for_tp(name: str, tp: int) -> str:
-    """``h200-qwen2.5-7b-tp1`` -> ``h200-qwen2.5-7b-tp2`` (other suffixes kept)."""
-    if not re.search(r"-tp\d+", name):
-        if tp != 1:
-            raise ConfigError(f"profile '{name}' has no -tpN in its name; cannot derive TP{tp}")
-        return name
-    return re.sub(r"-tp\d+", f"-tp{tp}", name, count=1)
-
-
-def load_profiles(config: ClusterConfig) -> dict[int, object]:
-    """Cost profile per tensor-parallel degree used by any role."""
-    from prorsa.runtime.sim.cost import get_profile
-
-    return {
-        tp: get_profile(profile_name_for_tp(config.profile, tp))
-        for tp in set(config.role_tp.values())
-    }
 
 
 class SimClock:
@@ -55,17 +36,15 @@ class SimClock:
 
 
 class SimActuator:
-    """Applies controller orders to a :class:`SimCluster`."""
+    """Applies controller orders to a :class:`SimCluster` (the controller's ``Actuator``)."""
 
     def __init__(self, cluster: SimCluster, spec: ClusterSpec, total: int | None) -> None:
         self.cluster = cluster
         self.spec = spec
         self.total = total
-        self._prefill_tps = {"prefill": spec.prefill_tokens_per_s_per_gpu}
-        self._decode_tps = {"decode": spec.decode_tokens_per_s_per_gpu}
 
-    def observe(self):
-        return self.cluster.observe(self._prefill_tps, self._decode_tps, self.total)
+    def observe(self) -> ClusterObservation:
+        return self.cluster.observe(self.spec, self.total)
 
     def switch(self, slot_id: int, role: str) -> bool:
         return self.cluster.switch_slot(slot_id, role)
@@ -74,11 +53,7 @@ class SimActuator:
         self.cluster.set_local_prefill_threshold(tokens)
 
     def note_allocation(self, gpus: dict[str, int], reason: str) -> None:
-        import json
-
-        self.cluster.emit(
-            None, 0, "allocation", -1, detail=json.dumps({"gpus": gpus, "reason": reason})
-        )
+        self.cluster.telemetry.allocation(self.cluster.env.now, gpus, reason)
 
 
 @dataclass
@@ -90,29 +65,6 @@ class SimulationResult:
     driver: DriverResult
     decisions: list = field(default_factory=list)
     cluster: SimCluster | None = field(default=None, repr=False)
-
-
-def cluster_spec(
-    config: ClusterConfig, profiles: dict[int, object], min_dwell_s: float
-) -> ClusterSpec:
-    """Static facts a policy may use, with throughput numbers from the cost profiles."""
-    p_tp, d_tp = config.role_tp["prefill"], config.role_tp["decode"]
-    prefill_profile, decode_profile = profiles[p_tp], profiles[d_tp]
-    chunk = 2048
-    prefill_tps = chunk / float(prefill_profile.prefill_time_s(chunk, 8192)) / p_tp
-    batch = max(decode_profile.max_batch // 2, 1)
-    decode_tps = batch / float(decode_profile.decode_step_time_s(batch, batch * 8192)) / d_tp
-    return ClusterSpec(
-        num_slots=config.num_slots,
-        slot_gpus=config.slot_gpus,
-        role_tp=dict(config.role_tp),
-        prefill_tokens_per_s_per_gpu=prefill_tps,
-        decode_tokens_per_s_per_gpu=decode_tps,
-        switch_latency_s=config.switch_latency_s,
-        min_dwell_s=min_dwell_s,
-        dp_attention_ranks=config.dp_attention_ranks,
-        reshard_latency_s=config.reshard_latency_s,
-    )
 
 
 class Simulation:
@@ -133,9 +85,9 @@ class Simulation:
         self,
         config: ClusterConfig,
         policy: Policy,
-        driver: SyncDriver | AsyncDriver,
+        driver: Driver,
         *,
-        forecaster: ForecastProvider | None = None,
+        forecaster: ForecastSource | None = None,
         interval_s: float = 1.0,
         min_dwell_s: float = 10.0,
         seed: int = 0,
@@ -181,7 +133,7 @@ class Simulation:
         env = self.env = Environment(self.seed)
         spec = self.spec = cluster_spec(self.config, self.profiles, self.min_dwell_s)
         self.policy.reset(spec, self.seed)
-        total = getattr(self.driver, "total", None)
+        total = self.driver.total
         probe = SimCluster(env, self.config, self.profiles, run_id=self.run_id, record=False)
         first = self.policy.decide(SimActuator(probe, spec, total).observe(), None)
         roles = roles_for_allocation(first, self.config.num_slots, self.config.slot_gpus)
@@ -209,6 +161,15 @@ class Simulation:
                 keep_forecasts=self.keep_forecasts,
             )
             self.controller.start()
+        if self.forecaster is not None:
+            if not self.record:
+                raise ConfigError(
+                    "this run records no telemetry, so the forecaster has nothing to read",
+                    hint="simulate with record=True (the default) when using a forecaster",
+                )
+            # The forecaster reads the run's events (and, for the oracle, its ground truth)
+            # through ports of its own, never through the observation.
+            self.forecaster.attach(cluster.telemetry.log, truth=cluster.truth)
         cluster.on_trajectory_done = self.driver.on_done
         if progress is not None:
             self._schedule_progress(env, cluster, progress)
@@ -222,7 +183,7 @@ class Simulation:
     @property
     def done(self) -> bool:
         result = self.driver.result
-        return result.started > 0 and result.completed >= getattr(self.driver, "total", 0) > 0
+        return result.started > 0 and result.completed >= self.driver.total > 0
 
     def finish(self) -> SimulationResult:
         """Stop the controller and assemble telemetry and metrics."""
@@ -231,7 +192,7 @@ class Simulation:
             controller.stop()
         telemetry = None
         if self.record:
-            telemetry = rows_to_table(cluster.rows)
+            telemetry = cluster.telemetry.log.to_table()
             # Marks the events as simulated: the oracle forecaster refuses anything else.
             meta = {**(telemetry.schema.metadata or {}), b"prorsa.source": b"simulator"}
             telemetry = telemetry.replace_schema_metadata(meta)
@@ -245,11 +206,8 @@ class Simulation:
         )
 
     def _check_fits(self, cluster: SimCluster) -> None:
-        specs = getattr(self.driver, "batches", None)
-        if specs is None:
-            return
         capacity = cluster.kv_capacity_tokens
-        for batch in specs:
+        for batch in self.driver.known_specs():
             for s in batch:
                 need = int(s.new_tokens.sum() + s.output_tokens.sum())
                 if need > capacity:

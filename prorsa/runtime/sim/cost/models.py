@@ -200,6 +200,21 @@ MODELS: dict[str, ModelArch] = {
             experts_per_token=8,
             moe_intermediate_size=768,
         ),
+        # MoE: 128 experts, 8 routed per token, no shared expert; 94 layers, all MoE.
+        ModelArch(
+            name="qwen3-235b-a22b",
+            hf_id="Qwen/Qwen3-235B-A22B",
+            num_layers=94,
+            hidden_size=4096,
+            num_heads=64,
+            num_kv_heads=4,
+            head_dim=128,
+            intermediate_size=0,
+            vocab_size=151936,
+            num_experts=128,
+            experts_per_token=8,
+            moe_intermediate_size=1536,
+        ),
     )
 }
 

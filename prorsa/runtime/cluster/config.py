@@ -1,0 +1,116 @@
+"""Configuration of the cluster model both runtimes share. Field help drives the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from prorsa.errors import ConfigError
+from prorsa.runtime.cluster.switching import SWITCH_MODES
+
+REUSE_MODES = ("reprefill", "pull")
+
+
+def _help(text: str, **kw: object) -> dict:
+    return {"metadata": {"help": text}, **kw}
+
+
+@dataclass
+class ClusterConfig:
+    """Cluster shape, engine limits, KV transfer links and role switching."""
+
+    profile: str = field(
+        **_help("cost profile name (see `prorsa profile list`)"), default="h200-qwen2.5-7b-tp1"
+    )
+    num_slots: int = field(
+        **_help("GPU groups that switch roles as a unit ('engines' at TP1)"), default=8
+    )
+    role_tp: dict[str, int] = field(
+        default_factory=lambda: {"prefill": 1, "decode": 1, "colocated": 1},
+        metadata={"help": "tensor-parallel degree per role; a slot has max(role_tp) GPUs"},
+    )
+    max_batch: int | None = field(
+        **_help("max running sequences per engine (profile default)"), default=None
+    )
+    max_step_tokens: int | None = field(
+        **_help("token budget per engine step (profile default)"), default=None
+    )
+    kv_capacity_tokens: int | None = field(
+        **_help("KV tokens per engine (profile default)"), default=None
+    )
+    dp_attention_ranks: int = field(
+        **_help("data-parallel attention ranks per colocated engine (MoE)"), default=1
+    )
+    request_overhead_s: float = field(
+        **_help("front-end latency per request leg (router, RPC, API server)"), default=0.0
+    )
+    transfer_base_s: float = field(**_help("fixed cost of one KV transfer"), default=0.002)
+    transfer_bandwidth_gbytes_per_s: float = field(
+        **_help("KV link bandwidth per engine, GB/s"), default=25.0
+    )
+    link_contention: bool = field(
+        **_help("transfers out of one engine share its link (FIFO)"), default=True
+    )
+    reuse_mode: str = field(
+        **_help("multi-turn reuse on the prefill side: reprefill | pull"), default="pull"
+    )
+    local_prefill_threshold: int = field(
+        **_help("prefill turns with fewer new tokens on their decode engine"), default=0
+    )
+    switch_mode: str = field(
+        **_help("in-flight work of a switching engine: drain | migrate"), default="drain"
+    )
+    switch_latency_s: float = field(**_help("role switch latency once drained"), default=2.0)
+    reshard_latency_s: float = field(
+        **_help("extra latency when the roles' TP differ"), default=20.0
+    )
+    drain_timeout_s: float = field(
+        **_help("drain at most this long, then migrate the rest"), default=60.0
+    )
+    switch_drops_prefix_cache: bool = field(
+        **_help("a switch empties the engine's prefix cache"), default=True
+    )
+
+    def validate(self) -> None:
+        if self.num_slots < 1:
+            raise ConfigError("num_slots must be >= 1 (a cluster needs at least one engine)")
+        for role, tp in self.role_tp.items():
+            if role not in ("prefill", "decode", "colocated"):
+                raise ConfigError(f"role_tp: unknown role '{role}'")
+            if tp < 1 or self.slot_gpus % tp:
+                raise ConfigError(f"role_tp[{role}]={tp} must be >= 1 and divide {self.slot_gpus}")
+        if self.reuse_mode not in REUSE_MODES:
+            raise ConfigError(f"reuse_mode must be one of {REUSE_MODES}")
+        if self.switch_mode not in SWITCH_MODES:
+            raise ConfigError(f"switch_mode must be one of {SWITCH_MODES}")
+        for name in (
+            "request_overhead_s",
+            "transfer_base_s",
+            "switch_latency_s",
+            "reshard_latency_s",
+            "drain_timeout_s",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        if self.transfer_bandwidth_gbytes_per_s <= 0:
+            raise ConfigError("transfer_bandwidth_gbytes_per_s must be > 0")
+        if self.dp_attention_ranks < 1:
+            raise ConfigError("dp_attention_ranks must be >= 1")
+        for name in ("max_batch", "max_step_tokens", "kv_capacity_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.local_prefill_threshold < 0:
+            raise ConfigError("local_prefill_threshold must be >= 0")
+
+    @property
+    def slot_gpus(self) -> int:
+        return max(self.role_tp.values())
+
+    @property
+    def total_gpus(self) -> int:
+        return self.num_slots * self.slot_gpus
+
+
+def config_help(cls: type) -> dict[str, str]:
+    """Field name -> help text of a config dataclass."""
+    return {f.name: f.metadata.get("help", "") for f in fields(cls)}

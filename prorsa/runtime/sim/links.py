@@ -1,0 +1,37 @@
+"""KV transfer links of the simulated cluster: one outgoing link per engine, FIFO.
+
+A transfer of ``tokens`` takes ``transfer_base_s + tokens * kv_bytes_per_token /
+bandwidth``; with contention on, transfers out of one engine queue behind each other.
+"""
+
+from __future__ import annotations
+
+from prorsa.runtime.cluster.config import ClusterConfig
+
+
+class KvLinks:
+    """When each engine's outgoing link is free, and how long a copy takes."""
+
+    __slots__ = ("_free_at", "config", "kv_bytes_by_tp")
+
+    def __init__(self, config: ClusterConfig, kv_bytes_by_tp: dict[int, float]) -> None:
+        self.config = config
+        self.kv_bytes_by_tp = kv_bytes_by_tp
+        self._free_at: dict[int, float] = {}
+
+    def transfer_s(self, tokens: int, tp: int) -> float:
+        """Seconds to copy ``tokens`` of KV cached by an engine of TP ``tp``."""
+        cfg = self.config
+        per_token = self.kv_bytes_by_tp.get(tp, self.kv_bytes_by_tp[min(self.kv_bytes_by_tp)])
+        return cfg.transfer_base_s + tokens * per_token / (
+            cfg.transfer_bandwidth_gbytes_per_s * 1e9
+        )
+
+    def book(self, source_id: int, tokens: int, tp: int, now_s: float) -> tuple[float, float]:
+        """Book a copy of ``tokens`` out of engine ``source_id``; returns (start, end) times."""
+        seconds = self.transfer_s(tokens, tp)
+        start = now_s
+        if self.config.link_contention:
+            start = max(now_s, self._free_at.get(source_id, 0.0))
+            self._free_at[source_id] = start + seconds
+        return start, start + seconds

@@ -1,0 +1,77 @@
+"""Slots of GPUs and the engines they host in the simulated cluster.
+
+A *slot* is the unit of role switching: ``max(role_tp)`` GPUs that change role together
+and host ``gpus // tp`` engines of the role's tensor-parallel degree (one engine of
+``ranks x tp`` GPUs when colocated engines use data-parallel attention).
+"""
+
+from __future__ import annotations
+
+from prorsa.errors import ConfigError
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.sim.core import Environment
+from prorsa.runtime.sim.engine import EngineEvents, SimEngine, StepCosts
+
+
+class Slot:
+    """``gpus`` GPUs that change role together, hosting ``gpus // tp`` engines."""
+
+    __slots__ = (
+        "engines",
+        "gpus",
+        "history",
+        "role",
+        "since_s",
+        "slot_id",
+        "switch",
+        "target_role",
+    )
+
+    def __init__(self, slot_id: int, gpus: int, role: str) -> None:
+        self.slot_id = slot_id
+        self.gpus = gpus
+        self.role = role
+        self.target_role: str | None = None
+        self.since_s = 0.0
+        self.engines: list[SimEngine] = []
+        self.switch = None  # the RoleSwitch in progress, if any
+        self.history: list[tuple[float, str]] = [(0.0, role)]
+
+
+def build_engines(
+    slot: Slot,
+    config: ClusterConfig,
+    profiles: dict[int, object],
+    env: Environment,
+    events: EngineEvents,
+) -> list[SimEngine]:
+    """The engines ``slot`` hosts in its current role (fresh: empty caches, no work)."""
+    tp = config.role_tp[slot.role]
+    profile = profiles[tp]
+    ranks = 1
+    if slot.role == "colocated" and config.dp_attention_ranks > 1:
+        ranks = config.dp_attention_ranks
+        if slot.gpus != ranks * tp:
+            raise ConfigError(
+                f"dp_attention_ranks={ranks} needs slots of ranks x tp = {ranks * tp} GPUs "
+                f"(slots have {slot.gpus}); set role_tp so max(role_tp) matches"
+            )
+    costs = StepCosts(profile, ranks)
+    kv = (config.kv_capacity_tokens or profile.kv_capacity_tokens) * ranks
+    batch = (config.max_batch or profile.max_batch) * ranks
+    budget = config.max_step_tokens or profile.max_step_tokens
+    return [
+        SimEngine(
+            env,
+            events,
+            slot.slot_id * slot.gpus + i * tp * ranks,
+            slot.slot_id,
+            slot.role,
+            tp * ranks,
+            costs,
+            kv,
+            batch,
+            budget,
+        )
+        for i in range(slot.gpus // (tp * ranks))
+    ]
