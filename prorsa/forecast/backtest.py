@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from prorsa.errors import ConfigError
 from prorsa.forecast.base import Forecaster
+from prorsa.forecast.events import as_batch, slice_batch
 from prorsa.forecast.targets import event_frame, run_targets, tick_times
 from prorsa.forecast.tracker import rows_of
 from prorsa.forecast.types import TARGETS, check_horizons, target_column
@@ -54,13 +55,16 @@ def backtest(
             continue
         actual = run_targets(run, ticks, hs)
         forecaster.reset()
-        rows = list(rows_of(run))
-        ends = np.searchsorted(run["time"].to_numpy(float), ticks, side="right")
+        # The oracle reads row tuples (its run id); everyone else one batch per run.
+        rows = list(rows_of(run)) if forecaster.needs_future else None
+        batch = as_batch(run)
+        ends = np.searchsorted(batch.time, ticks, side="right")
         shape = (len(ticks), len(TARGETS), len(hs))
         point, q50, q90 = np.empty(shape), np.full(shape, np.nan), np.full(shape, np.nan)
         start = 0
         for i, (t, end) in enumerate(zip(ticks, ends, strict=True)):
-            forecaster.update(rows[start:end], float(t))
+            events = rows[start:end] if rows is not None else slice_batch(batch, start, end)
+            forecaster.update(events, float(t))
             start = end
             began = _time.perf_counter()
             fc = forecaster.predict(hs)

@@ -27,10 +27,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from prorsa.errors import ConfigError, InputError, NotFittedError
 from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.events import Events
 from prorsa.forecast.features import aggregate_features
 from prorsa.forecast.tracker import LifecycleTracker
 from prorsa.forecast.types import (
@@ -69,6 +69,8 @@ class Forecaster(ABC):
     provides_quantiles: ClassVar[bool] = False
     #: True for the oracle: it must be shown the future (see ``attach``).
     needs_future: ClassVar[bool] = False
+    #: ``update`` takes an :class:`~prorsa.telemetry.columns.EventBatch` as it is.
+    accepts_batches: ClassVar[bool] = True
 
     def __init__(self, horizons: Sequence[float] = DEFAULT_HORIZONS, seed: int = 0) -> None:
         self.horizons = horizons
@@ -158,15 +160,17 @@ class Forecaster(ABC):
     def _reset_stream(self) -> None:  # noqa: B027  (optional hook)
         """Hook: clear per-run state kept beside the tracker."""
 
-    def update(self, rows: pa.Table | pd.DataFrame | Sequence[tuple], time_s: float) -> Forecaster:
+    def update(self, events: Events, time_s: float) -> Forecaster:
         """Feed the events since the last call (time order) and mark a tick at ``time_s``.
 
+        ``events`` is best an :class:`~prorsa.telemetry.columns.EventBatch` (what the
+        runtimes hand over each tick); tables, data frames and row tuples are converted.
         No refit: the model stays as fitted; only the stream state advances.
         """
         self._check_fitted()
         if not np.isfinite(time_s):
             raise InputError(f"tick time must be finite, got {time_s}")
-        self.tracker_.update(rows)
+        self.tracker_.update(events)
         self.tracker_.tick(float(time_s))
         self._ticks += 1
         self._update()

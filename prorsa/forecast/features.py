@@ -16,13 +16,8 @@ import pandas as pd
 import pyarrow as pa
 
 from prorsa.errors import ConfigError, NotFittedError
-from prorsa.forecast.tracker import (
-    IN_TOOL,
-    PREFILLING,
-    QUEUED,
-    LifecycleTracker,
-    rows_of,
-)
+from prorsa.forecast.events import as_batch, slice_batch
+from prorsa.forecast.tracker import IN_TOOL, PREFILLING, QUEUED, LifecycleTracker
 from prorsa.forecast.types import DEFAULT_HORIZONS, check_horizons
 
 
@@ -203,13 +198,12 @@ def replay(
 
     ``on_tick(tracker, i)`` is called after each tick (dataset building hooks in here).
     """
-    rows = list(rows_of(run))
-    times = run["time"].to_numpy(float)
-    ends = np.searchsorted(times, np.asarray(ticks, float), side="right")
+    batch = as_batch(run)  # once per run; each tick takes a slice
+    ends = np.searchsorted(batch.time, np.asarray(ticks, float), side="right")
     out = np.empty((len(ticks), len(aggregate_feature_names(tracker.lags_s, tracker.tasks))))
     start = 0
     for i, (t, end) in enumerate(zip(ticks, ends, strict=True)):
-        tracker.update(rows[start:end])
+        tracker.update(slice_batch(batch, start, end))
         start = end
         tracker.tick(float(t))
         out[i] = aggregate_features(tracker)

@@ -29,6 +29,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from prorsa.forecast.events import Events, as_batch
+from prorsa.telemetry.columns import EventBatch
 from prorsa.telemetry.schema import CLUSTER_EVENT_KINDS, FIELDS
 from prorsa.telemetry.views import STATES
 
@@ -75,8 +77,10 @@ _TIME, _TRAJ, _GROUP, _TASK, _TURN, _KIND, _CTX, _NEW, _OUT = (
 )
 
 
-def rows_of(events: pa.Table | pd.DataFrame | Sequence[tuple]) -> Iterable[tuple]:
+def rows_of(events: EventBatch | pa.Table | pd.DataFrame | Sequence[tuple]) -> Iterable[tuple]:
     """Events as tuples in ``FIELDS`` order (tables are converted column-wise, once)."""
+    if isinstance(events, EventBatch):
+        return list(events.rows())
     if isinstance(events, pa.Table):
         cols = [events.column(f).to_pylist() for f in FIELDS]
         return zip(*cols, strict=True)
@@ -89,30 +93,47 @@ def rows_of(events: pa.Table | pd.DataFrame | Sequence[tuple]) -> Iterable[tuple
 
 
 class _Ring:
-    """Sums over the last ``size`` (numerator, denominator) pairs."""
+    """Sums over the last ``size`` (numerator, denominator) pairs.
 
-    __slots__ = ("den", "i", "n", "num", "size", "sum_den", "sum_num")
+    The window is kept as two arrays and summed when read, so adding pairs one at a time
+    or many at once leaves exactly the same window and ratio.
+    """
+
+    __slots__ = ("_ratio", "den", "i", "n", "num", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.num = [0.0] * size
-        self.den = [0.0] * size
+        self.num = np.zeros(size)
+        self.den = np.zeros(size)
         self.i = 0
         self.n = 0
-        self.sum_num = 0.0
-        self.sum_den = 0.0
+        self._ratio: float | None = None
 
     def add(self, num: float, den: float) -> None:
-        i = self.i
-        self.sum_num += num - self.num[i]
-        self.sum_den += den - self.den[i]
-        self.num[i] = num
-        self.den[i] = den
-        self.i = (i + 1) % self.size
+        self.num[self.i] = num
+        self.den[self.i] = den
+        self.i = (self.i + 1) % self.size
         self.n = min(self.n + 1, self.size)
+        self._ratio = None
+
+    def add_many(self, num: np.ndarray, den: np.ndarray) -> None:
+        """Add pairs in order (only the last ``size`` can stay in the window)."""
+        k = len(num)
+        if not k:
+            return
+        keep = min(k, self.size)
+        at = (self.i + k - keep + np.arange(keep)) % self.size
+        self.num[at] = num[k - keep :]
+        self.den[at] = den[k - keep :]
+        self.i = (self.i + k) % self.size
+        self.n = min(self.n + k, self.size)
+        self._ratio = None
 
     def ratio(self, default: float) -> float:
-        return self.sum_num / self.sum_den if self.n and self.sum_den > 1e-9 else default
+        if self._ratio is None:
+            total = float(self.den.sum())
+            self._ratio = float(self.num.sum()) / total if self.n and total > 1e-9 else _NAN
+        return default if self._ratio != self._ratio else self._ratio
 
 
 class LifecycleTracker:
@@ -148,6 +169,8 @@ class LifecycleTracker:
         self.record_event_rows = record_event_rows
         self.history_ticks = max(int(history_ticks), int(max(self.lags_s, default=1)) + 8)
         self._slot: dict[str, int] = {}
+        self._key_source: list | None = None
+        self._key_slot = np.full(0, -1, np.int64)
         self._free: list[int] = []
         self._freed_later: list[int] = []
         self._cap = 0
@@ -237,7 +260,14 @@ class LifecycleTracker:
             setattr(self, name, new)
         self._gcap = cap
 
-    def _new_slot(self, tid: str, row: tuple) -> int:
+    def new_slot(
+        self, tid: str, group_id: str, task: str, time_s: float, add_member: bool = True
+    ) -> tuple[int, int]:
+        """Start tracking trajectory ``tid`` at ``time_s``: (its slot, its group or -1).
+
+        ``add_member=False`` leaves the group's member count to the caller (the vectorised
+        ingestion adds it in event order with the other group statistics).
+        """
         if self._free:
             slot = self._free.pop()
         else:
@@ -251,11 +281,10 @@ class LifecycleTracker:
         self.state[slot] = QUEUED
         self.turn[slot] = 0
         self.started_turn[slot] = -1
-        self.task[slot] = self.task_code.get(row[_TASK], len(self.tasks))
-        t = row[_TIME]
-        self.start_s[slot] = t
-        self.state_since[slot] = t
-        self.queued_s[slot] = t
+        self.task[slot] = self.task_code.get(task, len(self.tasks))
+        self.start_s[slot] = time_s
+        self.state_since[slot] = time_s
+        self.queued_s[slot] = time_s
         for name in ("ctx", "turn_new", "dec_done", "turns_done", "out_sum", "new_sum"):
             getattr(self, name)[slot] = 0.0
         for name in ("new_n", "tool_sum", "tool_n"):
@@ -265,24 +294,77 @@ class LifecycleTracker:
         self.frozen[slot] = _NAN
         for name, fill in self._extra.items():
             getattr(self, name)[slot] = fill
-        gid = row[_GROUP]
-        if gid:
-            g = self._group.get(gid)
-            if g is None:
+        g = -1
+        if group_id:
+            g = self._group.get(group_id, -1)
+            if g < 0:
                 g = len(self._group)
                 if g == self._gcap:
                     self._grow_groups(self._gcap * 2)
-                self._group[gid] = g
-            self.group[slot] = g
-            self.g_members[g] += 1
-        else:
-            self.group[slot] = -1
+                self._group[group_id] = g
+            if add_member:
+                self.g_members[g] += 1
+        self.group[slot] = g
         self.counts["starts"] += 1
-        return slot
+        return slot, g
+
+    def slot_of(self, tid: str) -> int | None:
+        """Slot of a live trajectory, None if it is not tracked (not started or ended)."""
+        return self._slot.get(tid)
+
+    def key_slots(self, keys: list[tuple[str, str, str]]) -> np.ndarray:
+        """Key -> slot cache (-1: not known yet) for the key space ``keys`` of an event log.
+
+        A batch from another log (another ``keys`` list) starts a fresh cache; its
+        trajectories are then found by id.
+        """
+        if keys is not self._key_source:
+            self._key_source = keys
+            self._key_slot = np.full(max(len(keys), 64), -1, np.int64)
+        elif len(self._key_slot) < len(keys):
+            grown = np.full(max(len(keys), 2 * len(self._key_slot)), -1, np.int64)
+            grown[: len(self._key_slot)] = self._key_slot
+            self._key_slot = grown
+        return self._key_slot
+
+    def end_slots(self, slots: np.ndarray, keys: np.ndarray) -> None:
+        """Forget ended trajectories' ids and keys; ``release_slots`` frees the slots."""
+        for tid in self.ids[slots].tolist():
+            del self._slot[tid]
+        self._key_slot[keys] = -1
+
+    def release_slots(self, slots: np.ndarray) -> None:
+        """Slots of ended trajectories, in end order: reused after the next tick (pending
+        model evaluations may still read them)."""
+        self._freed_later.extend(slots.tolist())
+
+    def add_group_stats(self, groups: np.ndarray, values: np.ndarray) -> None:
+        """Add ``values`` [events, GROUP_STATS] to the groups' statistics, in event order."""
+        from prorsa.forecast.ingest import GROUP_STATS
+
+        for j, name in enumerate(GROUP_STATS):
+            column = values[:, j]
+            nonzero = column != 0.0
+            if nonzero.any():
+                np.add.at(getattr(self, name), groups[nonzero], column[nonzero])
 
     # ------------------------------------------------------------------ events
-    def update(self, rows: pa.Table | pd.DataFrame | Sequence[tuple]) -> None:
-        """Consume events (tuples in ``FIELDS`` order, or a table) in time order."""
+    def update(self, events: Events) -> None:
+        """Consume events in time order: an ``EventBatch`` (or log, table, frame, rows).
+
+        Vectorised (:mod:`prorsa.forecast.ingest`); anything but a batch is converted once.
+        """
+        from prorsa.forecast.ingest import apply_batch
+
+        batch = as_batch(events)
+        if len(batch):
+            apply_batch(self, batch)
+
+    def update_sequential(self, rows: pa.Table | pd.DataFrame | Sequence[tuple]) -> None:
+        """The per-event reference of :meth:`update` (one Python step per event; slow).
+
+        Kept so the vectorised path can be checked against it event for event.
+        """
         slots = self._slot
         for row in rows_of(rows):
             kind = row[_KIND]
@@ -297,7 +379,7 @@ class LifecycleTracker:
             if slot is None:
                 if kind == "traj_end":
                     continue  # a trajectory that ended before we joined
-                slot = self._new_slot(tid, row)
+                slot, _ = self.new_slot(tid, row[_GROUP], row[_TASK], row[_TIME])
             ctx = row[_CTX]
             if ctx > self.ctx[slot]:
                 self.ctx[slot] = ctx
@@ -413,6 +495,7 @@ class LifecycleTracker:
             self.g_done[g] += 1
             self.g_final_sum[g] += self.turn[slot] + 1
         del self._slot[tid]
+        self._key_source = None  # the key -> slot cache may hold this slot
         # Reuse the slot only after pending model evaluations have been taken.
         self._freed_later.append(slot)
 
