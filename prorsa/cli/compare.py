@@ -3,7 +3,6 @@ soonest, and by how much over colocation."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -13,6 +12,7 @@ from rich.table import Table
 from prorsa.cli.common import console, friendly_errors, print_json
 from prorsa.cli.simulate import parse_params
 from prorsa.errors import ConfigError
+from prorsa.tracking import resolve_uri
 
 DEMO_POLICIES = "colocate,best-static,threshold,predictive,mpc,oracle"
 
@@ -55,7 +55,9 @@ def run_and_report(cfg, out: Path, *, as_json: bool, mlflow_uri: str | None, tit
     if mlflow_uri:
         from prorsa.tracking import log_compare
 
-        log_compare(result, config, out, mlflow_uri)
+        run_id = log_compare(result, config, out, mlflow_uri)
+        if not as_json:
+            console.print(f"MLflow run {run_id} at {mlflow_uri}")
     if as_json:
         print_json({"summary": result["summary"], "best_static": result["best_static"]})
     else:
@@ -69,6 +71,12 @@ def run_and_report(cfg, out: Path, *, as_json: bool, mlflow_uri: str | None, tit
                     ],
                     f"{workload} — {mode}",
                 )
+            )
+        cells = result.get("cells", {})
+        if cells.get("reused"):
+            console.print(
+                f"{cells['reused']} finished cells reused from {cells['path']} "
+                "(--fresh runs them again)"
             )
         console.print(f"report: {report}")
     return result
@@ -103,14 +111,34 @@ def compare_cmd(
     local_prefill_threshold: int = typer.Option(
         0, help="prefill smaller turns on the decode engine"
     ),
-    workers: int = typer.Option(0, help="parallel processes (0: one per CPU)"),
+    workers: int = typer.Option(
+        0, help="cells run at once (0: one per CPU; 1: in this process, without Ray)"
+    ),
+    address: str | None = typer.Option(
+        None, help="Ray cluster to run cells on (default: a local Ray instance)"
+    ),
+    resume: bool = typer.Option(
+        True, "--resume/--fresh", help="skip cells already finished in OUT/cells.jsonl"
+    ),
+    tuned: str | None = typer.Option(
+        None, help="Optuna storage (e.g. sqlite:///out/tune/optuna.db): use its best parameters"
+    ),
+    tuned_study: list[str] = typer.Option(
+        [], help="with --tuned: the study to take a policy's parameters from (repeatable)"
+    ),
     out: Path = typer.Option(Path("out/compare"), help="output directory"),
     mlflow: str | None = typer.Option(
         None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)"
     ),
+    track: bool = typer.Option(
+        False, help="log to MLflow; without --mlflow to the local store out/mlruns"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
-    """Compare allocation policies on workloads; writes results.json, report.md and plots."""
+    """Compare allocation policies on workloads; writes results.json, report.md and plots.
+
+    Cells run as Ray tasks and stream to OUT/cells.jsonl as they finish; running the same
+    command again skips the finished ones."""
     from prorsa.experiments.compare import CompareConfig
 
     workloads = [(None, str(t)) for t in trace] or [
@@ -129,12 +157,17 @@ def compare_cmd(
         policy_params=_policy_params(param),
         cluster_overrides={"local_prefill_threshold": local_prefill_threshold},
         workers=workers,
+        address=address,
+        cells_path=out / "cells.jsonl",
+        resume=resume,
+        tuned_storage=tuned,
+        tuned_studies=tuned_study,
     )
     run_and_report(
         cfg,
         out,
         as_json=as_json,
-        mlflow_uri=mlflow or os.environ.get("MLFLOW_TRACKING_URI"),
+        mlflow_uri=resolve_uri(mlflow, track=track),
         title="prorsa compare",
     )
 
@@ -165,7 +198,7 @@ def demo_cmd(
         cfg,
         out,
         as_json=False,
-        mlflow_uri=os.environ.get("MLFLOW_TRACKING_URI"),
+        mlflow_uri=resolve_uri(),
         title="prorsa demo: allocation policies vs colocation",
     )
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prorsa.cli.common import console, friendly_errors, print_json
 from prorsa.cli.simulate import parse_params
+from prorsa.tracking import resolve_uri
 
 
 @friendly_errors
@@ -21,16 +23,35 @@ def tune_cmd(
     trajectories: int = typer.Option(256, help="per sync step, or in total (async)"),
     forecaster: str = typer.Option("lightgbm-trajectory", help="forecaster for predictive/mpc"),
     param: list[str] = typer.Option([], "--param", help="fixed policy parameter key=value"),
-    trials: int = typer.Option(20, help="total trials in the study (resumes if it exists)"),
+    trials: int = typer.Option(20, help="trial budget of the whole study (all runs and workers)"),
     seeds: int = typer.Option(2, help="workload seeds per trial"),
+    switches: bool = typer.Option(
+        False, "--switches", help="two objectives, makespan x switches: plots the Pareto front"
+    ),
+    workers: int = typer.Option(1, help="trials at once (1: in this process; more: Ray tasks)"),
+    address: str | None = typer.Option(
+        None, help="Ray cluster to run trials on (default: a local Ray instance)"
+    ),
     storage: str = typer.Option("sqlite:///out/tune/optuna.db", help="Optuna storage URL"),
-    study: str | None = typer.Option(None, help="study name (default from policy/workload)"),
+    study: str | None = typer.Option(
+        None, help="study name (default: policy, workload, mode, engines, settings hash)"
+    ),
+    sampler_seed: int = typer.Option(0, help="trial n samples with seed SAMPLER_SEED + n"),
+    out: Path = typer.Option(Path("out/tune"), help="folder for STUDY/study.json and plots"),
+    mlflow: str | None = typer.Option(
+        None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)"
+    ),
+    track: bool = typer.Option(
+        False, help="log to MLflow; without --mlflow to the local store out/mlruns"
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Tune POLICY; the study is stored in SQLite and resumes when run again."""
+    """Tune POLICY. The study resumes when run again with the same settings; several
+    workers (or several commands) may share one storage."""
     from prorsa.experiments.cells import Cell
     from prorsa.experiments.compare import FORECAST_POLICIES
-    from prorsa.tune import TuneConfig, tune
+    from prorsa.tracking import Tracker
+    from prorsa.tune import TuneConfig, default_study_name, study_summary, tune
 
     base = Cell(
         scenario=None if trace else scenario,
@@ -44,20 +65,51 @@ def tune_cmd(
         policy_params=parse_params(param),
         forecaster=forecaster if policy in FORECAST_POLICIES else None,
     )
-    result = tune(
-        TuneConfig(
-            policy=policy, base=base, trials=trials, seeds=seeds, storage=storage, study_name=study
-        )
+    cfg = TuneConfig(
+        policy=policy,
+        base=base,
+        trials=trials,
+        seeds=seeds,
+        storage=storage,
+        study_name=study,
+        sampler_seed=sampler_seed,
+        objectives=("objective", "switches") if switches else ("objective",),
+        workers=workers,
+        address=address,
     )
-    best = result.best_trial
-    summary = {
-        "study": result.study_name,
-        "trials": len(result.trials),
-        "best_objective": best.value,
-        "best_params": best.params,
-    }
+    cfg.validate()
+    name = study or default_study_name(cfg)
+    with Progress(
+        TextColumn("[bold]trials"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=as_json,
+    ) as bar:
+        task = bar.add_task("trials", total=trials)
+        result = tune(
+            cfg,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            tracker=Tracker(resolve_uri(mlflow, track=track)),
+            out=out / name,
+        )
+    summary = study_summary(result)
     if as_json:
         print_json(summary)
         return
-    console.print(f"study {result.study_name}: {len(result.trials)} trials in {storage}")
-    console.print(f"best objective {best.value:,.2f} with {best.params}")
+    counts = summary["trials"]
+    console.print(
+        f"study {name} in {storage}: {counts['complete']} complete, {counts['pruned']} pruned, "
+        f"{counts['fail']} failed"
+    )
+    if "best" in summary:
+        best = summary["best"]
+        values = ", ".join(f"{k} {v:,.2f}" for k, v in best["values"].items())
+        console.print(f"best (trial {best['trial']}): {values} with {best['policy_params']}")
+    if "pareto_front" in summary:
+        console.print(
+            f"Pareto front: {len(summary['pareto_front'])} trials, plot {out / name / 'pareto.png'}"
+        )
+    console.print(f"use it: prorsa compare --tuned {storage} --policies colocate,{policy} ...")

@@ -8,23 +8,23 @@ resolved first by searching the static split on the first seed of each workload 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 from scipy import stats
 
 from prorsa.errors import ConfigError
-from prorsa.experiments.cells import Cell, run_cell
+from prorsa.experiments.cells import Cell
+from prorsa.experiments.sweep import BACKENDS, Sweep
 from prorsa.policy import POLICIES
 from prorsa.policy.best_static import search_best_static
 
 logger = logging.getLogger(__name__)
 
 FORECAST_POLICIES = ("predictive", "mpc")
+EXHAUSTIVE_UP_TO = 12  # the static search tries every split up to this many candidates
 
 
 @dataclass
@@ -45,7 +45,13 @@ class CompareConfig:
     cluster_overrides: dict = field(default_factory=dict)
     interval_s: float = 1.0
     min_dwell_s: float = 10.0
-    workers: int = 0  # 0: one per CPU
+    workers: int = 0  # 0: one per CPU (or the Ray cluster's CPUs with an address)
+    address: str | None = None  # Ray cluster to join; None starts a local Ray instance
+    cells_path: Path | None = None  # JSONL streaming finished cells (resumable)
+    resume: bool = True  # skip cells already in cells_path
+    backend: str = "auto"  # auto | ray | process | inline (see prorsa.experiments.sweep)
+    tuned_storage: str | None = None  # Optuna storage whose best parameters to use
+    tuned_studies: list[str] = field(default_factory=list)  # pick these studies there
 
     def validate(self) -> None:
         if not self.workloads or not self.policies or not self.modes:
@@ -61,6 +67,10 @@ class CompareConfig:
         for mode in self.modes:
             if mode not in ("sync", "async"):
                 raise ConfigError(f"unknown mode '{mode}'")
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}", hint="0: one per CPU")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend '{self.backend}'", hint=f"one of {BACKENDS}")
 
 
 def _cell(cfg: CompareConfig, workload, mode: str, policy: str, seed: int, **extra) -> Cell:
@@ -89,85 +99,162 @@ def _cell(cfg: CompareConfig, workload, mode: str, policy: str, seed: int, **ext
 
 
 def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | None = None) -> dict:
-    """Run the whole matrix; returns ``{"runs": [...], "summary": [...], "best_static": {...}}``."""
+    """Run the whole matrix; returns ``{"runs": [...], "summary": [...], "best_static": {...}}``
+    (plus ``"tuned"``: where tuned parameters came from, when ``cfg.tuned_storage`` is set).
+
+    Cells run through one :class:`~prorsa.experiments.sweep.Sweep` in three batches: every
+    policy but best-static together with the coarse static grids, then the refinement of
+    each grid, then best-static at the split found. With ``cfg.cells_path`` each finished
+    cell is streamed to that JSONL file and a re-run skips it.
+    """
     cfg.validate()
-    workers = cfg.workers or os.cpu_count() or 1
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        best_static = {}
-        if "best-static" in cfg.policies:
-            best_static = _search_static(cfg, pool, progress)
-        cells = []
-        for workload in cfg.workloads:
-            for mode in cfg.modes:
-                for policy in cfg.policies:
-                    for seed in range(cfg.seeds):
-                        extra = {}
-                        if policy == "best-static":
-                            key = _key(workload, mode)
-                            extra["policy_params"] = {
-                                "prefill_gpus": best_static[key]["prefill_gpus"]
-                            }
-                        cells.append(_cell(cfg, workload, mode, policy, seed, **extra))
-        runs = _map(pool, cells, progress)
-    return {"runs": runs, "summary": summarise(runs), "best_static": best_static}
-
-
-def _search_static(cfg: CompareConfig, pool, progress) -> dict:
-    found = {}
-    for workload in cfg.workloads:
-        for mode in cfg.modes:
-            best, seen = _search_one(cfg, pool, progress, workload, mode)
-            found[_key(workload, mode)] = {
-                "prefill_slots": best,
-                "prefill_gpus": best * _slot_gpus(cfg),
-                "objective_by_prefill_slots": seen,
+    tuned = _apply_tuned(cfg)
+    counter = _PhasedProgress(progress)
+    with Sweep(
+        workers=cfg.workers,
+        address=cfg.address,
+        results_path=cfg.cells_path,
+        resume=cfg.resume,
+        backend=cfg.backend,
+    ) as sweep:
+        plan = [
+            (workload, mode, policy, seed)
+            for workload in cfg.workloads
+            for mode in cfg.modes
+            for policy in cfg.policies
+            for seed in range(cfg.seeds)
+        ]
+        fixed = [p for p in plan if p[2] != "best-static"]
+        searches = (
+            [(w, m) for w in cfg.workloads for m in cfg.modes]
+            if "best-static" in cfg.policies
+            else []
+        )
+        grids = {(w, m): _coarse_grid(cfg.engines) for w, m in searches}
+        grid_cells = [_static_cell(cfg, w, m, x) for (w, m), xs in grids.items() for x in xs]
+        first = counter.map(sweep, [_cell(cfg, *p) for p in fixed] + grid_cells)
+        results = dict(zip(fixed, first[: len(fixed)], strict=True))
+        seen: dict[tuple, dict[int, float]] = {}
+        at = len(fixed)
+        for key, xs in grids.items():
+            seen[key] = {
+                x: r["objective"] for x, r in zip(xs, first[at : at + len(xs)], strict=True)
             }
-            logger.info(
-                "best static for %s: %dP%dD", _key(workload, mode), best, cfg.engines - best
+            at += len(xs)
+        refine = [(key, x) for key in grids for x in _refinement(seen[key], cfg.engines)]
+        for (key, x), run in zip(
+            refine,
+            counter.map(sweep, [_static_cell(cfg, *key, x) for key, x in refine]),
+            strict=True,
+        ):
+            seen[key][x] = run["objective"]
+        best_static = {
+            _key(*key): _search_one(cfg, sweep, counter, key, seen[key]) for key in searches
+        }
+        searched = [p for p in plan if p[2] == "best-static"]
+        cells = [
+            _cell(
+                cfg,
+                *p,
+                policy_params={"prefill_gpus": best_static[_key(p[0], p[1])]["prefill_gpus"]},
             )
+            for p in searched
+        ]
+        results.update(zip(searched, counter.map(sweep, cells), strict=True))
+        cells = {"run": sweep.ran, "reused": sweep.reused, "path": str(cfg.cells_path)}
+        if sweep.reused:
+            logger.info("%d cells reused from %s", sweep.reused, cfg.cells_path)
+    runs = [results[p] for p in plan]
+    out = {"runs": runs, "summary": summarise(runs), "best_static": best_static, "cells": cells}
+    if tuned:
+        out["tuned"] = tuned
+    return out
+
+
+def _apply_tuned(cfg: CompareConfig) -> dict:
+    """Merge the best parameters found by tuning into ``cfg.policy_params`` (parameters
+    given explicitly win); returns where each policy's parameters came from."""
+    if not cfg.tuned_storage:
+        return {}
+    from prorsa.tune import tuned_params
+
+    tunable = [p for p in cfg.policies if p not in ("colocate", "best-static")]
+    found = tuned_params(cfg.tuned_storage, tunable, studies=cfg.tuned_studies)
+    for policy, origin in found.items():
+        cfg.policy_params[policy] = {**origin["params"], **cfg.policy_params.get(policy, {})}
+        logger.info("%s: tuned parameters from study %s", policy, origin["study"])
     return found
 
 
-def _search_one(cfg: CompareConfig, pool, progress, workload, mode: str) -> tuple[int, dict]:
-    """Search the static split on seed 0; the coarse grid runs in parallel first."""
-    cache: dict[int, float] = {}
+class _PhasedProgress:
+    """One running count over the sweep's batches (the total grows as batches are planned)."""
 
-    size = _slot_gpus(cfg)
+    def __init__(self, progress: Callable[[int, int], None] | None) -> None:
+        self.progress = progress
+        self.done = 0
+        self.total = 0
 
-    def evaluate_many(xs: list[int]) -> None:
-        cells = [
-            replace(
-                _cell(cfg, workload, mode, "static", 0, policy_params={"prefill_gpus": x * size}),
-                series=False,
-            )
-            for x in xs
-        ]
-        for x, run in zip(xs, _map(pool, cells, progress), strict=True):
-            cache[x] = run["objective"]
+    def map(self, sweep: Sweep, cells: list[Cell]) -> list[dict]:
+        base_done, base_total = self.done, self.total
+
+        def report(done: int, total: int) -> None:
+            self.done, self.total = base_done + done, base_total + total
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+
+        return sweep.map(cells, report)
+
+
+def _static_cell(cfg: CompareConfig, workload, mode: str, prefill_slots: int) -> Cell:
+    """A static split of ``prefill_slots`` on seed 0 (the best-static search's cell)."""
+    gpus = prefill_slots * _slot_gpus(cfg)
+    return replace(
+        _cell(cfg, workload, mode, "static", 0, policy_params={"prefill_gpus": gpus}),
+        series=False,
+    )
+
+
+def _coarse_grid(slots: int) -> list[int]:
+    """The first splits :func:`search_best_static` evaluates (run in parallel up front)."""
+    candidates = range(1, slots)
+    if len(candidates) <= EXHAUSTIVE_UP_TO:
+        return list(candidates)
+    stride = max(len(candidates) // 8, 1)
+    return sorted({*candidates[::stride], 1, slots - 1})
+
+
+def _refinement(seen: dict[int, float], slots: int) -> list[int]:
+    """Splits between the best grid point's neighbours not yet evaluated (the search's
+    second stage, run in parallel; the search itself then finds them cached)."""
+    if slots - 1 <= EXHAUSTIVE_UP_TO:
+        return []
+    grid = sorted(seen)
+    i = grid.index(min(grid, key=lambda x: (seen[x], x)))
+    low, high = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    return [x for x in range(low, high + 1) if x not in seen]
+
+
+def _search_one(cfg: CompareConfig, sweep: Sweep, counter, key, seen: dict[int, float]) -> dict:
+    """Finish the static search on seed 0 from the splits already evaluated."""
+    workload, mode = key
 
     def evaluate(x: int) -> float:
-        if x not in cache:
-            evaluate_many([x])
-        return cache[x]
+        if x not in seen:  # only if the batches above missed a split the search wants
+            seen[x] = counter.map(sweep, [_static_cell(cfg, workload, mode, x)])[0]["objective"]
+        return seen[x]
 
-    slots = cfg.engines
-    evaluate_many(sorted({1, slots - 1, *range(1, slots, max((slots - 1) // 8, 1))}))
-    return search_best_static(evaluate, slots)
+    best, objective = search_best_static(evaluate, cfg.engines, exhaustive_up_to=EXHAUSTIVE_UP_TO)
+    logger.info("best static for %s: %dP%dD", _key(*key), best, cfg.engines - best)
+    return {
+        "prefill_slots": best,
+        "prefill_gpus": best * _slot_gpus(cfg),
+        "objective_by_prefill_slots": objective,
+    }
 
 
 def _slot_gpus(cfg: CompareConfig) -> int:
     """GPUs per slot: the largest tensor-parallel degree of any role."""
     return max(cfg.cluster_overrides.get("role_tp", {"prefill": 1}).values())
-
-
-def _map(pool, cells: list[Cell], progress) -> list[dict]:
-    results = []
-    for i, result in enumerate(pool.map(run_cell, cells)):
-        results.append(result)
-        if progress is not None:
-            progress(i + 1, len(cells))
-    return results
 
 
 def _key(workload, mode: str) -> str:

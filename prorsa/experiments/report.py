@@ -20,6 +20,13 @@ COLORS = {
 LINESTYLES = ("-", "--", "-.", ":")
 
 
+def _json_value(obj: object) -> object:
+    """JSON for what results and configs hold besides plain values: paths, numpy scalars."""
+    if isinstance(obj, Path):
+        return str(obj)
+    return float(obj)
+
+
 def _plt():
     import matplotlib
 
@@ -172,7 +179,7 @@ def write_report(
     """results.json, PNG plots and report.md under ``out``; returns the report path."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
-        json.dumps({"config": config, **result}, indent=1, default=float) + "\n"
+        json.dumps({"config": config, **result}, indent=1, default=_json_value) + "\n"
     )
     summary, runs = result["summary"], result["runs"]
     lines = [f"# {title}", ""]
