@@ -32,7 +32,14 @@ class Clock(Protocol):
 
 
 class Actuator(Protocol):
-    """The only thing that changes the cluster (simulator or Ray runtime)."""
+    """The only thing that changes the cluster (simulator or Ray runtime).
+
+    ``events`` is the run's event log and ``truth`` its ground-truth port (simulation
+    only, else None): the controller hands both to its forecaster.
+    """
+
+    events: EventLog
+    truth: GroundTruth | None
 
     def observe(self) -> ClusterObservation: ...
 
@@ -46,9 +53,8 @@ class Actuator(Protocol):
 class ForecastSource(Protocol):
     """Forecasts demand at each tick from the run's event stream (keeps its own history).
 
-    A runtime calls :meth:`attach` once before the run with its event log (and, in a
-    simulation, the ground-truth port the oracle reads); the controller then calls
-    :meth:`forecast` every tick.
+    The controller calls :meth:`attach` once with its actuator's event log (and, in a
+    simulation, the ground-truth port the oracle reads), then :meth:`forecast` every tick.
     """
 
     def attach(self, events: EventLog, truth: GroundTruth | None = None) -> None: ...
@@ -170,6 +176,8 @@ class Controller:
         self.interval_s = interval_s
         self.min_dwell_s = min_dwell_s
         self.forecaster = forecaster
+        if forecaster is not None:
+            forecaster.attach(actuator.events, actuator.truth)
         self.keep_forecasts = keep_forecasts
         self.decisions: list[Decision] = []
         self._stopped = False

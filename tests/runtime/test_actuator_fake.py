@@ -12,6 +12,7 @@ from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
 from prorsa.runtime.ray.pools import Role, RolePools
 from prorsa.runtime.ray.router import PDRouter, RouterConfig, TurnRequest
 from prorsa.telemetry import Recorder, read_telemetry
+from tests.policy_helpers import spec
 from tests.runtime.fakes import FakeEngine, expected_tokens
 
 
@@ -25,7 +26,7 @@ def test_apply_switches_only_what_differs_and_never_interrupts():
     router, _ = make(["prefill", "decode", "decode", "colocated"])
 
     async def run():
-        actuator = RayActuator(router, drain_timeout_s=1)
+        actuator = RayActuator(router, spec(4), drain_timeout_s=1)
         started = actuator.apply({0: "prefill", 1: "prefill", 3: "decode"})
         again = actuator.apply({1: "colocated"})  # engine 1 is switching: left alone
         during = actuator.observe()
@@ -57,7 +58,7 @@ def test_controller_tick_on_wall_clock_moves_roles_under_load(tmp_path):
     prompts = {f"t{i}": [i + 1] * (10 + i) for i in range(6)}
 
     async def run():
-        actuator = RayActuator(router, drain_timeout_s=0.01)
+        actuator = RayActuator(router, spec(4), drain_timeout_s=0.01)
         policy = StaticPolicy(prefill_gpus=1)
         policy.reset(ClusterSpec(4, 1, dict.fromkeys(ROLES, 1), 1.0, 1.0, 0.0, 0.0))
         controller = Controller(policy, actuator, AsyncioClock(), interval_s=0.02, min_dwell_s=0)

@@ -21,6 +21,7 @@ from prorsa.runtime.ray.tools import make_tools
 from prorsa.telemetry import Recorder, read_telemetry
 from prorsa.telemetry.schema import FIELDS
 from prorsa.workload import get_scenario
+from tests.policy_helpers import spec
 from tests.runtime.checks import check_turns
 from tests.runtime.fakes import FakeEngine
 
@@ -62,7 +63,6 @@ def build(roles, recorder=None, engine_cls=FakeEngine, prefill_s_per_token=0.0):
         pools,
         RouterConfig(route_timeout_s=10, drain_timeout_s=0.05),
         recorder=recorder,
-        keep_rows=True,
     )
     tools = make_tools()
     agent = AgentLoop(
@@ -80,7 +80,7 @@ def test_agent_loop_runs_multi_turn_with_tools_and_live_rows(tmp_path):
     specs = workload()
 
     async def run():
-        actuator = RayActuator(router, total_trajectories=len(specs))
+        actuator = RayActuator(router, spec(3), total_trajectories=len(specs))
         task = asyncio.gather(*(agent.run(s) for s in specs))
         await asyncio.sleep(0.005)
         during = actuator.observe()
@@ -92,11 +92,13 @@ def test_agent_loop_runs_multi_turn_with_tools_and_live_rows(tmp_path):
     check_turns(table, specs)
     assert [o.turns for o in outcomes] == [s.num_turns for s in specs]
     assert all(o.error is None for o in outcomes)
-    # Live rows are the recorded events, in FIELDS order: forecasters read them as-is.
-    assert during.live is after.live and len(after.live.rows) == table.num_rows
-    assert after.live.rows[0] == tuple(table.slice(0, 1).to_pylist()[0][f] for f in FIELDS)
+    # The in-memory event log holds exactly the recorded events: forecasters read it as-is.
+    log = router.telemetry.log
+    assert len(log) == table.num_rows
+    assert log.rows(0, 1)[0] == tuple(table.slice(0, 1).to_pylist()[0][f] for f in FIELDS)
     assert sum(during.trajectory_state.values()) == len(specs)
-    assert after.trajectory_state == {} and after.completed_trajectories == len(specs)
+    assert sum(after.trajectory_state.values()) == 0
+    assert after.completed_trajectories == len(specs)
     assert after.total_trajectories == len(specs)
     assert {s.kv_capacity_tokens for s in during.slots} == {0}  # fakes report no capacity
 
@@ -107,7 +109,7 @@ def test_observation_uses_vllm_load_when_engines_report_it():
 
     async def run():
         monitor = LoadMonitor(router.pools, interval_s=0.002)
-        actuator = RayActuator(router, monitor=monitor)
+        actuator = RayActuator(router, spec(3), monitor=monitor)
         monitor.start()
         task = asyncio.gather(*(agent.run(s) for s in specs))
         await router.pools.wait_until(lambda: any(e.leases for e in router.pools.engines()), 5)
@@ -135,7 +137,7 @@ def test_threshold_policy_switches_roles_mid_rollout_without_losing_turns(tmp_pa
     policy.reset(SPEC)
 
     async def run():
-        actuator = RayActuator(router, drain_timeout_s=0.05)
+        actuator = RayActuator(router, spec(len(router.pools.engines())), drain_timeout_s=0.05)
         controller = Controller(policy, actuator, AsyncioClock(), interval_s=0.005, min_dwell_s=0)
         controller.start()
         outcomes = await asyncio.gather(*(agent.run(s) for s in specs))
@@ -167,7 +169,7 @@ def test_predictive_policy_runs_on_the_live_event_stream():
     provider = provider_module.make_provider("ewma", horizons=[1.0])
 
     async def run():
-        actuator = RayActuator(router, drain_timeout_s=0.05)
+        actuator = RayActuator(router, spec(len(router.pools.engines())), drain_timeout_s=0.05)
         controller = Controller(
             policy,
             actuator,

@@ -137,22 +137,29 @@ def test_role_switch_in_flight_loses_and_duplicates_nothing(tmp_path):
     assert engines[1].resets == 1 and not engines[1].paused
     table, _ = read_telemetry(tmp_path / "tel", validate=True)
     kinds = table.column("kind").to_pylist()
-    assert kinds.count("role_switch_start") == 1 and kinds.count("role_switch_end") == 1
+    stages = [
+        json.loads(d)["stage"]
+        for k, d in zip(kinds, table.column("detail").to_pylist(), strict=True)
+        if k.startswith("role_switch")
+    ]
+    assert stages == ["stop_new_work", "drained", "serving"]
     end = json.loads(table.column("detail").to_pylist()[kinds.index("role_switch_end")])
     assert set(end["stages_s"]) >= {"drain", "abort", "pause", "reset", "resume"}
     assert kinds.count("decode_end") == len(prompts)
 
 
 def test_switch_refusals():
-    router, _engines = make_router(["prefill", "decode"], step_s=0.01)
+    router, _engines = make_router(["prefill", "decode", "decode"], step_s=0.01)
 
     async def run():
         task = asyncio.ensure_future(router.generate(TurnRequest("t", prompt(10), 30)))
         await router.pools.wait_until(lambda: router.pools.get(1).leases, 5)
-        switch = asyncio.ensure_future(router.switch_role(1, "colocated", drain_timeout_s=5))
+        switch = asyncio.ensure_future(router.switch_role(1, "prefill", drain_timeout_s=5))
         await asyncio.sleep(0.01)
         with pytest.raises(ConfigError, match="already switching"):
-            await router.switch_role(1, "prefill")
+            await router.switch_role(1, "colocated")
+        with pytest.raises(ConfigError, match="no decode or colocated engine"):
+            await router.switch_role(2, "prefill")
         with pytest.raises(ConfigError, match="unknown role"):
             await router.switch_role(0, "janitor")
         with pytest.raises(ConfigError, match="unknown engine"):
@@ -161,6 +168,21 @@ def test_switch_refusals():
 
     result, summary = asyncio.run(run())
     assert summary["drained"] is True and summary["aborted"] == 0
+    assert result.reroutes == 0 and result.decode_engine_id == 1
+
+
+def test_decode_to_colocated_is_an_instant_relabel():
+    router, engines = make_router(["prefill", "decode", "decode"], step_s=0.01)
+
+    async def run():
+        task = asyncio.ensure_future(router.generate(TurnRequest("t", prompt(10), 30)))
+        await router.pools.wait_until(lambda: router.pools.get(1).leases, 5)
+        summary = await router.switch_role(1, "colocated")
+        return summary, router.pools.get(1).role, await task
+
+    summary, role, result = asyncio.run(run())
+    assert summary["relabel"] is True and role is Role.COLOCATED
+    assert engines[1].pauses == 0 and engines[1].resets == 0  # nothing drained or reset
     assert result.reroutes == 0 and result.decode_engine_id == 1
 
 

@@ -4,7 +4,9 @@
 ``switch``, ``set_local_prefill_threshold``, ``note_allocation``) plus ``apply`` for a whole
 target map. Switches run as background tasks on the router's event loop, so the controller
 tick never blocks; an engine already switching is left alone (a switch in progress is never
-interrupted). :class:`AsyncioClock` is the matching ``Clock``.
+interrupted). :class:`AsyncioClock` is the matching ``Clock``. The observation is built by
+the cluster model's :func:`~prorsa.runtime.cluster.observation.build_observation`, as in
+the simulator; one engine is one slot.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from prorsa.errors import ConfigError
+from prorsa.policy.base import ClusterSpec
 from prorsa.policy.types import ClusterObservation, SlotView
+from prorsa.runtime.cluster.observation import build_observation
 from prorsa.runtime.ray.monitor import LoadMonitor, estimate
 from prorsa.runtime.ray.pools import Role, parse_role
 from prorsa.runtime.ray.router import PDRouter
-from prorsa.telemetry.schema import EventKind
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +46,9 @@ class RayActuator:
 
     Args:
         router: the router whose engines switch.
+        spec: the static cluster facts the policy was reset with (GPUs per engine,
+            per-role throughput).
         drain_timeout_s: drain time per switch; the router's default when None.
-        gpus_per_engine: GPUs one engine (one controller slot) holds.
-        prefill_tokens_per_s: measured prefill throughput per role (per GPU), if known.
-        decode_tokens_per_s: measured decode throughput per role (per GPU), if known.
         monitor: polls vLLM's scheduler load; without one KV use is the router's estimate.
         total_trajectories: trajectories in the run, if known (observation field).
     """
@@ -54,24 +56,20 @@ class RayActuator:
     def __init__(
         self,
         router: PDRouter,
+        spec: ClusterSpec,
         *,
         drain_timeout_s: float | None = None,
-        gpus_per_engine: int = 1,
-        prefill_tokens_per_s: Mapping[str, float] | None = None,
-        decode_tokens_per_s: Mapping[str, float] | None = None,
         monitor: LoadMonitor | None = None,
         total_trajectories: int | None = None,
     ) -> None:
         self.router = router
+        self.spec = spec
+        self.events = router.telemetry.log
+        self.truth = None  # real engines have no ground truth
         self.monitor = monitor
         self.total_trajectories = total_trajectories
-        rows = router.events.rows
-        self.live = LiveEvents(rows) if rows is not None else None
         self.kv_sources: dict[int, str] = {}
         self.drain_timeout_s = drain_timeout_s
-        self.gpus_per_engine = gpus_per_engine
-        self.prefill_tokens_per_s = dict(prefill_tokens_per_s or {})
-        self.decode_tokens_per_s = dict(decode_tokens_per_s or {})
         self._tasks: dict[int, asyncio.Task] = {}
         self.results: list[dict[str, Any]] = []
 
@@ -84,12 +82,16 @@ class RayActuator:
         return [eid for eid, role in sorted(target_roles.items()) if self.switch(eid, role)]
 
     def switch(self, slot_id: int, role: str) -> bool:
-        """Start switching engine ``slot_id`` to ``role``; False when nothing to do."""
+        """Start switching engine ``slot_id`` to ``role``; False when nothing to do or refused."""
         target = parse_role(role)
         engine = self.router.pools.get(slot_id)
         if not engine.alive or engine.role in (Role.SWITCHING, target):
             return False
-        task = self.router.start_switch(slot_id, target, self.drain_timeout_s)
+        try:
+            task = self.router.start_switch(slot_id, target, self.drain_timeout_s)
+        except ConfigError as exc:  # e.g. it would leave no decode-side engine
+            logger.info("switch of engine %d refused: %s", slot_id, exc)
+            return False
         self._tasks[slot_id] = task
         task.add_done_callback(lambda t, eid=slot_id: self._done(eid, t))
         return True
@@ -98,7 +100,7 @@ class RayActuator:
         self.router.set_local_prefill_threshold(tokens)
 
     def note_allocation(self, gpus: dict[str, int], reason: str) -> None:
-        self.router.events.cluster(EventKind.ALLOCATION, -1, gpus=gpus, reason=reason)
+        self.router.telemetry.allocation(self.router.now(), gpus, reason)
 
     async def wait(self) -> list[dict[str, Any]]:
         """Wait for every switch started so far; returns their summaries."""
@@ -125,62 +127,51 @@ class RayActuator:
         self.results.append(task.result())
 
     # ------------------------------------------------------------------ observation
-    def observe(self) -> ClusterObservation:
-        """The cluster now, as the controller's policies see it.
+    def slot_views(self) -> list[SlotView]:
+        """Every live engine as a slot, as the controller sees it.
 
         KV use per engine comes from vLLM's scheduler through the :class:`LoadMonitor`
         when one is attached and the engine has reported (``kv_sources`` says which
-        engines fell back to the router's estimate). Queues, running legs and trajectory
-        states come from the router; ``live.rows`` is the router's event stream.
+        engines fell back to the router's estimate); queues, running legs and cached
+        contexts come from the router.
         """
-        slots = []
+        views = []
         sources: dict[int, str] = {}
+        cached = self.router.cached_tokens_by_engine()
         for engine in self.router.pools.engines():
             if not engine.alive:
                 continue
             switching = engine.role is Role.SWITCHING
-            prefill_leases = [x for x in engine.leases.values() if x.role is Role.PREFILL]
+            prefill_legs = sum(1 for x in engine.leases.values() if x.role is Role.PREFILL)
             kv = self.monitor.reading(engine) if self.monitor is not None else estimate(engine)
             sources[engine.engine_id] = kv.source
-            slots.append(
+            views.append(
                 SlotView(
                     slot_id=engine.engine_id,
                     role=engine.role.value,
                     target_role=engine.switching_to.value if switching else None,
-                    gpus=self.gpus_per_engine,
+                    gpus=self.spec.slot_gpus,
                     engines=1,
-                    queued_prefill_tokens=sum(x.tokens for x in prefill_leases),
-                    running_sequences=len(engine.leases) - len(prefill_leases),
+                    queued_prefill_tokens=engine.queued_prefill_tokens,
+                    running_sequences=len(engine.leases) - prefill_legs,
                     kv_used_tokens=kv.used_tokens,
                     kv_capacity_tokens=kv.capacity_tokens,
                     busy=not engine.idle,
                     since_s=engine.since_s,
+                    cached_tokens=cached.get(engine.engine_id, 0),
                 )
             )
         self.kv_sources = sources
-        counts, tokens = self.router.trajectory_states()
-        return ClusterObservation(
-            time_s=self.router.events.now(),
-            slots=tuple(slots),
-            trajectory_state=counts,
-            trajectory_tokens=tokens,
-            prefill_tokens_per_s=dict(self.prefill_tokens_per_s),
-            decode_tokens_per_s=dict(self.decode_tokens_per_s),
-            completed_trajectories=self.router.completed_trajectories,
-            total_trajectories=self.total_trajectories,
+        return views
+
+    def observe(self) -> ClusterObservation:
+        """The cluster now, as the controller's policies see it."""
+        return build_observation(
+            self.router.now(),
+            self.slot_views(),
+            self.router.states,
+            self.spec,
+            completed=self.router.completed_trajectories,
+            total=self.total_trajectories,
             local_prefill_threshold=self.router.config.local_prefill_threshold_tokens,
-            live=self.live,
         )
-
-
-class LiveEvents:
-    """What ``ClusterObservation.live`` carries from the real runtime.
-
-    ``rows`` is the router's in-memory event stream (tuples in
-    :data:`prorsa.telemetry.schema.FIELDS` order, appended as events happen), the same
-    attribute the simulator's cluster exposes, so an online forecast provider reading
-    ``obs.live.rows[seen:]`` works unchanged on both.
-    """
-
-    def __init__(self, rows: list[tuple]) -> None:
-        self.rows = rows

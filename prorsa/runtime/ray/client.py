@@ -68,6 +68,35 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
 
+@runtime_checkable
+class EngineAdminClient(EngineClient, Protocol):
+    """What a rollout service needs beyond routing: weights, sleep, worker RPCs.
+
+    Kept apart from :class:`EngineClient` so that the router (and its test fakes) depend
+    only on what routing uses. See ``EngineServer`` for each method's contract.
+    """
+
+    async def is_paused(self) -> bool: ...
+
+    async def update_weights_from_path(self, path: str, version: int) -> dict[str, Any]: ...
+
+    async def set_weight_version(self, version: int) -> None: ...
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]: ...
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool: ...
+
+    async def is_sleeping(self) -> bool: ...
+
+
 class RayEngineClient:
     """:class:`EngineClient` over an ``EngineServer`` Ray actor handle."""
 
@@ -115,11 +144,38 @@ class RayEngineClient:
     async def abort(self, request_ids: list[str]) -> None:
         await self._call("abort", list(request_ids))
 
-    async def pause(self, mode: str = "keep") -> None:
-        await self._call("pause", mode)
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        await self._call("pause", mode, clear_cache)
 
     async def resume(self) -> None:
         await self._call("resume")
+
+    async def is_paused(self) -> bool:
+        return bool(await self._call("is_paused"))
+
+    async def update_weights_from_path(self, path: str, version: int) -> dict[str, Any]:
+        return await self._call("update_weights_from_path", path, version)
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._call("set_weight_version", version)
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        return await self._call("collective_rpc", method, tuple(args), kwargs, timeout_s)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:
+        return await self._call("sleep", level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return bool(await self._call("wake_up", tags))
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._call("is_sleeping"))
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._call("reset_prefix_cache"))

@@ -18,7 +18,9 @@ from typing import Any
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.runtime.ray.config import EngineConfig, engine_environment, kv_transfer_config
+from prorsa.runtime.ray.engine_control import EngineControl
 from prorsa.runtime.ray.load import EngineLoad, load_logger_factory
+from prorsa.runtime.ray.sampling import OutputCollector, request_errors, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-class EngineServer:
+class EngineServer(EngineControl):
     """Host one vLLM engine; the body of the Ray actor.
 
     Args:
@@ -61,8 +63,12 @@ class EngineServer:
         self._llm: Any = None
         self._in_flight: dict[str, float] = {}
         self._paused = False
+        self._sleeping = False
         self._load = EngineLoad()
         self.start_s: float | None = None
+        # Weight version: 0 is the folder the engine started from; updates raise it.
+        self.weight_version = 0
+        self.weights_path = config.model
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
@@ -107,6 +113,8 @@ class EngineServer:
                     f"engine {self.engine_id} failed to start: {type(exc).__name__}: {exc}",
                     hint="check EngineConfig (model, max_model_len, memory) and the engine log",
                 ) from None
+            # vLLM labels the initial weights "default"; prorsa versions are integers.
+            await self._llm.update_weight_version(str(self.weight_version))
             self.start_s = time.perf_counter() - started
             cache = self._llm.vllm_config.cache_config
             self._load.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
@@ -128,6 +136,9 @@ class EngineServer:
             "side_channel_port": self.side_channel_port,
             "in_flight": len(self._in_flight),
             "paused": self._paused,
+            "sleeping": self._sleeping,
+            "weight_version": self.weight_version,
+            "weights_path": self.weights_path,
             "start_s": self.start_s,
             "max_model_len": self._llm.model_config.max_model_len,
             "vocab_size": self._llm.model_config.get_vocab_size(),
@@ -148,16 +159,6 @@ class EngineServer:
             "in_flight": len(self._in_flight),
             **self._load.snapshot(),
         }
-
-    async def pause(self, mode: str = "keep") -> None:
-        """Stop scheduling: ``keep`` freezes in-flight requests, ``wait`` drains, ``abort``."""
-        await self._engine().pause_generation(mode=mode, clear_cache=False)
-        self._paused = True
-
-    async def resume(self) -> None:
-        """Resume scheduling after :meth:`pause`."""
-        await self._engine().resume_generation()
-        self._paused = False
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached prefixes (e.g. after a role switch). True when the reset happened."""
@@ -191,7 +192,8 @@ class EngineServer:
         kv_transfer_params: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> dict[str, Any]:
-        """Generate from token ids; returns tokens, KV params, finish reason and timings.
+        """Generate from token ids; returns tokens, logprobs, weight version, KV params,
+        finish reason and timings.
 
         Args:
             request_id: unique among this engine's in-flight requests.
@@ -200,15 +202,20 @@ class EngineServer:
             temperature: 0 is greedy.
             kv_transfer_params: connector parameters (``PREFILL_FOR_REMOTE_DECODE`` on a
                 prefill leg, the prefill leg's returned params on a decode leg).
-            **sampling: ``top_p``, ``seed``, ``ignore_eos``, ``stop_token_ids``.
+            **sampling: ``top_p``, ``top_k``, ``min_p``, ``seed``, ``ignore_eos``,
+                ``stop_token_ids``, ``logprobs`` (k: the sampled token's logprob plus the
+                top k), ``prompt_logprobs`` (k, likewise per prompt token); see
+                :mod:`prorsa.runtime.ray.sampling`.
 
         Returns:
-            ``output_token_ids``, ``kv_transfer_params`` (None unless a connector set them),
-            ``finish_reason`` (``abort`` when aborted), ``num_cached_tokens``,
+            ``output_token_ids``, ``output_logprobs`` (None unless ``logprobs`` was
+            given), ``top_logprobs``, ``prompt_logprobs``, ``weight_version`` (the
+            version string vLLM stamped on every output token; None if they differ) and
+            ``weight_versions`` (spans), ``kv_transfer_params`` (None unless a connector
+            set them), ``finish_reason`` (``abort`` when aborted), ``num_cached_tokens``,
             ``prompt_tokens``, ``engine_id`` and ``timings`` with ``queue_s``/``prefill_s``
             and ``decode_s`` (engine-core clock: first to last token; None when not
-            reported), ``first_token_s`` and ``total_s``
-            (wall clock inside the actor).
+            reported), ``first_token_s`` and ``total_s`` (wall clock inside the actor).
         """
         result: dict[str, Any] = {}
         async for item in self.generate_stream(
@@ -224,35 +231,20 @@ class EngineServer:
         max_tokens: int,
         temperature: float = 0.0,
         kv_transfer_params: dict[str, Any] | None = None,
-        *,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        stop_token_ids: list[int] | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[dict[str, Any]]:
         """Like :meth:`generate`, but first yields ``{"event": "first_token", ...}`` as soon as
         the first token exists (the KV handoff is over by then), then the result with
         ``"event": "done"``. Use with ``num_returns="streaming"``."""
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
         self.check_request(prompt_token_ids, max_tokens)
         if request_id in self._in_flight:
             raise InputError(f"request id {request_id!r} is already in flight", field="request_id")
-        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            ignore_eos=ignore_eos,
-            stop_token_ids=stop_token_ids,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=extra,
+        params = sampling_params(
+            max_tokens, temperature, kv_transfer_params, sampling, record=request_id
         )
+        collector = OutputCollector(params.logprobs, params.prompt_logprobs)
         started = time.perf_counter()
         self._in_flight[request_id] = started
-        tokens: list[int] = []
         first_token_s = None
         final: Any = None
         try:
@@ -260,9 +252,9 @@ class EngineServer:
                 {"prompt_token_ids": list(prompt_token_ids)}, params, request_id
             )
             async for out in stream:
-                tokens.extend(out.outputs[0].token_ids)
+                collector.add(out)
                 final = out
-                if tokens and first_token_s is None:
+                if collector.token_ids and first_token_s is None:
                     first_token_s = time.perf_counter() - started
                     if not out.finished:
                         yield {
@@ -270,12 +262,14 @@ class EngineServer:
                             "first_token_s": first_token_s,
                             "num_cached_tokens": int(out.num_cached_tokens or 0),
                         }
-        except ValueError as exc:  # vLLM's request validation errors subclass ValueError
+        except request_errors() as exc:
             raise InputError(str(exc), record=request_id) from None
         finally:
             self._in_flight.pop(request_id, None)
-        result = self._result(request_id, prompt_token_ids, tokens, final, started, first_token_s)
-        yield {"event": "done", **result}
+        result = self._result(
+            request_id, prompt_token_ids, collector.token_ids, final, started, first_token_s
+        )
+        yield {"event": "done", **result, **collector.fields()}
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise :class:`InputError` for a request this engine can never serve."""

@@ -71,20 +71,24 @@ class EngineState:
     leases: dict[str, Lease] = field(default_factory=dict)
     # Prefill engines: handoffs whose KV the decode engine has not pulled yet.
     kv_pending: set[str] = field(default_factory=set)
-    # Decode legs planned here whose prefill leg is still running elsewhere.
-    reserved: int = 0
     since_s: float = 0.0  # when the engine entered its current role (router clock)
     switches: int = 0
+    owned: int = 0  # live trajectories whose decode side sticks here (routing)
+
+    @property
+    def accepting(self) -> bool:
+        """Takes new work: alive and not switching roles."""
+        return self.alive and self.role is not Role.SWITCHING
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens of the prefill legs running here (the router's queue view)."""
+        return sum(x.tokens for x in self.leases.values() if x.role is Role.PREFILL)
 
     @property
     def idle(self) -> bool:
         """No leg running and no KV handoff waiting to be pulled."""
         return not self.leases and not self.kv_pending
-
-    def load_key(self) -> tuple[int, int, int]:
-        """Sort key for least-loaded choice: legs (running or planned), tokens, then id."""
-        tokens = sum(lease.tokens for lease in self.leases.values())
-        return (len(self.leases) + self.reserved, tokens, self.engine_id)
 
 
 class RolePools:
@@ -124,6 +128,8 @@ class RolePools:
         if unknown:
             raise ConfigError(f"roles given for unknown engine(s) {sorted(unknown)}")
         self._changed = asyncio.Event()
+        #: Bumped whenever an engine's role or liveness changes (routing re-reads the pools).
+        self.roles_version = 0
 
     # ------------------------------------------------------------------ queries
     def get(self, engine_id: int) -> EngineState:
@@ -154,10 +160,6 @@ class RolePools:
             out[e.role.value if e.alive else "dead"] += 1
         return out
 
-    def least_loaded(self, role: Role) -> EngineState | None:
-        members = self.members(role)
-        return min(members, key=EngineState.load_key) if members else None
-
     @property
     def max_model_len(self) -> int | None:
         lens = [e.max_model_len for e in self._engines.values() if e.max_model_len]
@@ -175,12 +177,14 @@ class RolePools:
         engine.role = role
         if at is not None:
             engine.since_s = at
+        self.roles_version += 1
         self.notify()
 
     def mark_dead(self, engine_id: int) -> bool:
         """Take the engine out of every pool. True when it was alive until now."""
         engine = self.get(engine_id)
         was_alive, engine.alive = engine.alive, False
+        self.roles_version += 1
         self.notify()
         return was_alive
 
@@ -191,10 +195,6 @@ class RolePools:
         engine.leases[request_id] = lease
         self.notify()
         return lease
-
-    def reserve(self, engine: EngineState, count: int = 1) -> None:
-        """Count a planned leg toward the engine's load before it starts."""
-        engine.reserved = max(0, engine.reserved + count)
 
     def release(self, lease: Lease) -> None:
         self._engines[lease.engine_id].leases.pop(lease.request_id, None)

@@ -27,8 +27,9 @@ from typing import Any
 import pyarrow as pa
 
 from prorsa.errors import ConfigError
-from prorsa.policy import ClusterObservation, ClusterSpec, Policy, SlotView, make_policy
-from prorsa.runtime.controller import Controller, ForecastProvider, roles_for_allocation
+from prorsa.policy import ClusterSpec, Policy, make_policy
+from prorsa.runtime.cluster.startup import first_allocation, idle_observation, make_controller
+from prorsa.runtime.controller import ForecastSource
 from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
 from prorsa.runtime.ray.agent import AgentLoop, TrajectoryOutcome
 from prorsa.runtime.ray.cpu_profile import CPU_PROFILE
@@ -94,24 +95,13 @@ def cluster_spec_for(config: RolloutConfig) -> ClusterSpec:
 def initial_roles(policy: Policy, spec: ClusterSpec, total: int, kv_capacity: int) -> list[str]:
     """Roles the policy's first decision gives an idle, all-colocated cluster (free, as in
     the simulator)."""
-    slots = tuple(
-        SlotView(i, "colocated", None, spec.slot_gpus, 1, 0, 0, 0, kv_capacity, False, 0.0)
-        for i in range(spec.num_slots)
+    idle = idle_observation(
+        spec, engines_per_slot=1, kv_capacity_per_slot=kv_capacity, total_trajectories=total
     )
-    probe = ClusterObservation(
-        time_s=0.0,
-        slots=slots,
-        trajectory_state={},
-        trajectory_tokens={},
-        prefill_tokens_per_s={"prefill": spec.prefill_tokens_per_s_per_gpu},
-        decode_tokens_per_s={"decode": spec.decode_tokens_per_s_per_gpu},
-        total_trajectories=total,
-    )
-    first = policy.decide(probe, None)
-    return roles_for_allocation(first, spec.num_slots, spec.slot_gpus)
+    return first_allocation(policy, spec, idle)[0]
 
 
-def make_forecast_provider(name: str) -> ForecastProvider:
+def make_forecast_provider(name: str) -> ForecastSource:
     """The online forecast provider called ``name`` (the simulator's, unchanged)."""
     from prorsa.runtime.forecast_provider import make_provider
 
@@ -124,7 +114,7 @@ def run_rollout(
     *,
     fleet: Any = None,
     policy: Policy | None = None,
-    forecaster: ForecastProvider | None = None,
+    forecaster: ForecastSource | None = None,
     specs: Sequence[TrajectorySpec] | None = None,
     progress: Progress | None = None,
 ) -> RolloutResult:
@@ -216,7 +206,7 @@ async def _run(
     fleet: Any,
     roles: list[str],
     policy: Policy,
-    forecaster: ForecastProvider | None,
+    forecaster: ForecastSource | None,
     specs: list[TrajectorySpec],
     out: Path,
     progress: Progress | None,
@@ -243,29 +233,25 @@ async def _run(
             drain_timeout_s=config.drain_timeout_s,
         ),
         recorder=recorder,
-        keep_rows=True,
     )
     spec = policy.cluster_
     monitor = LoadMonitor(pools, interval_s=config.monitor_interval_s)
     monitor.start()
     actuator = RayActuator(
         router,
+        spec,
         drain_timeout_s=config.drain_timeout_s,
-        prefill_tokens_per_s={"prefill": spec.prefill_tokens_per_s_per_gpu},
-        decode_tokens_per_s={"decode": spec.decode_tokens_per_s_per_gpu},
         monitor=monitor,
         total_trajectories=len(specs),
     )
-    controller = None
-    if getattr(policy, "dynamic", True):
-        controller = Controller(
-            policy,
-            actuator,
-            AsyncioClock(),
-            interval_s=config.interval_s,
-            min_dwell_s=config.min_dwell_s,
-            forecaster=forecaster,
-        )
+    controller = make_controller(
+        policy,
+        actuator,
+        AsyncioClock(),
+        interval_s=config.interval_s,
+        min_dwell_s=config.min_dwell_s,
+        forecaster=forecaster,
+    )
     agent = AgentLoop(
         router,
         tokens,

@@ -8,10 +8,15 @@ Per turn the router picks a path (see :meth:`PDRouter.generate`):
   tokens are under ``local_prefill_threshold_tokens`` (or no prefill engine is left);
 * ``colocated``: the whole turn on one colocated engine.
 
-Trajectories stick to their engines on both sides (prefix-cache reuse); otherwise the
-least-loaded engine of the role wins. A leg that dies with its engine is retried on a live
-engine of the same role; a leg aborted by a role switch is re-routed. Every stage is
-recorded as lifecycle telemetry.
+Which path and which engines follow the cluster model's routing rules
+(:mod:`prorsa.runtime.cluster.routing`), the same the simulator applies: a trajectory
+sticks to the decode-side engine owning fewest trajectories when it started; a turn is
+prefilled locally when that engine is colocated, no prefill engine serves, or the turn
+appends fewer than the threshold to a context the engine still caches; otherwise on the
+prefill engine with the least queued plus uncached tokens. What an engine caches is the
+router's record of the contexts it last served per trajectory. A leg that dies with its
+engine is retried on a live engine of the same role; a leg aborted by a role switch is
+re-routed. Every stage is recorded through the cluster model's telemetry emitter.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prorsa.errors import ConfigError, InputError
+from prorsa.runtime.cluster.observation import TrajectoryStates
+from prorsa.runtime.cluster.routing import DecodePlacement, choose_prefill, prefill_locally
+from prorsa.runtime.cluster.telemetry import ClusterTelemetry
 from prorsa.runtime.ray.client import EngineUnavailable
 from prorsa.runtime.ray.engine import PREFILL_FOR_REMOTE_DECODE
-from prorsa.runtime.ray.events import EventSink
 from prorsa.runtime.ray.pools import EngineState, Lease, Role, RolePools
 from prorsa.runtime.ray.switch import RoleSwitcher
 from prorsa.runtime.ray.turns import (
@@ -37,13 +45,19 @@ from prorsa.runtime.ray.turns import (
     TurnRequest,
     TurnResult,
 )
+from prorsa.telemetry.columns import KIND_CODE
 from prorsa.telemetry.recorder import Recorder
 from prorsa.telemetry.schema import EventKind as K
+from prorsa.telemetry.schema import detail_json
 from prorsa.telemetry.views import STATE_AFTER
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PDRouter", "RouterConfig", "RoutingError", "TurnRequest", "TurnResult"]
+
+
+#: Key of a trajectory's decode-side engine in the router's sticky map (decode or colocated).
+DECODE_SIDE_KEY = "decode_side"
 
 
 @dataclass
@@ -54,15 +68,23 @@ class _Plan:
     new_tokens: int
 
 
+def wall_clock() -> Callable[[], float]:
+    """A clock reading wall-clock seconds since it was made."""
+    origin = time.monotonic()
+    return lambda: time.monotonic() - origin
+
+
 class PDRouter:
     """Route turns over :class:`RolePools`; switch engine roles live.
 
     Args:
         pools: the engines and their roles.
         config: routing behaviour; :class:`RouterConfig` defaults when omitted.
-        recorder: where lifecycle events go (none recorded when omitted).
+        recorder: where lifecycle events are also recorded durably (none when omitted).
         clock: seconds for event times; wall-clock seconds since construction by default.
-        keep_rows: also keep every event in memory (``events.rows``) for online forecasters.
+        run_id: telemetry ``run_id`` (default: the recorder's, else ``run``).
+
+    ``telemetry.log`` holds the run's events in memory (what online forecasters read).
     """
 
     def __init__(
@@ -72,16 +94,23 @@ class PDRouter:
         *,
         recorder: Recorder | None = None,
         clock: Callable[[], float] | None = None,
-        keep_rows: bool = False,
+        run_id: str | None = None,
     ) -> None:
         self.pools = pools
         self.config = config or RouterConfig()
         self.config.validate()
-        self.events = EventSink(recorder, clock, keep_rows=keep_rows)
-        self.switcher = RoleSwitcher(pools, self.events, self.config)
-        # Per trajectory: its engine per role, and per engine the (length, hash) of the
-        # context that engine last held for it (to estimate the next turn's new tokens).
-        self._sticky: dict[str, dict[Role, int]] = {}
+        self.now = clock or wall_clock()
+        run_id = run_id or (recorder.run_id if recorder is not None else "run")
+        self.telemetry = ClusterTelemetry(run_id, recorder=recorder)
+        self.switcher = RoleSwitcher(
+            pools, self.telemetry, self.now, self.config, on_cache_reset=self.forget_engine_cache
+        )
+        self.states = TrajectoryStates()
+        self.placement = DecodePlacement()
+        self._placement_version = -1
+        # Per trajectory: its engine per side, and per engine the (length, hash) of the
+        # context that engine last held for it (what its prefix cache can serve).
+        self._sticky: dict[str, dict[str, int]] = {}
         self._resident: dict[str, dict[int, tuple[int, int]]] = {}
         self._live: dict[str, tuple[str, int]] = {}  # trajectory -> (state, context tokens)
         self._last_context: dict[str, int] = {}  # trajectory -> context + output of last turn
@@ -109,19 +138,23 @@ class PDRouter:
     ) -> asyncio.Task:
         """Begin a switch now (the engine is ``switching`` on return); finish in a task.
 
-        Raises :class:`ConfigError` at once for an unknown, dead or already switching engine.
+        Raises :class:`ConfigError` at once for an unknown, dead or already switching engine,
+        or a switch that would leave no decode-side engine.
         """
         coro = self.switcher.begin(engine_id, new_role, drain_timeout_s)
         return asyncio.get_running_loop().create_task(coro)
 
     def trajectory_states(self) -> tuple[dict[str, int], dict[str, int]]:
         """Live trajectories per lifecycle state, and their context tokens per state."""
-        counts: dict[str, int] = {}
-        tokens: dict[str, int] = {}
-        for state, context in self._live.values():
-            counts[state] = counts.get(state, 0) + 1
-            tokens[state] = tokens.get(state, 0) + context
-        return counts, tokens
+        return dict(self.states.counts), dict(self.states.tokens)
+
+    def cached_tokens_by_engine(self) -> dict[int, int]:
+        """Context tokens each engine holds for live trajectories (the router's record)."""
+        out: dict[int, int] = {}
+        for per_engine in self._resident.values():
+            for engine_id, (length, _) in per_engine.items():
+                out[engine_id] = out.get(engine_id, 0) + length
+        return out
 
     def trajectory_event(
         self,
@@ -138,33 +171,40 @@ class PDRouter:
         ``traj_end``) and update the trajectory's live state; returns the event time.
 
         The agent loop owns these stages, the router the ones in between; both go through
-        the same sink so one trajectory's events stay in order. ``traj_end`` also forgets
-        the trajectory's routing state.
+        the same emitter so one trajectory's events stay in order. ``traj_end`` also
+        forgets the trajectory's routing state.
         """
-        at = self.events.now()
-        self.events.turn(
-            kind,
-            at,
-            trajectory_id,
-            turn,
-            group_id=group_id,
-            task=task,
-            context_tokens=context_tokens,
-            **fields,
-        )
+        at = self.now()
+        numeric = {k: fields.pop(k) for k in _TOKEN_FIELDS if k in fields}
+        self._emit(
+            kind, at, trajectory_id, turn, group_id, task, context_tokens=context_tokens,
+            **numeric, **fields,
+        )  # fmt: skip
         if kind == K.TRAJ_END:
             self.forget(trajectory_id)
             self.completed_trajectories += 1
-        else:
-            self._live[trajectory_id] = (STATE_AFTER[kind], context_tokens)
         return at
 
     def forget(self, trajectory_id: str) -> None:
         """Drop a finished trajectory's sticky engines, cache bookkeeping and live state."""
-        self._live.pop(trajectory_id, None)
+        live = self._live.pop(trajectory_id, None)
+        if live is not None:
+            self.states.leave(*live)
         self._last_context.pop(trajectory_id, None)
-        self._sticky.pop(trajectory_id, None)
+        sticky = self._sticky.pop(trajectory_id, {})
+        decode_id = sticky.get(DECODE_SIDE_KEY)
+        if decode_id is not None:
+            self.placement.move(self.pools.get(decode_id), None)
         self._resident.pop(trajectory_id, None)
+
+    def forget_caches(self) -> None:
+        """Forget what every engine caches (after a weight update or a cache reset)."""
+        self._resident.clear()
+
+    def forget_engine_cache(self, engine_id: int) -> None:
+        """Forget what one engine caches (its prefix cache was reset)."""
+        for per_engine in self._resident.values():
+            per_engine.pop(engine_id, None)
 
     async def generate(self, request: TurnRequest) -> TurnResult:
         """Serve one turn; retries on engine failure and re-routes after evictions.
@@ -176,17 +216,14 @@ class PDRouter:
                 ``max_retries`` engine failures.
         """
         self.validate(request)
-        queued_at = self.events.now()
+        queued_at = self.now()
         context = len(request.prompt_token_ids)
-        # New tokens as the simulator counts them: appended since the trajectory's last
-        # turn ended (its prompt on turn 0), whatever any cache holds.
-        last = self._last_context.get(request.trajectory_id, 0)
         self._event(
             K.PREFILL_QUEUED,
             queued_at,
             request,
             context_tokens=context,
-            new_tokens=context - last if context >= last else context,
+            new_tokens=self._appended(request),
         )
         retries = reroutes = 0
         while True:
@@ -213,7 +250,7 @@ class PDRouter:
                     raise RoutingError(f"turn aborted {reroutes} times: {exc}") from exc
                 continue
             result.retries, result.reroutes = retries, reroutes
-            result.latency_s = self.events.now() - queued_at
+            result.latency_s = self.now() - queued_at
             return result
 
     def validate(self, request: TurnRequest) -> None:
@@ -264,48 +301,83 @@ class PDRouter:
                     f"{request.trajectory_id!r} within {self.config.route_timeout_s} s; "
                     f"engines per role: {self.pools.counts()}"
                 )
-        for engine, role in ((plan.decode, plan.decode.role), (plan.prefill, Role.PREFILL)):
-            if engine is not None:
-                self._stick(request.trajectory_id, role, engine)
+        self._stick_decode(request.trajectory_id, plan.decode)
+        if plan.prefill is not None:
+            self._sticky.setdefault(request.trajectory_id, {})["prefill"] = plan.prefill.engine_id
         return plan
 
     def _choose(self, request: TurnRequest) -> _Plan | None:
-        traj, mode = request.trajectory_id, request.mode
-        if mode == "colocated" or (mode == "auto" and self._sticky_engine(traj, Role.COLOCATED)):
-            engine = self._pick(Role.COLOCATED, traj, request.engine_id)
-            if engine is None:
-                return None
-            return _Plan("colocated", engine, None, self._new_tokens(request, engine))
-        decode = self._pick(Role.DECODE, traj, request.engine_id)
+        """The turn's path and engines by the cluster model's rules (None: nothing serves)."""
+        decode = self._decode_side(request)
         if decode is None:
-            if mode == "auto" and request.engine_id is None:
-                colocated = self._pick(Role.COLOCATED, traj, None)
-                if colocated is not None:
-                    return _Plan("colocated", colocated, None, self._new_tokens(request, colocated))
             return None
-        new_tokens = self._new_tokens(request, decode)
-        prefill = self._pick(Role.PREFILL, traj, request.prefill_engine_id)
-        if prefill is None and request.prefill_engine_id is not None:
-            return None  # wait for the pinned prefill engine
-        if prefill is None or new_tokens < self.config.local_prefill_threshold_tokens:
-            return _Plan("local_prefill", decode, None, new_tokens)
-        return _Plan("disaggregated", decode, prefill, self._new_tokens(request, prefill))
-
-    def _sticky_engine(self, traj: str, role: Role) -> EngineState | None:
-        engine_id = self._sticky.get(traj, {}).get(role)
-        if engine_id is None:
+        traj = request.trajectory_id
+        context = len(request.prompt_token_ids)
+        prefill_pool = self.pools.members(Role.PREFILL)
+        pinned_prefill = request.prefill_engine_id
+        if pinned_prefill is not None:
+            engine = self.pools.get(pinned_prefill)
+            if not (engine.accepting and engine.role is Role.PREFILL):
+                return None  # wait for the pinned prefill engine
+            prefill_pool = [engine]
+        if request.mode == "disaggregated" and not prefill_pool:
             return None
-        engine = self.pools.get(engine_id)
-        return engine if engine.alive and engine.role is role else None
+        local = request.mode != "disaggregated" and prefill_locally(
+            decode.role,
+            bool(prefill_pool),
+            self._appended(request),
+            self._cached(request, decode),
+            context,
+            self.config.local_prefill_threshold_tokens,
+        )
+        if local:
+            path = "colocated" if decode.role is Role.COLOCATED else "local_prefill"
+            return _Plan(path, decode, None, context - self._cached(request, decode))
+        sticky = self._sticky_engine(traj, "prefill")
+        prefill = choose_prefill(prefill_pool, sticky, context, lambda e: self._cached(request, e))
+        return _Plan("disaggregated", decode, prefill, context - self._cached(request, prefill))
 
-    def _pick(self, role: Role, traj: str, pinned: int | None) -> EngineState | None:
-        if pinned is not None:
-            engine = self.pools.get(pinned)
-            return engine if engine.alive and engine.role is role else None
-        return self._sticky_engine(traj, role) or self.pools.least_loaded(role)
+    def _decode_side(self, request: TurnRequest) -> EngineState | None:
+        """The turn's decode-side engine: pinned, sticky, or the one owning fewest trajectories.
 
-    def _new_tokens(self, request: TurnRequest, engine: EngineState) -> int:
-        """Tokens of this turn the engine has not seen (from its last turn of this trajectory)."""
+        ``mode`` ``colocated`` / ``disaggregated`` restricts the side to colocated / decode
+        engines (tests and callers that force a path).
+        """
+        if request.engine_id is not None:
+            engine = self.pools.get(request.engine_id)
+            return engine if engine.accepting and _fits_mode(engine, request.mode) else None
+        if self.pools.roles_version != self._placement_version:
+            self.placement.refresh(self.pools.engines())
+            self._placement_version = self.pools.roles_version
+        sticky = self._sticky_engine(request.trajectory_id, DECODE_SIDE_KEY)
+        if request.mode == "auto":
+            return self.placement.choose(sticky)
+        if sticky is not None and sticky.accepting and _fits_mode(sticky, request.mode):
+            return sticky
+        fits = [e for e in self.placement.candidates if e.accepting and _fits_mode(e, request.mode)]
+        return min(fits, key=lambda e: e.owned) if fits else None
+
+    def _sticky_engine(self, traj: str, side: str) -> EngineState | None:
+        engine_id = self._sticky.get(traj, {}).get(side)
+        return None if engine_id is None else self.pools.get(engine_id)
+
+    def _stick_decode(self, traj: str, engine: EngineState) -> None:
+        old = self._sticky_engine(traj, DECODE_SIDE_KEY)
+        if old is not engine:
+            self.placement.move(old, engine)
+            self._sticky.setdefault(traj, {})[DECODE_SIDE_KEY] = engine.engine_id
+
+    def _appended(self, request: TurnRequest) -> int:
+        """Tokens appended since the trajectory's last turn ended (the whole prompt at first),
+        as the simulator counts a turn's new tokens."""
+        context = len(request.prompt_token_ids)
+        last = self._last_context.get(request.trajectory_id, 0)
+        return context - last if context >= last else context
+
+    def _cached(self, request: TurnRequest, engine: EngineState | None) -> int:
+        """Tokens of this turn's context ``engine`` holds (from the last context it served)."""
+        if engine is None:
+            return 0
         prompt = request.prompt_token_ids
         seen = self._resident.get(request.trajectory_id, {}).get(engine.engine_id)
         if (
@@ -313,14 +385,11 @@ class PDRouter:
             and seen[0] <= len(prompt)
             and hash(tuple(prompt[: seen[0]])) == seen[1]
         ):
-            return len(prompt) - seen[0]
-        return len(prompt)
+            return seen[0]
+        return 0
 
     def _remember(self, traj: str, engine: EngineState, tokens: list[int]) -> None:
         self._resident.setdefault(traj, {})[engine.engine_id] = (len(tokens), hash(tuple(tokens)))
-
-    def _stick(self, traj: str, role: Role, engine: EngineState) -> None:
-        self._sticky.setdefault(traj, {})[role] = engine.engine_id
 
     # ------------------------------------------------------------------ serving
     async def _serve(
@@ -334,7 +403,7 @@ class PDRouter:
     async def _serve_single(self, plan: _Plan, request: TurnRequest, attempt: dict) -> TurnResult:
         engine, prompt = plan.decode, request.prompt_token_ids
         context = len(prompt)
-        started = self.events.now()
+        started = self.now()
         self._event(
             K.PREFILL_START,
             started,
@@ -371,7 +440,7 @@ class PDRouter:
         prefill_id = self._request_id(request, "p")
         self._event(
             K.PREFILL_START,
-            self.events.now(),
+            self.now(),
             request,
             prefill.engine_id,
             context_tokens=context,
@@ -381,7 +450,6 @@ class PDRouter:
             **attempt,
         )
         lease = self.pools.lease(prefill, prefill_id, Role.PREFILL, request.trajectory_id, context)
-        self.pools.reserve(decode)  # so concurrent new trajectories spread over decode engines
         try:
             first = await prefill.client.generate(
                 prefill_id,
@@ -393,12 +461,11 @@ class PDRouter:
             )
         finally:
             self.pools.release(lease)
-            self.pools.reserve(decode, -1)
         self._check_aborted(first, lease)
         cached = first["num_cached_tokens"]
         self._event(
             K.PREFILL_END,
-            self.events.now(),
+            self.now(),
             request,
             prefill.engine_id,
             context_tokens=context,
@@ -416,7 +483,7 @@ class PDRouter:
         plan.decode = decode
         if kv_params:
             self.pools.add_kv_pending(prefill.engine_id, prefill_id)
-        started = self.events.now()
+        started = self.now()
         self._event(
             K.KV_TRANSFER_START,
             started,
@@ -451,22 +518,21 @@ class PDRouter:
 
     async def _decode_engine(self, request: TurnRequest, planned: EngineState) -> EngineState:
         """The planned decode engine, or another one if a switch or failure took it away."""
-        if planned.alive and planned.role is Role.DECODE:
+        if planned.accepting and planned.role is Role.DECODE:
             return planned
-        traj, pinned = request.trajectory_id, request.engine_id
-        engine = self._pick(Role.DECODE, traj, pinned)
+        forced = replace(request, mode="disaggregated")
+        engine = self._decode_side(forced)
         if engine is None:
             await self.pools.wait_until(
-                lambda: self._pick(Role.DECODE, traj, pinned) is not None,
-                self.config.route_timeout_s,
+                lambda: self._decode_side(forced) is not None, self.config.route_timeout_s
             )
-            engine = self._pick(Role.DECODE, traj, pinned)
+            engine = self._decode_side(forced)
         if engine is None:
             raise RoutingError(
-                f"no decode engine for {traj!r} turn {request.turn} within "
+                f"no decode engine for {request.trajectory_id!r} turn {request.turn} within "
                 f"{self.config.route_timeout_s} s; engines per role: {self.pools.counts()}"
             )
-        self._stick(traj, Role.DECODE, engine)
+        self._stick_decode(request.trajectory_id, engine)
         return engine
 
     async def _stream(
@@ -497,14 +563,14 @@ class PDRouter:
             ):
                 if item.get("event") == "first_token":
                     fired = True
-                    on_first_token(self.events.now(), int(item.get("num_cached_tokens") or 0))
+                    on_first_token(self.now(), int(item.get("num_cached_tokens") or 0))
                 else:
                     result = item
         finally:
             self.pools.release(lease)
         self._check_aborted(result, lease)
         if not fired:  # finished with its first token: place the event from engine timings
-            at = min(self.events.now(), started + result["timings"]["first_token_s"])
+            at = min(self.now(), started + result["timings"]["first_token_s"])
             on_first_token(at, result["num_cached_tokens"])
         return result
 
@@ -519,7 +585,7 @@ class PDRouter:
         output = list(result["output_token_ids"])
         self._event(
             K.DECODE_END,
-            self.events.now(),
+            self.now(),
             request,
             decode.engine_id,
             context_tokens=len(request.prompt_token_ids),
@@ -577,16 +643,65 @@ class PDRouter:
         return f"{request.trajectory_id}/{request.turn}/{leg}{next(self._ids)}"
 
     def _event(
-        self, kind: K, at: float, request: TurnRequest, engine_id: int = -1, **fields: Any
+        self,
+        kind: K,
+        at: float,
+        request: TurnRequest,
+        engine_id: int = -1,
+        **fields: Any,
     ) -> None:
-        self._live[request.trajectory_id] = (STATE_AFTER[kind], len(request.prompt_token_ids))
-        self.events.turn(
-            kind,
+        """A router-side stage event of ``request``'s turn (token counts by keyword)."""
+        self._emit(
+            kind, at, request.trajectory_id, request.turn, request.group_id, request.task,
+            engine_id=engine_id, **fields,
+        )  # fmt: skip
+
+    def _emit(
+        self,
+        kind: K,
+        at: float,
+        trajectory_id: str,
+        turn: int,
+        group_id: str,
+        task: str,
+        *,
+        engine_id: int = -1,
+        context_tokens: int = 0,
+        new_tokens: int = 0,
+        cached_tokens: int = 0,
+        output_tokens: int = 0,
+        **detail: Any,
+    ) -> None:
+        """Record one event and move the trajectory's live state (one place for both)."""
+        state = STATE_AFTER[kind]
+        old = self._live.get(trajectory_id)
+        if old is None:
+            self.states.enter(state, context_tokens)
+        else:
+            self.states.move(*old, state, context_tokens)
+        self._live[trajectory_id] = (state, context_tokens)
+        telemetry = self.telemetry
+        telemetry.turn(
             at,
-            request.trajectory_id,
-            request.turn,
-            engine_id=engine_id,
-            group_id=request.group_id,
-            task=request.task,
-            **fields,
+            telemetry.key(trajectory_id, group_id, task),
+            turn,
+            KIND_CODE[kind],
+            engine_id,
+            max(0, context_tokens),
+            max(0, new_tokens),
+            max(0, cached_tokens),
+            max(0, output_tokens),
+            detail_json(**detail),
         )
+
+
+def _fits_mode(engine: EngineState, mode: str) -> bool:
+    """Whether ``engine``'s role serves a turn forced to ``mode``."""
+    if mode == "colocated":
+        return engine.role is Role.COLOCATED
+    if mode == "disaggregated":
+        return engine.role is Role.DECODE
+    return engine.role in (Role.DECODE, Role.COLOCATED)
+
+
+_TOKEN_FIELDS = ("new_tokens", "cached_tokens", "output_tokens")

@@ -1,32 +1,43 @@
-"""Live role switch of one engine: stop new work, drain, abort stragglers, reset, resume.
+"""Live role switch of one engine: the cluster model's state machine run on asyncio.
 
-Stages (each timed in the ``role_switch_end`` event's ``detail``):
+Stages (:class:`~prorsa.runtime.cluster.switching.SwitchStage`), as in the simulator:
 
-1. ``stop``: mark the engine ``switching``; the router routes no new work to it.
-2. ``drain``: wait up to ``drain_timeout_s`` for its legs (and, on a prefill engine, KV
-   handoffs not yet pulled) to finish.
-3. ``abort``: abort legs still running; the router re-routes each to another engine of the
-   old role (it sees ``finish_reason == "abort"`` on a lease marked ``evicted``).
-4. ``pause``: stop the engine's scheduler (anything that slipped in is aborted and re-routed).
-5. ``reset``: drop the prefix cache (``reset_prefix_cache_on_switch``).
-6. ``resume``: mark the new role and resume scheduling.
+1. ``stop_new_work``: mark the engine ``switching``; the router routes no new work to it.
+2. ``draining``: wait up to ``drain_timeout_s`` for its legs (and, on a prefill engine,
+   KV handoffs not yet pulled) to finish; then ``migrating``: abort legs still running —
+   the router re-serves each on another engine of the old role (it sees
+   ``finish_reason == "abort"`` on a lease marked ``evicted``).
+3. ``reconfiguring``: pause the scheduler (anything that slipped in is aborted and
+   re-routed), drop the prefix cache (``reset_prefix_cache_on_switch``), resume.
+4. ``serving``: the engine takes work of its new role.
+
+A switch between decode and colocated is a relabel (the same ``kv_both`` engine, used
+differently by the router): no drain, no pause. A switch that would leave no decode-side
+engine is refused, and a switch in progress is never interrupted. Telemetry marks
+``stop_new_work``, ``drained`` and ``serving`` through the shared emitter; the ``serving``
+event's detail also carries each stage's wall time.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from prorsa.errors import ConfigError
+from prorsa.runtime.cluster.switching import (
+    RoleSwitch,
+    SwitchKind,
+    classify_switch,
+    strands_decode,
+)
+from prorsa.runtime.cluster.telemetry import ClusterTelemetry
 from prorsa.runtime.ray.client import EngineUnavailable
-from prorsa.runtime.ray.events import EventSink
 from prorsa.runtime.ray.pools import EngineState, Role, RolePools, parse_role
-from prorsa.telemetry.schema import EventKind
 
 if TYPE_CHECKING:
-    from prorsa.runtime.ray.router import RouterConfig
+    from prorsa.runtime.ray.turns import RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +45,19 @@ logger = logging.getLogger(__name__)
 class RoleSwitcher:
     """Runs role switches on :class:`RolePools` (one at a time per engine)."""
 
-    def __init__(self, pools: RolePools, events: EventSink, config: RouterConfig) -> None:
+    def __init__(
+        self,
+        pools: RolePools,
+        telemetry: ClusterTelemetry,
+        clock: Callable[[], float],
+        config: RouterConfig,
+        on_cache_reset: Callable[[int], None] | None = None,
+    ) -> None:
         self.pools = pools
-        self.events = events
+        self.telemetry = telemetry
+        self.clock = clock
         self.config = config
+        self.on_cache_reset = on_cache_reset
 
     async def switch(
         self, engine_id: int, new_role: str | Role, drain_timeout_s: float | None = None
@@ -45,7 +65,8 @@ class RoleSwitcher:
         """Switch ``engine_id`` to ``new_role``; returns a summary (also the end event detail).
 
         Raises:
-            ConfigError: unknown engine or role, dead engine, or a switch already running.
+            ConfigError: unknown engine or role, dead engine, a switch already running, or
+                a switch that would leave no decode-side engine.
         """
         return await self.begin(engine_id, new_role, drain_timeout_s)
 
@@ -69,73 +90,117 @@ class RoleSwitcher:
             )
         old = engine.role
         summary: dict[str, Any] = {"from": old.value, "to": target.value}
-        if old is target:
+        roles = dict.fromkeys(("prefill", "decode", "colocated"), 1)  # one layout per engine
+        kind = classify_switch(old.value, target.value, roles)
+        if kind is SwitchKind.NONE:
             return _done({"engine_id": engine_id, **summary, "skipped": True})
+        now = self.clock()
+        switch = RoleSwitch(engine_id, old.value, target.value, "drain", now)
+        if kind is SwitchKind.RELABEL:
+            return _done(self._relabel(engine, switch, summary))
+        left = sum(
+            1
+            for e in self.pools.engines()
+            if e.engine_id != engine_id and e.accepting and e.role in (Role.DECODE, Role.COLOCATED)
+        )
+        if strands_decode(old.value, left):
+            raise ConfigError(
+                f"switching engine {engine_id} would leave no decode or colocated engine",
+                hint="switch another engine to decode first",
+            )
         drain_timeout_s = (
             self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         )
         engine.switching_from, engine.switching_to = old, target
-        self.pools.set_role(engine_id, Role.SWITCHING, self.events.now())
-        self.events.cluster(
-            EventKind.ROLE_SWITCH_START,
+        self.pools.set_role(engine_id, Role.SWITCHING, now)
+        self.telemetry.switch_event(
+            now,
+            switch,
+            "stop_new_work",
             engine_id,
-            **summary,
             drain_timeout_s=drain_timeout_s,
             in_flight=len(engine.leases),
             kv_pending=len(engine.kv_pending),
         )
         logger.info("engine %d: switching %s -> %s", engine_id, old, target)
-        return self._complete(engine, old, target, drain_timeout_s, summary)
+        return self._complete(engine, switch, drain_timeout_s, summary)
+
+    def _relabel(
+        self, engine: EngineState, switch: RoleSwitch, summary: dict[str, Any]
+    ) -> dict[str, Any]:
+        switch.relabel = True
+        for stage in ("stop_new_work", "drained"):
+            self.telemetry.switch_event(switch.started_s, switch, stage, engine.engine_id)
+        engine.switches += 1
+        self.pools.set_role(engine.engine_id, parse_role(switch.to_role), switch.started_s)
+        switch.mark_drained(switch.started_s)
+        switch.mark_serving(switch.started_s)
+        self.telemetry.switch_event(switch.started_s, switch, "serving", engine.engine_id)
+        logger.info("engine %d: relabelled %s -> %s", engine.engine_id, switch.from_role,
+                    switch.to_role)  # fmt: skip
+        return {"engine_id": engine.engine_id, **summary, "relabel": True, "error": None}
 
     async def _complete(
         self,
         engine: EngineState,
-        old: Role,
-        target: Role,
+        switch: RoleSwitch,
         drain_timeout_s: float,
         summary: dict[str, Any],
     ) -> dict[str, Any]:
         stages: dict[str, float] = {}
         error = None
         try:
-            summary.update(await self._run_stages(engine, drain_timeout_s, _StageClock(stages)))
+            summary.update(await self._run_stages(engine, switch, drain_timeout_s, stages))
         except EngineUnavailable as exc:
             error = str(exc)
             self.pools.mark_dead(engine.engine_id)
         finally:
-            final = target if error is None else old
+            final = parse_role(switch.to_role if error is None else switch.from_role)
             engine.switching_from = engine.switching_to = None
             engine.switches += error is None
-            self.pools.set_role(engine.engine_id, final, self.events.now())
+            now = self.clock()
+            self.pools.set_role(engine.engine_id, final, now)
+            if switch.drained_s is None:
+                switch.mark_drained(now)
+            switch.mark_serving(now)
             summary.update(stages_s=stages, total_s=round(sum(stages.values()), 6), error=error)
-            self.events.cluster(EventKind.ROLE_SWITCH_END, engine.engine_id, **summary)
+            self.telemetry.switch_event(now, switch, "serving", engine.engine_id, **summary)
         logger.info("engine %d: now %s (%s)", engine.engine_id, engine.role, summary)
         return {"engine_id": engine.engine_id, **summary}
 
     async def _run_stages(
-        self, engine: EngineState, drain_timeout_s: float, clock: _StageClock
+        self,
+        engine: EngineState,
+        switch: RoleSwitch,
+        drain_timeout_s: float,
+        stages: dict[str, float],
     ) -> dict[str, Any]:
         pools = self.pools
-
-        with clock("drain"):
+        switch.begin_moving_work()
+        with _Stage(stages, "drain"):
             drained = await pools.wait_until(lambda: engine.idle, drain_timeout_s)
         in_flight_at_abort = len(engine.leases)
         evicted: list[str] = []
         if not drained:
-            with clock("abort"):
+            switch.migrate_rest()
+            with _Stage(stages, "abort"):
                 for lease in engine.leases.values():
                     lease.evicted = True
                     evicted.append(lease.request_id)
                 if evicted:
                     await engine.client.abort(evicted)
                 await pools.wait_until(lambda: engine.idle, self.config.abort_grace_s)
-        with clock("pause"):
+        switch.mark_drained(self.clock())
+        self.telemetry.switch_event(switch.drained_s, switch, "drained", engine.engine_id)
+        with _Stage(stages, "pause"):
             await engine.client.pause("abort")
         reset = None
         if self.config.reset_prefix_cache_on_switch:
-            with clock("reset"):
+            with _Stage(stages, "reset"):
                 reset = await engine.client.reset_prefix_cache()
-        with clock("resume"):
+            if self.on_cache_reset is not None:
+                self.on_cache_reset(engine.engine_id)
+        with _Stage(stages, "resume"):
             await engine.client.resume()
         return {
             "drained": drained,
@@ -146,17 +211,9 @@ class RoleSwitcher:
         }
 
 
-class _StageClock:
-    """Context manager factory timing named stages into a dict (seconds)."""
-
-    def __init__(self, stages: dict[str, float]) -> None:
-        self.stages = stages
-
-    def __call__(self, name: str) -> _Stage:
-        return _Stage(self.stages, name)
-
-
 class _Stage:
+    """Times one named stage into ``stages`` (seconds)."""
+
     def __init__(self, stages: dict[str, float], name: str) -> None:
         self.stages, self.name = stages, name
 

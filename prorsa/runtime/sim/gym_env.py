@@ -104,7 +104,9 @@ class AllocationEnv(gym.Env):
             raise RuntimeError("call reset() before step()")
         self.policy.action = int(action)
         if self.sim is None:
-            self.sim = self._simulation(self.episode, self.policy, build_driver(self.episode.workload()))
+            self.sim = self._simulation(
+                self.episode, self.policy, build_driver(self.episode.workload())
+            )
             self.sim.start()
             until = self.policy.next_decision_s_
         else:

@@ -13,11 +13,13 @@ from prorsa.policy.base import ClusterSpec, Policy
 from prorsa.policy.types import ClusterObservation
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
-from prorsa.runtime.controller import Controller, ForecastSource, roles_for_allocation
+from prorsa.runtime.cluster.startup import first_allocation, idle_observation, make_controller
+from prorsa.runtime.controller import ForecastSource
 from prorsa.runtime.sim.cluster import SimCluster
 from prorsa.runtime.sim.core import PRIORITY_CONTROL, Environment
 from prorsa.runtime.sim.drivers import Driver, DriverResult
 from prorsa.runtime.sim.metrics import compute_metrics
+from prorsa.runtime.sim.topology import Slot, build_engines
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class SimActuator:
         self.cluster = cluster
         self.spec = spec
         self.total = total
+        self.events = cluster.telemetry.log
+        self.truth = cluster.truth
 
     def observe(self) -> ClusterObservation:
         return self.cluster.observe(self.spec, self.total)
@@ -134,9 +138,18 @@ class Simulation:
         spec = self.spec = cluster_spec(self.config, self.profiles, self.min_dwell_s)
         self.policy.reset(spec, self.seed)
         total = self.driver.total
-        probe = SimCluster(env, self.config, self.profiles, run_id=self.run_id, record=False)
-        first = self.policy.decide(SimActuator(probe, spec, total).observe(), None)
-        roles = roles_for_allocation(first, self.config.num_slots, self.config.slot_gpus)
+        # An idle colocated slot's shape (engines, KV) as the first observation shows it.
+        probe = build_engines(
+            Slot(0, spec.slot_gpus, "colocated"), self.config, self.profiles, env, None
+        )
+        idle = idle_observation(
+            spec,
+            engines_per_slot=len(probe),
+            kv_capacity_per_slot=sum(e.kv_capacity for e in probe),
+            total_trajectories=total,
+            local_prefill_threshold=self.config.local_prefill_threshold,
+        )
+        roles, first = first_allocation(self.policy, spec, idle)
         cluster = self.cluster = SimCluster(
             env,
             self.config,
@@ -149,27 +162,22 @@ class Simulation:
             cluster.set_local_prefill_threshold(first.local_prefill_threshold)
         self._check_fits(cluster)
         self.actuator = SimActuator(cluster, spec, total)
-        self.controller = None
-        if getattr(self.policy, "dynamic", True):
-            self.controller = Controller(
-                self.policy,
-                self.actuator,
-                SimClock(env),
-                interval_s=self.interval_s,
-                min_dwell_s=self.min_dwell_s,
-                forecaster=self.forecaster,
-                keep_forecasts=self.keep_forecasts,
+        if self.forecaster is not None and not self.record:
+            raise ConfigError(
+                "this run records no telemetry, so the forecaster has nothing to read",
+                hint="simulate with record=True (the default) when using a forecaster",
             )
+        self.controller = make_controller(
+            self.policy,
+            self.actuator,
+            SimClock(env),
+            interval_s=self.interval_s,
+            min_dwell_s=self.min_dwell_s,
+            forecaster=self.forecaster,
+            keep_forecasts=self.keep_forecasts,
+        )
+        if self.controller is not None:
             self.controller.start()
-        if self.forecaster is not None:
-            if not self.record:
-                raise ConfigError(
-                    "this run records no telemetry, so the forecaster has nothing to read",
-                    hint="simulate with record=True (the default) when using a forecaster",
-                )
-            # The forecaster reads the run's events (and, for the oracle, its ground truth)
-            # through ports of its own, never through the observation.
-            self.forecaster.attach(cluster.telemetry.log, truth=cluster.truth)
         cluster.on_trajectory_done = self.driver.on_done
         if progress is not None:
             self._schedule_progress(env, cluster, progress)

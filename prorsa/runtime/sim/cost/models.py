@@ -227,3 +227,49 @@ def get_model(name: str) -> ModelArch:
         raise ConfigError(
             f"unknown model '{name}'", hint=f"choose one of: {', '.join(sorted(MODELS))}"
         ) from None
+
+
+def model_config_dir():
+    """``datasets/model_configs``: each model's Hugging Face ``config.json`` (shape fields)."""
+    from prorsa.runtime.sim.cost.kernel_tables import repo_root
+
+    return repo_root() / "datasets" / "model_configs"
+
+
+def arch_from_hf_config(name: str, config: dict) -> ModelArch:
+    """Build a :class:`ModelArch` from a Hugging Face ``config.json`` dict.
+
+    Reads the fields Llama, Qwen2 and Qwen3-MoE configs share; ``head_dim`` defaults to
+    ``hidden_size / num_attention_heads``. A Qwen3-MoE model whose every layer is sparse
+    (``decoder_sparse_step == 1``, no ``mlp_only_layers``) has no dense MLP.
+    """
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        experts = int(config.get("num_experts", 0) or 0)
+        all_sparse = (
+            experts > 0
+            and int(config.get("decoder_sparse_step", 1)) == 1
+            and not config.get("mlp_only_layers")
+        )
+        return ModelArch(
+            name=name,
+            hf_id=str(config.get("_name_or_path", name)),
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=0 if all_sparse else int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_experts=experts,
+            experts_per_token=int(config.get("num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(config.get("moe_intermediate_size", 0) or 0),
+        )
+    except KeyError as exc:
+        raise ConfigError(
+            f"model config '{name}': missing field {exc.args[0]!r}",
+            hint="a Hugging Face config.json with hidden_size, num_hidden_layers, "
+            "num_attention_heads, intermediate_size and vocab_size",
+        ) from None
