@@ -126,8 +126,11 @@ class _Pass:
         self.new = batch.new_tokens[pos]
         self.out = batch.output_tokens[pos]
         self.order = pos  # batch positions: the event order that deferred work replays
-        for events in _rounds(slot):
-            self._round(events)
+        for events, code in _round_groups(slot, kind):
+            s = slot[events]
+            tr = self.tr
+            tr.ctx[s] = np.maximum(tr.ctx[s], self.ctx[events])
+            _HANDLERS[code](self, events, s)
         self._finish()
 
     def _slots(self, key: np.ndarray, kind: np.ndarray) -> np.ndarray:
@@ -141,38 +144,23 @@ class _Pass:
         new_keys, first = np.unique(key[unknown], return_index=True)
         order = np.argsort(unknown[first], kind="stable")
         keys = self.batch.keys
-        created_pos, created_group = [], []
+        born: list[tuple[int, int, tuple[str, str, str]]] = []  # (key, index, ids)
         for k, at in zip(new_keys[order].tolist(), unknown[first][order].tolist(), strict=True):
-            tid, group, task = keys[k]
-            found = tr.slot_of(tid)
+            ident = keys[k]
+            found = tr.slot_of(ident[0])
             if found is not None:
                 cache[k] = found
-                continue
-            if kind[at] == _END_K:
-                continue  # a trajectory that ended before we joined (its only event here)
-            s, g = tr.new_slot(tid, group, task, float(self.batch.time[self.pos[at]]), False)
-            cache[k] = s
-            if g >= 0:
-                created_pos.append(int(self.pos[at]))
-                created_group.append(g)
-        if created_pos:
-            values = np.zeros((len(created_pos), len(GROUP_STATS)))
+            elif kind[at] != _END_K:  # else: ended before we joined (its only event here)
+                born.append((k, at, ident))
+        if born:
+            at = np.fromiter((b[1] for b in born), np.int64, len(born))
+            tids, group_ids, tasks = (list(c) for c in zip(*(b[2] for b in born), strict=True))
+            slots, groups = tr.new_slots(tids, group_ids, tasks, self.batch.time[self.pos[at]])
+            cache[np.fromiter((b[0] for b in born), np.int64, len(born))] = slots
+            values = np.zeros((len(born), len(GROUP_STATS)))
             values[:, _G["g_members"]] = 1.0
-            self._defer(np.asarray(created_pos), np.asarray(created_group), values)
+            self._defer(self.pos[at], groups, values)
         return cache[key]
-
-    def _round(self, ev: np.ndarray) -> None:
-        tr = self.tr
-        s = self.slot[ev]
-        tr.ctx[s] = np.maximum(tr.ctx[s], self.ctx[ev])
-        kinds = self.kind[ev]
-        first = kinds[0]
-        if (kinds == first).all():
-            _HANDLERS[first](self, ev, s)
-            return
-        for code in np.unique(kinds).tolist():
-            m = kinds == code
-            _HANDLERS[code](self, ev[m], s[m])
 
     # --------------------------------------------------------------- helpers
     def _set_state(self, s: np.ndarray, state: int, ev: np.ndarray) -> None:
@@ -419,22 +407,31 @@ _HANDLERS = {
 _HANDLERS = [_HANDLERS[k] for k in range(_N_KINDS)]  # type: ignore[assignment]
 
 
-def _rounds(slot: np.ndarray) -> list[np.ndarray]:
-    """Event indices per round: round r holds every slot's r-th event, in event order."""
+def _round_groups(slot: np.ndarray, kind: np.ndarray) -> list[tuple[np.ndarray, int]]:
+    """(event indices, kind) per round and kind, rounds in order.
+
+    Round r holds every slot's r-th event; within a round, slots are distinct, so the
+    events of one kind are handled at once (in event order, which deferred work keeps).
+    Updating a slot's context before each group equals doing it before each event: only
+    the slot's own earlier events have touched it.
+    """
     n = len(slot)
     order = np.argsort(slot, kind="stable")
     s_sorted = slot[order]
     starts = np.ones(n, bool)
     starts[1:] = s_sorted[1:] != s_sorted[:-1]
     first = np.flatnonzero(starts)
-    rank_sorted = np.arange(n) - np.repeat(first, np.diff(np.append(first, n)))
     rank = np.empty(n, np.int64)
-    rank[order] = rank_sorted
-    if rank_sorted.max(initial=0) == 0:
-        return [np.arange(n)]
-    by_round = np.lexsort((np.arange(n), rank))
-    bounds = np.searchsorted(rank[by_round], np.arange(int(rank.max()) + 2))
-    return [by_round[bounds[r] : bounds[r + 1]] for r in range(len(bounds) - 1)]
+    rank[order] = np.arange(n) - np.repeat(first, np.diff(np.append(first, n)))
+    group = rank * _N_KINDS + kind
+    by_group = np.argsort(group, kind="stable")  # stable: event order within a group
+    g_sorted = group[by_group]
+    cuts = np.flatnonzero(g_sorted[1:] != g_sorted[:-1]) + 1
+    bounds = [0, *cuts.tolist(), n]
+    codes = (g_sorted[bounds[:-1]] % _N_KINDS).tolist()
+    return [
+        (by_group[lo:hi], code) for lo, hi, code in zip(bounds[:-1], bounds[1:], codes, strict=True)
+    ]
 
 
 def _own_columns(tr: LifecycleTracker, s: np.ndarray, t: np.ndarray) -> np.ndarray:

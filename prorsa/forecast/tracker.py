@@ -285,11 +285,9 @@ class LifecycleTracker:
         self.start_s[slot] = time_s
         self.state_since[slot] = time_s
         self.queued_s[slot] = time_s
-        for name in ("ctx", "turn_new", "dec_done", "turns_done", "out_sum", "new_sum"):
+        for name in _ZERO_ON_START:
             getattr(self, name)[slot] = 0.0
-        for name in ("new_n", "tool_sum", "tool_n"):
-            getattr(self, name)[slot] = 0.0
-        for name in ("dec_open", "tool_start", "out_last", "new_last", "tool_last"):
+        for name in _NAN_ON_START:
             getattr(self, name)[slot] = _NAN
         self.frozen[slot] = _NAN
         for name, fill in self._extra.items():
@@ -307,6 +305,51 @@ class LifecycleTracker:
         self.group[slot] = g
         self.counts["starts"] += 1
         return slot, g
+
+    def new_slots(
+        self, tids: list[str], group_ids: list[str], tasks: list[str], times_s: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`new_slot` for many trajectories at once, in order, leaving the groups'
+        member counts to the caller: (slots, groups or -1)."""
+        k = len(tids)
+        take = min(k, len(self._free))
+        reused = self._free[len(self._free) - take :][::-1]  # what k pops would give
+        del self._free[len(self._free) - take :]
+        fresh = k - take
+        while self._n_slots + fresh > self._cap:
+            self._grow(self._cap * 2)
+        slots = np.asarray(reused + list(range(self._n_slots, self._n_slots + fresh)), np.int64)
+        self._n_slots += fresh
+        self._slot.update(zip(tids, slots.tolist(), strict=True))
+        self.ids[slots] = tids
+        self.alive[slots] = True
+        self.state[slots] = QUEUED
+        self.turn[slots] = 0
+        self.started_turn[slots] = -1
+        code, other = self.task_code, len(self.tasks)
+        self.task[slots] = [code.get(t, other) for t in tasks]
+        for name in ("start_s", "state_since", "queued_s"):
+            getattr(self, name)[slots] = times_s
+        for name in _ZERO_ON_START:
+            getattr(self, name)[slots] = 0.0
+        for name in _NAN_ON_START:
+            getattr(self, name)[slots] = _NAN
+        self.frozen[slots] = _NAN
+        for name, fill in self._extra.items():
+            getattr(self, name)[slots] = fill
+        groups = np.full(k, -1, np.int64)
+        known = self._group
+        for i, gid in enumerate(group_ids):
+            if gid:
+                g = known.get(gid, -1)
+                if g < 0:
+                    g = known[gid] = len(known)
+                    if g == self._gcap:
+                        self._grow_groups(self._gcap * 2)
+                groups[i] = g
+        self.group[slots] = groups
+        self.counts["starts"] += k
+        return slots, groups
 
     def slot_of(self, tid: str) -> int | None:
         """Slot of a live trajectory, None if it is not tracked (not started or ended)."""
@@ -664,6 +707,18 @@ class LifecycleTracker:
         return int(self.alive[: self._n_slots].sum())
 
 
+_ZERO_ON_START = (
+    "ctx",
+    "turn_new",
+    "dec_done",
+    "turns_done",
+    "out_sum",
+    "new_sum",
+    "new_n",
+    "tool_sum",
+    "tool_n",
+)
+_NAN_ON_START = ("dec_open", "tool_start", "out_last", "new_last", "tool_last")
 _HISTORY = (
     "time",
     "cum_prefill",
