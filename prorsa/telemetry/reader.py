@@ -1,7 +1,9 @@
 """Read telemetry from a recorder directory, one segment, or a Parquet file.
 
-Damaged tails (a writer killed mid-frame) are reported, never raised: every complete
-record is returned together with a :class:`RecoveryReport` saying what was lost.
+Damage (a writer killed mid-frame, flipped bytes) is reported, never raised: every intact
+record is returned together with a :class:`RecoveryReport` saying exactly how many records
+were lost and where. Input that is not telemetry at all (a JSON-lines trace, a CSV, a
+truncated Parquet file) is an :class:`InputError` naming the file.
 """
 
 from __future__ import annotations
@@ -15,47 +17,79 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prorsa.errors import InputError
+from prorsa.io import atomic_path
 from prorsa.telemetry.schema import ARROW_SCHEMA, conform
-from prorsa.telemetry.segments import SEGMENT_SUFFIX, SegmentReadReport, read_segment
+from prorsa.telemetry.segments import (
+    FILE_MAGIC,
+    FILE_MAGIC_V1,
+    SEGMENT_SUFFIX,
+    SegmentReadReport,
+    count_name,
+    read_count,
+    read_segment,
+    segment_index,
+)
 from prorsa.telemetry.validation import validate_table
 
 logger = logging.getLogger(__name__)
 
+PARQUET_MAGIC = b"PAR1"
+_NOT_TELEMETRY_HINT = (
+    "telemetry is a .parquet file, a .ptel segment or a recorder folder; import public "
+    "traces first with `prorsa traces import`"
+)
+
 
 @dataclass
 class RecoveryReport:
-    """Summary of a read: how much was recovered and what tail, if any, was lost."""
+    """Summary of a read: how much was recovered and exactly what was lost.
+
+    ``lost_records`` counts records that were accepted by the recorder but cannot be read
+    back: frames damaged on disk, rows the writer dropped, and events still buffered when
+    the writer was killed or failed. It is None only when the count cannot be known
+    (first-version segments whose damaged frame headers did not survive, or a session
+    whose ``accepted-*.count`` file is missing).
+    """
 
     source: str
     segments: int = 0
     records: int = 0
-    truncated_bytes: int = 0
-    # Sum of records in damaged frames whose headers survived; None if some count is unknown.
-    truncated_records: int | None = 0
+    lost_records: int | None = 0
     damaged: list[SegmentReadReport] = field(default_factory=list)
+    #: one line per loss: where, how many records, why
+    losses: list[str] = field(default_factory=list)
+
+    @property
+    def truncated_bytes(self) -> int:
+        """Bytes of segment files that could not be read."""
+        return sum(seg.truncated_bytes for seg in self.damaged)
+
+    @property
+    def truncated_records(self) -> int | None:
+        """Former name of :attr:`lost_records`."""
+        return self.lost_records
 
     @property
     def clean(self) -> bool:
-        return self.truncated_bytes == 0
+        return not self.damaged and self.lost_records == 0
 
     def describe(self) -> str:
         if self.clean:
             return f"{self.records} records from {self.segments} segment(s), no damage"
-        lost = "an unknown number of" if self.truncated_records is None else self.truncated_records
+        lost = "an unknown number of" if self.lost_records is None else str(self.lost_records)
         return (
             f"{self.records} records recovered from {self.segments} segment(s); "
-            f"truncated tail: {self.truncated_bytes} bytes, {lost} record(s) lost in "
-            + ", ".join(f"{Path(d.path).name} ({d.problem})" for d in self.damaged)
+            f"{lost} record(s) lost: " + "; ".join(self.losses)
         )
 
 
 def read_telemetry(
     path: str | os.PathLike[str], *, validate: bool = False
 ) -> tuple[pa.Table, RecoveryReport]:
-    """Return every complete event under ``path`` and a report of any truncated tail.
+    """Return every intact event under ``path`` and a report of what was lost.
 
     ``path`` may be a recorder directory (segments read in order), a single ``.ptel``
-    segment or a ``.parquet`` file. With ``validate=True`` the events are also checked
+    segment or a Parquet file. With ``validate=True`` the events are also checked
     against the schema rules and an :class:`InputError` names the first bad record.
     """
     path = Path(path)
@@ -63,32 +97,41 @@ def read_telemetry(
         raise InputError("no such file or directory", source=str(path))
     report = RecoveryReport(source=str(path))
     if path.is_dir():
-        segments = sorted(path.glob(f"segment-*{SEGMENT_SUFFIX}"))
-        if not segments:
-            raise InputError("directory holds no telemetry segments", source=str(path))
-    elif path.suffix == ".parquet":
-        table = conform(pq.read_table(path), source=str(path))
-        report.segments, report.records = 1, table.num_rows
-        if validate:
-            validate_table(table, source=str(path))
-        return table, report
+        segments = sorted(
+            (p for p in path.glob(f"segment-*{SEGMENT_SUFFIX}") if segment_index(p) is not None),
+            key=lambda p: segment_index(p) or 0,
+        )
+        counts = _session_counts(path)
+        if not segments and not counts:
+            raise InputError(
+                "directory holds no telemetry segments", source=str(path), hint=_NOT_TELEMETRY_HINT
+            )
     else:
-        segments = [path]
+        head = _head(path)
+        if head.startswith(PARQUET_MAGIC) or (path.suffix == ".parquet" and not _is_segment(head)):
+            return _read_parquet(path, report, validate)
+        if not _is_segment(head) and path.suffix != SEGMENT_SUFFIX:
+            raise InputError(
+                "not telemetry (neither Parquet nor a telemetry segment)",
+                source=str(path),
+                hint=_NOT_TELEMETRY_HINT,
+            )
+        segments, counts = [path], {}
+    reads = [read_segment(segment) for segment in segments]
+    if not path.is_dir() and reads[0].version == 0:
+        raise InputError(
+            "not a telemetry segment (bad file header, no frame found)",
+            source=str(path),
+            hint=_NOT_TELEMETRY_HINT,
+        )
     tables: list[pa.Table] = []
-    for segment in segments:
-        seg = read_segment(segment)
+    for seg in reads:
         report.segments += 1
         report.records += seg.records
-        tables += seg.tables
-        if seg.truncated_bytes:
-            report.truncated_bytes += seg.truncated_bytes
+        tables += [_conformed(t, seg.path) for t in seg.tables]
+        if seg.damage:
             report.damaged.append(seg)
-            if report.truncated_records is not None:
-                report.truncated_records = (
-                    None
-                    if seg.truncated_records is None
-                    else report.truncated_records + seg.truncated_records
-                )
+    _account(reads, counts, report, whole_directory=path.is_dir())
     if not report.clean:
         logger.warning("telemetry %s: %s", path, report.describe())
     table = pa.concat_tables(tables) if tables else ARROW_SCHEMA.empty_table()
@@ -104,7 +147,149 @@ def load_events(path: str | os.PathLike[str]) -> pa.Table:
 
 
 def write_parquet(table: pa.Table, path: str | os.PathLike[str]) -> None:
-    """Write an event table as Parquet (the exchange format between tools)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(conform(table), path, compression="zstd")
+    """Write an event table as Parquet (the exchange format between tools).
+
+    Written under a temporary name and renamed when complete, so a failed write (a full
+    disk, Ctrl-C) keeps any previous file at ``path``.
+    """
+    with atomic_path(path) as tmp:
+        pq.write_table(conform(table), tmp, compression="zstd")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _head(path: Path) -> bytes:
+    with path.open("rb") as handle:
+        return handle.read(len(FILE_MAGIC))
+
+
+def _is_segment(head: bytes) -> bool:
+    return head.startswith((FILE_MAGIC, FILE_MAGIC_V1))
+
+
+def _read_parquet(
+    path: Path, report: RecoveryReport, validate: bool
+) -> tuple[pa.Table, RecoveryReport]:
+    try:
+        raw = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(
+            f"not a readable Parquet file: {exc}", source=str(path), hint=_NOT_TELEMETRY_HINT
+        ) from None
+    table = conform(raw, source=str(path))
+    report.segments, report.records = 1, table.num_rows
+    if validate:
+        validate_table(table, source=str(path))
+    return table, report
+
+
+def _conformed(table: pa.Table, source: str) -> pa.Table:
+    if table.schema.equals(ARROW_SCHEMA, check_metadata=False):
+        return table
+    return conform(table, source=source)
+
+
+def _session_counts(directory: Path) -> dict[int, int | None]:
+    counts: dict[int, int | None] = {}
+    for path in directory.glob("accepted-*.count"):
+        number = path.stem.removeprefix("accepted-")
+        if number.isdigit():
+            counts[int(number)] = read_count(path)
+    return counts
+
+
+def _account(
+    reads: list[SegmentReadReport],
+    counts: dict[int, int | None],
+    report: RecoveryReport,
+    *,
+    whole_directory: bool,
+) -> None:
+    """Fill ``report.lost_records`` and ``report.losses`` from frame sequence numbers,
+    damaged frame headers and the sessions' accepted counts."""
+    lost: int | None = 0
+    # Per session: records accounted for so far (the next expected first record).
+    expected: dict[int, int] = {}
+    # Damage after a session's last intact frame, for sessions without a count.
+    tail_damage: dict[int, list] = {}
+    session: int | None = None
+    for seg in reads:
+        name = Path(seg.path).name
+        index = segment_index(Path(seg.path))
+        if seg.version == 1:
+            for damage in seg.damage:
+                lost = _add(lost, damage.records)
+                report.losses.append(_damage_line(name, damage))
+            continue
+        if index is not None and (index in counts or index in expected):
+            session = index
+        events = sorted(
+            [(info.offset, "frame", info) for info in seg.frame_info]
+            + [(d.offset, "damage", d) for d in seg.damage]
+        )
+        for _, what, item in events:
+            if what == "damage":
+                if item.records == 0 and item.bytes and "file header" in item.problem:
+                    report.losses.append(f"{name}: {item.problem} (no records in it)")
+                    continue
+                key = -1 if session is None else session
+                tail_damage.setdefault(key, []).append((name, item))
+                continue
+            session = item.session
+            start = expected.get(session, 0)
+            if item.first_record > start:
+                gap = item.first_record - start
+                lost = _add(lost, gap)
+                where = ", ".join(
+                    _damage_line(n, d, records=False) for n, d in tail_damage.pop(session, [])
+                )
+                why = where or "dropped by the writer (see the recorder's log)"
+                report.losses.append(
+                    f"{name}: records {start}-{item.first_record - 1} of session {session} "
+                    f"({gap} records): {why}"
+                )
+            else:
+                for n, d in tail_damage.pop(session, []):
+                    report.losses.append(_damage_line(n, d, records=False) + ": no records lost")
+            expected[session] = max(start, item.first_record + item.records)
+    sessions = set(expected) | (set(counts) if whole_directory else set())
+    for session in sorted(sessions):
+        written = expected.get(session, 0)
+        count = counts.get(session)
+        damage = tail_damage.pop(session, [])
+        if count is not None and count >= written:
+            if count > written:
+                lost = _add(lost, count - written)
+                cut = ", ".join(_damage_line(n, d, records=False) for n, d in damage)
+                if cut:
+                    why = f"truncated tail after the last intact frame: {cut}"
+                else:
+                    why = (
+                        "accepted but never written (the recorder was killed or its writer failed)"
+                    )
+                report.losses.append(f"session {session}: {count - written} record(s) {why}")
+            continue
+        for name, item in damage:
+            lost = _add(lost, item.records)
+            report.losses.append(_damage_line(name, item))
+        if count is None and whole_directory:
+            report.losses.append(
+                f"session {session}: accepted count missing ({count_name(session)}); events "
+                "buffered when the recorder stopped cannot be counted"
+            )
+    for damages in tail_damage.values():  # damage before any session was identified
+        for name, item in damages:
+            lost = _add(lost, item.records)
+            report.losses.append(_damage_line(name, item))
+    report.lost_records = lost
+
+
+def _add(total: int | None, records: int | None) -> int | None:
+    return None if total is None or records is None else total + records
+
+
+def _damage_line(name: str, damage, *, records: bool = True) -> str:
+    text = f"{name}: {damage.problem} at byte {damage.offset} ({damage.bytes} bytes"
+    if records:
+        count = "unknown number of" if damage.records is None else str(damage.records)
+        text += f", {count} records"
+    return text + ")"
