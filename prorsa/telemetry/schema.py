@@ -33,12 +33,18 @@ class EventKind(StrEnum):
     ROLE_SWITCH_START = "role_switch_start"
     ROLE_SWITCH_END = "role_switch_end"
     ALLOCATION = "allocation"
+    WEIGHT_SYNC = "weight_sync"  # new weights on every engine; serving paused meanwhile
 
 
 EVENT_KINDS: tuple[str, ...] = tuple(k.value for k in EventKind)
 EVENT_KIND_SET: frozenset[str] = frozenset(EVENT_KINDS)
 CLUSTER_EVENT_KINDS: frozenset[str] = frozenset(
-    {EventKind.ROLE_SWITCH_START, EventKind.ROLE_SWITCH_END, EventKind.ALLOCATION}
+    {
+        EventKind.ROLE_SWITCH_START,
+        EventKind.ROLE_SWITCH_END,
+        EventKind.ALLOCATION,
+        EventKind.WEIGHT_SYNC,
+    }
 )
 
 FIELDS: tuple[str, ...] = (
