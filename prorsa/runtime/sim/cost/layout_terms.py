@@ -21,8 +21,8 @@ Curves (``grid`` x-values, one list of seconds per curve):
 
 Scalars: decode attention ``attn_decode_base_s + attn_decode_per_seq_s * B +
 attn_decode_per_ctx_token_s * S`` per rank; prefill attention ``attn_prefill_per_chunk_s
-+ attn_prefill_s_per_token2 * n * (p + n/2)`` per chunk; host time of a step run without
-full CUDA graphs ``host_piecewise_s``; per-step CPU scheduling ``sched_cpu_s``.
++ attn_prefill_s_per_token2 * n * (p + n/2)`` per chunk; what a step costs more when it
+runs without full CUDA graphs ``graph_loss_s``; per-step CPU scheduling ``sched_cpu_s``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -50,7 +51,7 @@ _SCALARS = (
     "attn_decode_per_ctx_token_s",
     "attn_prefill_per_chunk_s",
     "attn_prefill_s_per_token2",
-    "host_piecewise_s",
+    "graph_loss_s",
     "sched_cpu_s",
 )
 
@@ -79,7 +80,7 @@ class LayoutTerms:
     attn_decode_per_ctx_token_s: float
     attn_prefill_per_chunk_s: float
     attn_prefill_s_per_token2: float
-    host_piecewise_s: float
+    graph_loss_s: float
     sched_cpu_s: float
     moe_grid: list = field(default_factory=list)
     moe_s: dict = field(default_factory=dict)
@@ -153,9 +154,11 @@ class LayoutTerms:
         return cls(**d)
 
     def save(self, path: str | Path) -> Path:
+        """Write JSON: one line per curve, six significant digits per number."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+        text = json.dumps(_rounded(self.to_dict()), indent=1, sort_keys=True)
+        path.write_text(_NUMBER_LIST.sub(lambda m: re.sub(r"\s+", " ", m.group(0)), text) + "\n")
         return path
 
     @classmethod
@@ -166,6 +169,20 @@ class LayoutTerms:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(data)
+
+
+_NUMBER_LIST = re.compile(r"\[[-0-9.e+,\s]*\]")
+
+
+def _rounded(value):
+    """Floats to six significant digits (far below the tables' own noise)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
 
 
 def _check_grid(grid, where: str, label: str) -> None:
