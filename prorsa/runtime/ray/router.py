@@ -673,13 +673,14 @@ class PDRouter:
         **detail: Any,
     ) -> None:
         """Record one event and move the trajectory's live state (one place for both)."""
-        state = STATE_AFTER[kind]
+        # After a decode the context includes the new output (as the simulator counts it).
+        state, tokens = STATE_AFTER[kind], context_tokens + output_tokens
         old = self._live.get(trajectory_id)
         if old is None:
-            self.states.enter(state, context_tokens)
+            self.states.enter(state, tokens)
         else:
-            self.states.move(*old, state, context_tokens)
-        self._live[trajectory_id] = (state, context_tokens)
+            self.states.move(*old, state, tokens)
+        self._live[trajectory_id] = (state, tokens)
         telemetry = self.telemetry
         telemetry.turn(
             at,
