@@ -84,7 +84,7 @@ def test_shipped_json_is_the_fit_of_the_tables(tmp_path):
     from prorsa.runtime.sim.cost.aiconfigurator import fit_aiconfigurator_profiles
 
     fresh = fit_aiconfigurator_profiles(TABLES, tmp_path)
-    assert len(fresh) == len(list(tmp_path.glob("*.json"))) >= 9
+    assert len(fresh) == len(list(tmp_path.glob("*.json"))) >= 14
     for profile in fresh:
         shipped = get_profile(profile.name)
         for field in (
@@ -116,10 +116,79 @@ def test_fitted_profile_tracks_kernel_sums_over_its_grid():
         )
 
 
-@needs_tables
-def test_moe_has_no_table_profile():
-    from prorsa.errors import ConfigError
-    from prorsa.runtime.sim.cost.aiconfigurator import kernel_sum_prefill_s
+def _table_row_ms(file: str, **where) -> float:
+    """Mean latency (ms) of the raw parquet rows matching ``where``: the test's own read."""
+    import pandas as pd
 
-    with pytest.raises(ConfigError, match="MoE"):
-        kernel_sum_prefill_s("qwen3-30b-a3b", 1024)
+    df = pd.read_parquet(TABLES / file)
+    for column, value in where.items():
+        df = df[df[column] == value]
+    assert len(df), where
+    return float(df.latency.mean())
+
+
+@needs_tables
+def test_moe_kernel_sum_takes_experts_from_the_moe_table():
+    from prorsa.runtime.sim.cost.aiconfigurator import kernel_breakdown_decode
+
+    parts = kernel_breakdown_decode("qwen3-30b-a3b", 64, 2048)
+    row_ms = _table_row_ms(
+        "moe_vllm_0.19.0_moe_perf.parquet",
+        num_tokens=64,
+        hidden_size=2048,
+        inter_size=768,
+        num_experts=128,
+        topk=8,
+        moe_tp_size=1,
+        moe_ep_size=1,
+        moe_dtype="bfloat16",
+        distribution="balanced",
+    )
+    assert parts["moe"] == pytest.approx(48 * row_ms * 1e-3, rel=1e-9)
+    assert parts["allreduce"] == 0.0  # one GPU
+
+
+@needs_tables
+def test_tp_allreduce_comes_from_the_custom_allreduce_table():
+    from prorsa.runtime.sim.cost.aiconfigurator import (
+        kernel_breakdown_decode,
+        kernel_breakdown_prefill,
+    )
+
+    # llama-3-8b: hidden 4096, 32 layers; 64 tokens = 262,144 elements, a measured size
+    rows = {
+        backend: _table_row_ms(
+            "custom_allreduce_vllm_0.19.0_perf.parquet",
+            num_gpus=2,
+            message_size=64 * 4096,
+            backend=backend,
+        )
+        for backend in ("vllm_graph", "vllm_eager")
+    }
+    decode = kernel_breakdown_decode("llama-3-8b", 64, 2048, tp=2)
+    prefill = kernel_breakdown_prefill("llama-3-8b", 64, tp=2)
+    assert decode["allreduce"] == pytest.approx(2 * 32 * rows["vllm_graph"] * 1e-3, rel=1e-9)
+    assert prefill["allreduce"] == pytest.approx(2 * 32 * rows["vllm_eager"] * 1e-3, rel=1e-9)
+    assert prefill["allreduce"] > decode["allreduce"]
+
+
+@needs_tables
+@pytest.mark.parametrize("name", ["h200-qwen3-30b-a3b-tp1", "h200-qwen3-235b-a22b-tp8"])
+def test_moe_profile_tracks_kernel_sums_from_batch_32(name):
+    """The MoE line-plus-floor follows the concave kernel sums once ~all experts are read."""
+    from prorsa.runtime.sim.cost.aiconfigurator import kernel_sum_decode_s, kernel_sum_prefill_s
+
+    profile = get_profile(name)
+    assert profile.source == "aiconfigurator"
+    for b, ctx in ((32, 2048), (64, 8192), (128, 4096), (256, 2048)):
+        assert profile.decode_step_time_s(b, b * ctx) == pytest.approx(
+            kernel_sum_decode_s(profile.model, b, ctx, tp=profile.tp), rel=0.12
+        ), (b, ctx)
+    for n in (1024, 4096, 12288):
+        assert profile.prefill_time_s(n) == pytest.approx(
+            kernel_sum_prefill_s(profile.model, n, tp=profile.tp), rel=0.12
+        )
+    # a small batch reads few experts: the floor overestimates it, never underestimates
+    assert profile.decode_step_time_s(4, 4 * 2048) >= kernel_sum_decode_s(
+        profile.model, 4, 2048, tp=profile.tp
+    )

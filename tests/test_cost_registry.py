@@ -19,7 +19,8 @@ from prorsa.runtime.sim.cost import (
 from prorsa.runtime.sim.cost.models import get_model
 
 NAME = re.compile(
-    r"^(a100|h100|h200)-(llama-3-8b|qwen2\.5-7b|qwen2\.5-32b|qwen3-30b-a3b)-tp[1248]"
+    r"^(a100|h100|h200)-(llama-3-8b|qwen2\.5-7b|qwen2\.5-32b|qwen3-30b-a3b|qwen3-235b-a22b)"
+    r"-tp[1248]"
     r"(-roofline)?$"
 )
 
@@ -33,6 +34,8 @@ def test_expected_names_are_registered():
         "h200-qwen2.5-7b-tp4",
         "h100-llama-3-8b-tp2-roofline",
         "h200-qwen3-30b-a3b-tp1-roofline",
+        "h200-qwen3-30b-a3b-tp1",
+        "h200-qwen3-235b-a22b-tp8",
         "a100-qwen2.5-32b-tp4-roofline",
     ):
         assert name in names

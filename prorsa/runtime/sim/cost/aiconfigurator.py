@@ -5,9 +5,14 @@ A prefill of ``n`` tokens costs, per layer, the QKV, O, gate/up and down GEMMs a
 A decode step of ``B`` sequences costs the same GEMMs at ``m = B``, a generation-
 attention kernel per layer, and the lm_head for all ``B`` rows. Under TP the GEMMs'
 ``n`` (column-parallel) or ``k`` (row-parallel) and the heads are split by ``tp``, and two
-all-reduces per layer come from the roofline's NVLink terms (the tables have none).
-The sums are GPU-kernel time only: no norms, activations, sampling or CPU scheduling,
-which is also what the published reference points in shared/data/README.md count.
+all-reduces per layer come from the measured vLLM custom all-reduce table: the CUDA-graph
+rows for decode steps (replayed from full graphs), the eager rows for prefill (chunks past
+the captured sizes run without graphs). MoE models (one engine, experts tensor parallel
+over its ``tp`` GPUs) take their expert layers from the fused-MoE table at ``moe_tp = tp``
+instead of the per-expert GEMMs. The sums are GPU-kernel time only: no norms,
+activations, sampling or CPU scheduling, which is also what the published reference
+points in shared/data/README.md count. Engines with data-parallel attention or expert
+parallelism are priced by ``layout_fit`` / ``LayoutCost``.
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ from prorsa.runtime.sim.cost.roofline import (
     activation_reserve_bytes,
     fits,
     kv_capacity_tokens,
-    tp_allreduce_time_s,
 )
 
 HARDWARE = "h200"
 # Dense prefill grid: the tables' GEMM latencies jump between neighbouring m (e.g. a slow
 # m=4096 or m=8192 measurement), so many points average the bumps out of the fit.
 PREFILL_FIT_TOKENS = tuple(range(256, 16385, 256))
-KERNEL_MODELS = ("llama-3-8b", "qwen2.5-7b", "qwen2.5-32b")  # dense; the tables hold no MoE GEMMs
+MOE_FLOOR_BATCH = 32
+KERNEL_MODELS = ("llama-3-8b", "qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b", "qwen3-235b-a22b")
 
 # shared/data/README.md: TP1, bf16, GPU kernels only; milliseconds.
 PUBLISHED_MS = {
@@ -47,22 +52,61 @@ PUBLISHED_MS = {
 
 
 def _arch(model: str | ModelArch) -> ModelArch:
-    arch = model if isinstance(model, ModelArch) else get_model(model)
-    if arch.is_moe:
-        raise ConfigError(
-            f"the kernel tables hold no MoE (grouped expert) GEMMs, so '{arch.name}' has no "
-            "table-fitted profile",
-            hint=f"use the roofline profile, e.g. h200-{arch.name}-tp1-roofline",
-        )
-    return arch
+    return model if isinstance(model, ModelArch) else get_model(model)
 
 
 def _tables(tables: KernelTables | None) -> KernelTables:
     return tables if tables is not None else load_kernel_tables()
 
 
+def _side_tables(tables: KernelTables):
+    """The MoE and communication tables from the kernel tables' folder."""
+    from prorsa.runtime.sim.cost.comm_tables import load_comm_tables
+    from prorsa.runtime.sim.cost.moe_tables import load_moe_table
+
+    return load_moe_table(str(tables.data_dir)), load_comm_tables(str(tables.data_dir))
+
+
 def _layer_gemms_s(arch: ModelArch, m: float, tp: int, tables: KernelTables) -> float:
-    return sum(count * tables.gemm_s(m, n, k) for _, n, k, count in arch.layer_gemms(tp))
+    # MoE expert GEMMs come from the fused-MoE table, not from per-expert GEMM rows
+    return sum(
+        count * tables.gemm_s(m, n, k)
+        for name, n, k, count in arch.layer_gemms(tp)
+        if not name.startswith("expert_")
+    )
+
+
+def _moe_s(arch: ModelArch, tokens: float, tp: int, tables: KernelTables) -> float:
+    if not arch.is_moe or tokens <= 0:
+        return 0.0
+    moe, _ = _side_tables(tables)
+    return arch.num_layers * moe.moe_s(
+        tokens,
+        hidden=arch.hidden_size,
+        inter=arch.moe_intermediate_size,
+        topk=arch.experts_per_token,
+        experts=arch.num_experts,
+        moe_tp=tp,
+    )
+
+
+def _moe_covered(arch: ModelArch, tp: int, tables: KernelTables) -> bool:
+    """The fused-MoE table has rows for ``moe_tp = tp`` (always true for dense models)."""
+    if not arch.is_moe:
+        return True
+    moe, _ = _side_tables(tables)
+    splits = moe.splits(
+        arch.hidden_size, arch.moe_intermediate_size, arch.experts_per_token, arch.num_experts
+    )
+    return (tp, 1) in splits
+
+
+def _allreduce_s(arch: ModelArch, tokens: float, tp: int, tables: KernelTables, graph: bool):
+    """Two custom all-reduces per layer of ``tokens x hidden`` bf16 values over ``tp``."""
+    if tp <= 1 or tokens <= 0:
+        return 0.0
+    _, comm = _side_tables(tables)
+    return 2 * arch.num_layers * comm.allreduce_s(tokens * arch.hidden_size, tp, graph=graph)
 
 
 def kernel_breakdown_prefill(
@@ -77,7 +121,8 @@ def kernel_breakdown_prefill(
         "gemm": arch.num_layers * _layer_gemms_s(arch, tokens, tp, t),
         "attention": arch.num_layers * t.context_attention_s(heads, kv, tokens, arch.head_dim),
         "lm_head": t.gemm_s(1, n_lm, k_lm) if tokens > 0 else 0.0,
-        "allreduce": tp_allreduce_time_s(arch, tokens, tp, get_hardware(HARDWARE)),
+        "moe": _moe_s(arch, tokens, tp, t),
+        "allreduce": _allreduce_s(arch, tokens, tp, t, graph=False),
     }
 
 
@@ -106,7 +151,8 @@ def kernel_breakdown_decode(
         "attention": arch.num_layers
         * t.generation_attention_s(heads, kv, batch, ctx, arch.head_dim),
         "lm_head": t.gemm_s(batch, n_lm, k_lm),
-        "allreduce": tp_allreduce_time_s(arch, batch, tp, get_hardware(HARDWARE)),
+        "moe": _moe_s(arch, batch, tp, t),
+        "allreduce": _allreduce_s(arch, batch, tp, t, graph=True),
     }
 
 
@@ -125,9 +171,9 @@ def kernel_sum_decode_s(
 def weight_read_floor_s(
     model: str | ModelArch, *, tp: int = 1, tables: KernelTables | None = None
 ) -> float:
-    """Measured GEMM + lm_head time at batch 1: the weight-streaming floor of a step."""
+    """Measured GEMM + MoE + lm_head time at batch 1: the weight-streaming floor of a step."""
     parts = kernel_breakdown_decode(model, 1, 1, tp=tp, tables=tables)
-    return parts["gemm"] + parts["lm_head"]
+    return parts["gemm"] + parts["moe"] + parts["lm_head"]
 
 
 def profile_name(model: str, tp: int) -> str:
@@ -185,8 +231,15 @@ def fit_aiconfigurator_profile(
         for b, ctx in decode_grid(max_batch, capacity)
     ]
     floor = weight_read_floor_s(arch, tp=tp, tables=t)
+    min_batch = 1
+    if arch.is_moe:
+        # A step of MOE_FLOOR_BATCH sequences already reads ~all experts (87 % under
+        # uniform top-8 of 128): the plateau a line plus floor can follow. Smaller
+        # batches read fewer experts and are overestimated (see decode_fit).
+        floor = sum(kernel_breakdown_decode(arch, MOE_FLOOR_BATCH, 1, tp=tp, tables=t).values())
+        min_batch = MOE_FLOOR_BATCH
     prefill = fit_prefill(prefill_samples)
-    decode = fit_decode(decode_samples, floor_s=floor)
+    decode = fit_decode(decode_samples, floor_s=floor, min_batch=min_batch)
     a, b, c2 = prefill.coefficients
     da, db, dc = decode.coefficients
     provenance = {
@@ -202,7 +255,10 @@ def fit_aiconfigurator_profile(
         "dimension, so the attention term c2 fitted at c=0 also prices cached context",
         "prefill_fit": prefill.summary(),
         "decode_fit": decode.summary(),
-        "decode_floor_s": "measured GEMM + lm_head time at batch 1 (weight streaming)",
+        "decode_floor_s": "measured GEMM + lm_head time at batch 1 (weight streaming)"
+        if not arch.is_moe
+        else f"measured decode step at batch {MOE_FLOOR_BATCH}, context 1 (all experts read); "
+        f"the line is fitted on batches >= {MOE_FLOOR_BATCH}",
         "mixed_overhead_s": "max(prefill_base_s, decode_base_s): one pass over the weights",
         "kv_capacity": {
             "formula": "(hbm_bytes * gpu_memory_utilization - weights/tp - activation "
@@ -215,12 +271,22 @@ def fit_aiconfigurator_profile(
         },
     }
     if tp > 1:
+        _, comm = _side_tables(t)
         provenance["tensor_parallel"] = (
             f"GEMM n (QKV, gate/up, lm_head) or k (O, down) and attention heads divided by "
-            f"tp={tp} before the table lookup; two all-reduces per layer added from the "
-            "roofline NVLink terms (H200 900 GB/s, efficiency "
-            f"{EFFICIENCY['nvlink_efficiency']}, {EFFICIENCY['allreduce_latency_s']} s per call)"
+            f"tp={tp} before the table lookup; two vLLM custom all-reduces per layer from "
+            "the measured all-reduce table (graph rows for decode, eager rows for prefill)"
         )
+        provenance["allreduce_table"] = comm.describe()
+    if arch.is_moe:
+        moe, _ = _side_tables(t)
+        provenance["moe"] = (
+            f"{arch.num_experts} experts, top-{arch.experts_per_token}, tensor parallel over "
+            f"tp={tp}: fused-MoE table (bf16, balanced routing) at the step's tokens. The "
+            "MoE time is concave in tokens (distinct experts read); the line-plus-floor fit "
+            "follows it only roughly (see decode_fit) - LayoutCost keeps the measured curve"
+        )
+        provenance["moe_table"] = moe.describe()
     profile = CostProfile(
         name=profile_name(arch.name, tp),
         model=arch.name,
@@ -260,7 +326,7 @@ def fit_aiconfigurator_profiles(
     for model in models:
         arch = _arch(model)
         for tp in tps:
-            if not fits(arch, hw, tp):
+            if not fits(arch, hw, tp) or not _moe_covered(arch, tp, tables):
                 continue
             profile = fit_aiconfigurator_profile(model, tp, tables=tables)
             if out_dir is not None:
