@@ -55,3 +55,11 @@ def test_summary_of_empty_table():
     assert (s["events"], s["trajectories"], s["turns"]) == (0, 0, 0)
     assert s["tool_latency_s"] == {"count": 0, "p50": None, "p90": None, "p99": None}
     assert s["span_s"] == 0.0 and s["tasks"] == {}
+
+
+def test_summary_counts_unfinished_trajectories(table):
+    assert summarize(table)["trajectories_unfinished"] == 0
+    cut = table.filter(
+        ~((table["trajectory_id"].to_numpy() == "b") & (table["kind"].to_numpy() == "traj_end"))
+    )
+    assert summarize(cut)["trajectories_unfinished"] == 1

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from prorsa.cli.common import console, friendly_errors, print_json
@@ -25,9 +26,12 @@ def import_command(
     run_id: str | None = typer.Option(None, "--run-id", help="run_id of the events."),
 ) -> None:
     """Import a public trace as lifecycle events (Parquet)."""
-    from prorsa.telemetry.importers import import_trace
+    from prorsa.io import check_output
+    from prorsa.telemetry.importers import IMPORTERS, import_trace
     from prorsa.telemetry.reader import write_parquet
 
+    IMPORTERS.get(fmt)  # an unknown format fails before any output check
+    check_output(out, inputs=[src])
     result = import_trace(src, fmt, run_id=run_id, skip_bad=skip_bad)
     write_parquet(result.table, out)
     console.print(
@@ -55,18 +59,32 @@ def import_command(
 def summary_command(
     file: Path = typer.Argument(..., help="Parquet file or telemetry directory."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    allow_partial: bool = typer.Option(
+        False,
+        "--allow-partial",
+        help="Summarise a run that did not complete (interrupted, failed, unfinished "
+        "trajectories) instead of refusing it; the summary then says so.",
+    ),
 ) -> None:
     """Summarise telemetry: trajectories, turns, tokens, tool latency, span."""
+    from prorsa.telemetry.manifest import check_complete
     from prorsa.telemetry.reader import read_telemetry
     from prorsa.telemetry.summary import summarize
 
     table, report = read_telemetry(file)
+    completeness = check_complete(table, allow_partial=allow_partial, location=file)
     summary = summarize(table)
+    if not completeness.complete:
+        summary["partial"] = completeness.to_dict()
+    if not report.clean:
+        summary["damage"] = {"lost_records": report.lost_records, "losses": report.losses}
     if as_json:
         print_json(summary)
         return
+    if not completeness.complete:
+        console.print(f"[bold yellow]{escape(completeness.describe())}[/]", highlight=False)
     if not report.clean:
-        console.print(f"[yellow]{report.describe()}[/]", highlight=False)
+        console.print(f"[yellow]{escape(report.describe())}[/]", highlight=False)
     console.print(_summary_table(summary, str(file)))
 
 
@@ -86,6 +104,8 @@ def formats_command() -> None:
 def _summary_table(summary: dict[str, Any], title: str) -> Table:
     table = Table("metric", "value", title=title)
     for key, value in summary.items():
+        if key in ("partial", "damage"):
+            continue  # printed above the table
         if isinstance(value, dict):
             value = "  ".join(f"{k} {_fmt(v)}" for k, v in value.items()) or "-"
         table.add_row(key, _fmt(value) if not isinstance(value, str) else value)

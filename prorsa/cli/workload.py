@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.errors import ConfigError
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -21,14 +22,22 @@ def fit(
     out: Path = typer.Option(..., "--out", "-o", help="profile JSON to write"),
     name: str | None = typer.Option(None, help="profile name (default: the output file's stem)"),
     group_rho: float | None = typer.Option(None, help="override the GRPO-group correlation"),
+    allow_partial: bool = typer.Option(
+        False,
+        "--allow-partial",
+        help="Fit to a run that did not complete (its cut-short trajectories bias the fit).",
+    ),
 ) -> None:
     """Fit a task profile (turns, context growth, outputs, tool time) to a trace."""
+    from prorsa.io import check_output
     from prorsa.workload import profile_from_trace
 
+    if group_rho is not None and not 0.0 <= group_rho <= 1.0:
+        raise ConfigError(f"--group-rho must be in [0, 1], got {group_rho}")
+    check_output(out, inputs=[trace])
     overrides = {} if group_rho is None else {"group_rho": group_rho}
-    profile = profile_from_trace(name or out.stem, trace, **overrides)
+    profile = profile_from_trace(name or out.stem, trace, allow_partial=allow_partial, **overrides)
     profile.sources["trace"] = str(trace)
-    out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     console.print(f"wrote {out}: {profile.sources['fit']}")
 
@@ -37,7 +46,7 @@ def fit(
 @friendly_errors
 def show(
     name: str = typer.Argument(..., help="scenario name or profile JSON path"),
-    n: int = typer.Option(2000, help="trajectories to sample for the summary"),
+    n: int = typer.Option(2000, min=1, help="trajectories to sample for the summary"),
     seed: int = typer.Option(0),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
@@ -74,15 +83,17 @@ def show(
 @friendly_errors
 def sample(
     name: str = typer.Argument(..., help="scenario name or profile JSON path"),
-    n: int = typer.Option(..., "-n", help="number of trajectories"),
+    n: int = typer.Option(..., "-n", min=0, help="number of trajectories"),
     out: Path = typer.Option(..., "--out", "-o", help="JSON-lines file of trajectory specs"),
     seed: int = typer.Option(0),
-    group_size: int = typer.Option(8, help="GRPO group size (samples per prompt)"),
+    group_size: int = typer.Option(8, min=1, help="GRPO group size (samples per prompt)"),
 ) -> None:
     """Write ``n`` sampled trajectory specs as JSON lines."""
+    from prorsa.io import atomic_open, check_output
+
+    check_output(out, inputs=[Path(name)])
     specs = _load(name).sample(n, seed, group_size=group_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as fh:
+    with atomic_open(out) as fh:
         for spec in specs:
             fh.write(json.dumps(spec.to_dict()) + "\n")
     console.print(f"wrote {len(specs)} specs to {out}")

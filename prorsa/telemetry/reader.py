@@ -89,12 +89,15 @@ def read_telemetry(
     """Return every intact event under ``path`` and a report of what was lost.
 
     ``path`` may be a recorder directory (segments read in order), a single ``.ptel``
-    segment or a Parquet file. With ``validate=True`` the events are also checked
-    against the schema rules and an :class:`InputError` names the first bad record.
+    segment, a Parquet file, or a run folder holding ``telemetry/`` (a recorder
+    directory, preferred: it is the raw record) or ``telemetry.parquet``. With
+    ``validate=True`` the events are also checked against the schema rules and an
+    :class:`InputError` names the first bad record.
     """
     path = Path(path)
     if not path.exists():
         raise InputError("no such file or directory", source=str(path))
+    path = _inside_run_folder(path)
     report = RecoveryReport(source=str(path))
     if path.is_dir():
         segments = sorted(
@@ -157,6 +160,16 @@ def write_parquet(table: pa.Table, path: str | os.PathLike[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+def _inside_run_folder(path: Path) -> Path:
+    if not path.is_dir() or any(path.glob(f"segment-*{SEGMENT_SUFFIX}")):
+        return path
+    recorder = path / "telemetry"
+    if recorder.is_dir() and any(recorder.glob(f"segment-*{SEGMENT_SUFFIX}")):
+        return recorder
+    parquet = path / "telemetry.parquet"
+    return parquet if parquet.is_file() else path
+
+
 def _head(path: Path) -> bytes:
     with path.open("rb") as handle:
         return handle.read(len(FILE_MAGIC))

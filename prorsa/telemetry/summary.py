@@ -20,7 +20,8 @@ TOKEN_COLUMNS: tuple[str, ...] = ("context_tokens", "new_tokens", "cached_tokens
 def summarize(table: pa.Table | pd.DataFrame) -> dict[str, Any]:
     """Summary statistics of ``table`` (lifecycle events) as a JSON-ready dict.
 
-    Keys: ``events``, ``trajectories``, ``turns``, ``turns_per_trajectory`` (mean, p50, p90,
+    Keys: ``events``, ``trajectories``, ``trajectories_unfinished`` (no ``traj_end``),
+    ``turns``, ``turns_per_trajectory`` (mean, p50, p90,
     max), per-turn token columns (p50, p90), ``cache_hit_ratio`` (cached / context
     tokens), ``tool_latency_s`` (count, p50, p90, p99 over turns followed by a tool),
     ``completion_s`` (per finished trajectory: p50, p90, max), ``span_s`` (first to last
@@ -39,6 +40,9 @@ def summarize(table: pa.Table | pd.DataFrame) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "events": len(events),
         "trajectories": len(trajectories),
+        "trajectories_unfinished": int((~trajectories["done"].astype(bool)).sum())
+        if len(trajectories)
+        else 0,
         "turns": len(turns),
         "turns_per_trajectory": {
             "mean": _round(np.mean(per_trajectory)) if len(per_trajectory) else None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -103,9 +102,19 @@ class TaskProfile:
         return out
 
     # ------------------------------------------------------------------- fitting
-    def fit(self, trace: pa.Table | pd.DataFrame | str | os.PathLike[str]) -> TaskProfile:
-        """Fit every distribution to an imported trace (events or a turn table); returns self."""
-        turns = _turn_frame(trace)
+    def fit(
+        self,
+        trace: pa.Table | pd.DataFrame | str | os.PathLike[str],
+        *,
+        allow_partial: bool = False,
+    ) -> TaskProfile:
+        """Fit every distribution to an imported trace (events or a turn table); returns self.
+
+        Events of a run that did not complete (see
+        :func:`prorsa.telemetry.manifest.check_complete`) are refused unless
+        ``allow_partial``: cut-short trajectories would bias the turn counts.
+        """
+        turns = _turn_frame(trace, allow_partial=allow_partial)
         per_traj = turns.groupby(["run_id", "trajectory_id"], sort=False)
         counts = per_traj.size().to_numpy()
         if len(counts) < 2:
@@ -167,7 +176,10 @@ class TaskProfile:
             raise ConfigError(f"malformed task profile: {exc}") from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the profile as JSON (whole or not at all: a failed write keeps the old file)."""
+        from prorsa.io import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 @dataclass
@@ -216,14 +228,20 @@ def _turns_within_context(new: np.ndarray, out: np.ndarray, max_context: int) ->
     return int(fits[-1] + 1) if len(fits) else 1
 
 
-def _turn_frame(trace: pa.Table | pd.DataFrame | str | os.PathLike[str]) -> pd.DataFrame:
+def _turn_frame(
+    trace: pa.Table | pd.DataFrame | str | os.PathLike[str], *, allow_partial: bool = False
+) -> pd.DataFrame:
+    from prorsa.telemetry.manifest import check_complete
     from prorsa.telemetry.reader import read_telemetry
     from prorsa.telemetry.views import turn_table
 
+    location = None
     if isinstance(trace, (str, os.PathLike)):
+        location = trace
         trace, _ = read_telemetry(trace, validate=True)
     if isinstance(trace, pd.DataFrame) and "tool_latency_s" in trace.columns:
-        return trace
+        return trace  # a turn table: completeness was the caller's to check
+    check_complete(trace, allow_partial=allow_partial, location=location)
     turns = turn_table(trace)
     if turns.empty:
         raise InputError("trace holds no trajectory turns", source="trace")
@@ -246,12 +264,21 @@ def _appended_tokens(turns: pd.DataFrame) -> np.ndarray:
 
 
 def profile_from_trace(
-    name: str, trace: pa.Table | pd.DataFrame | str | os.PathLike[str], **overrides: object
+    name: str,
+    trace: pa.Table | pd.DataFrame | str | os.PathLike[str],
+    *,
+    allow_partial: bool = False,
+    **overrides: object,
 ) -> TaskProfile:
-    """A new :class:`TaskProfile` fitted to ``trace``; ``overrides`` replace fitted fields."""
+    """A new :class:`TaskProfile` fitted to ``trace``; ``overrides`` replace fitted fields.
+
+    A partial run is refused unless ``allow_partial`` (see :meth:`TaskProfile.fit`).
+    """
     unit = LogNormal(0.0, 0.0, 1.0, 1.0)
     per_turn = PerTurnLogNormal(0.0, 0.0, 0.0, 1.0, 1.0)
-    profile = TaskProfile(name, unit, unit, per_turn, per_turn, unit).fit(trace)
+    profile = TaskProfile(name, unit, unit, per_turn, per_turn, unit).fit(
+        trace, allow_partial=allow_partial
+    )
     for key, value in overrides.items():
         if not hasattr(profile, key):
             raise ConfigError(f"unknown profile field '{key}'")
