@@ -17,6 +17,7 @@ from prorsa.forecast import lgbm
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, register
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import aggregate_feature_names
+from prorsa.forecast.model_folder import model_file, state_field
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
 #: (key suffix, LightGBM objective, quantile level)
@@ -109,7 +110,11 @@ class LightGBMAggregateForecaster(Forecaster):
         return {"boosters": lgbm.save_boosters(self.boosters_, path / "boosters.json.gz")}
 
     def _set_state(self, state: dict, path: Path) -> None:
-        self.boosters_ = lgbm.load_boosters(path / state["boosters"])
+        name = state_field(state, "boosters", str, source=path)
+        required = tuple(f"{t}:{key}" for t in TARGETS for key, _, _ in LOSSES)
+        self.boosters_ = lgbm.load_boosters(
+            model_file(path, name, field="state.boosters"), required
+        )
         width = len(aggregate_feature_names(self.lags_, self.tasks_)) + 1
         for booster in self.boosters_.values():
             lgbm.check_width(booster, width, source=str(path / state["boosters"]))

@@ -28,10 +28,11 @@ from typing import Any, ClassVar
 import numpy as np
 import pandas as pd
 
-from prorsa.errors import ConfigError, InputError, NotFittedError
+from prorsa.errors import ConfigError, InputError, NotFittedError, ProrsaError
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.events import Events
 from prorsa.forecast.features import aggregate_features
+from prorsa.forecast.model_folder import MANIFEST, read_manifest
 from prorsa.forecast.tracker import LifecycleTracker
 from prorsa.forecast.types import (
     DEFAULT_HORIZONS,
@@ -45,7 +46,6 @@ from prorsa.registry import Registry
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 Point = dict[str, np.ndarray]
 Quantiles = dict[float, dict[str, np.ndarray]]
 
@@ -315,32 +315,86 @@ def register(name: str):
 
 
 def load_forecaster(path: str | os.PathLike[str]) -> Forecaster:
-    """Load a folder written by :meth:`Forecaster.save`."""
+    """Load a folder written by :meth:`Forecaster.save`.
+
+    Raises:
+        InputError: the folder is missing, damaged or not a model folder; the message
+            names the file and the field (``prorsa.forecast.model_folder`` checks them).
+    """
     import prorsa.forecast  # noqa: F401  (registers the built-ins)
 
     path = Path(path)
-    file = path / MANIFEST
-    if not file.exists():
+    manifest = read_manifest(path)
+    source = str(path / MANIFEST)
+    name = manifest["name"]
+    if name not in FORECASTERS:
         raise InputError(
-            f"no {MANIFEST} in {path}", source=str(path), hint="is this a saved model folder?"
+            f"unknown forecaster {name!r}",
+            source=source,
+            field="name",
+            hint=f"registered: {', '.join(FORECASTERS.names())}",
         )
-    try:
-        manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"unreadable manifest: {exc}", source=str(file)) from None
-    if manifest.get("format") != "prorsa-forecaster/1":
-        raise InputError("unknown model format", source=str(file), field="format")
-    klass = FORECASTERS.get(manifest["name"])
-    model = klass(**manifest["params"])
+    klass = FORECASTERS.get(name)
+    model = klass(**_checked_params(klass, manifest.get("params", {}), source))
     fitted = manifest["fitted"]
-    model.horizons_ = tuple(fitted["horizons"])
-    model.lags_ = tuple(fitted["lags"])
+    model.horizons_ = tuple(float(h) for h in fitted["horizons"])
+    model.lags_ = tuple(float(h) for h in fitted["lags"])
     model.tasks_ = tuple(fitted["tasks"])
     model.tick_s_ = float(fitted["tick_s"])
     model.data_hash_ = manifest.get("data_hash")
     model.metrics_ = manifest.get("metrics", {})
     model.manifest_ = manifest
-    model._set_state(manifest.get("state", {}), path)
-    model.fitted_ = True
-    model.reset()
+    try:
+        model._set_state(manifest.get("state", {}), path)
+        model.fitted_ = True
+        model.reset()
+    except ProrsaError:
+        raise
+    except Exception as exc:  # a damaged folder must never surface as a traceback
+        raise InputError(
+            f"cannot restore the '{name}' model: {type(exc).__name__}: {exc}",
+            source=str(path),
+            field="state",
+            hint="the folder is damaged or from another version of prorsa: regenerate it "
+            "(`prorsa forecast ship`) or retrain it",
+        ) from None
     return model
+
+
+def _checked_params(klass: type[Forecaster], params: dict, source: str) -> dict:
+    """Manifest parameters checked against the constructor (names, and types by default)."""
+    signature = inspect.signature(klass.__init__).parameters
+    known = set(klass._param_names())
+    out = {}
+    for key, value in params.items():
+        if key not in known:
+            raise InputError(
+                f"unknown parameter {key!r} for '{klass.name}'",
+                source=source,
+                field=f"params.{key}",
+                hint=f"its parameters: {', '.join(sorted(known))}",
+            )
+        default = signature[key].default
+        if not _same_kind(default, value):
+            raise InputError(
+                f"must be like {default!r}, got {value!r}",
+                source=source,
+                field=f"params.{key}",
+            )
+        out[key] = value
+    return out
+
+
+def _same_kind(default: Any, value: Any) -> bool:
+    """Whether a manifest value may stand where the constructor's default stands."""
+    if default is inspect.Parameter.empty or default is None or value is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, int | float):
+        return isinstance(value, int | float) and np.isfinite(value)
+    if isinstance(default, tuple | list):
+        return isinstance(value, list | tuple) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in value
+        )
+    return isinstance(value, type(default))

@@ -196,14 +196,14 @@ class GRUForecaster(Forecaster):
 
     def _set_state(self, state: dict, path: Path) -> None:
         from prorsa.errors import InputError
+        from prorsa.forecast.model_folder import model_file, read_npz, state_field
 
-        file = path / state["weights"]
-        if not file.exists():
-            raise InputError("model file missing", source=str(file))
-        with np.load(file) as z:
-            self.weights_ = {k[2:]: z[k] for k in z.files if k.startswith("w:")}
-            self.x_mean_, self.x_std_ = z["x_mean"], z["x_std"]
-            self.y_mean_, self.y_std_ = z["y_mean"], z["y_std"]
+        name = state_field(state, "weights", str, source=path)
+        file = model_file(path, name, field="state.weights")
+        arrays = read_npz(file, ("x_mean", "x_std", "y_mean", "y_std"))
+        self.weights_ = {k[2:]: v for k, v in arrays.items() if k.startswith("w:")}
+        self.x_mean_, self.x_std_ = arrays["x_mean"], arrays["x_std"]
+        self.y_mean_, self.y_std_ = arrays["y_mean"], arrays["y_std"]
         self._net = None
         width = len(aggregate_feature_names(self.lags_, self.tasks_))
         if len(self.x_mean_) != width:
@@ -212,3 +212,12 @@ class GRUForecaster(Forecaster):
                 source=str(file),
                 hint="retrain it (`prorsa forecast ship` regenerates the shipped models)",
             )
+        try:
+            self._network()  # weights that do not fit the network fail here, not mid-run
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise InputError(
+                f"the weights do not fit a GRU of hidden size {self.hidden}: "
+                f"{str(exc).splitlines()[0]}",
+                source=str(file),
+                hint="retrain it (`prorsa forecast ship` regenerates the shipped models)",
+            ) from None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,12 +76,21 @@ def predict(booster, x: np.ndarray) -> np.ndarray:
     return booster.predict(x, num_threads=1)
 
 
+BOOSTERS_FORMAT = "prorsa-boosters/2"
+
+
 def save_boosters(boosters: dict[str, object], path: Path) -> str:
-    """Write ``{key: booster}`` as one gzipped JSON of LightGBM model strings."""
+    """Write ``{key: booster}`` as one gzipped JSON of LightGBM model strings, each with its
+    SHA-256 (checked on load: LightGBM crashes the process on a damaged model string)."""
     text = {key: b.model_to_string() for key, b in boosters.items()}
+    payload = {
+        "format": BOOSTERS_FORMAT,
+        "models": text,
+        "sha256": {key: hashlib.sha256(s.encode()).hexdigest() for key, s in text.items()},
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     # mtime=0: the same models give the same bytes (reproducible shipped files).
-    data = json.dumps(text).encode("utf-8")
+    data = json.dumps(payload).encode("utf-8")
     with (
         open(path, "wb") as raw,
         gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f,
@@ -88,15 +99,65 @@ def save_boosters(boosters: dict[str, object], path: Path) -> str:
     return path.name
 
 
-def load_boosters(path: Path) -> dict[str, object]:
+def load_boosters(path: Path, required: tuple[str, ...] = ()) -> dict[str, object]:
+    """Boosters saved by :func:`save_boosters`; ``required`` keys must be present.
+
+    Every model string is checked (digest, and that it is complete) before LightGBM
+    parses it. Raises InputError naming the file (and the key) for a missing, truncated or
+    damaged file.
+    """
     from prorsa.errors import InputError
+    from prorsa.forecast.model_folder import read_gzip_json
 
     lgb = lightgbm()
-    if not path.exists():
+    if not path.is_file():
         raise InputError("model file missing", source=str(path))
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        text = json.load(f)
-    return {key: lgb.Booster(model_str=s) for key, s in text.items()}
+    payload = read_gzip_json(path)
+    digests: dict = {}
+    if isinstance(payload, dict) and payload.get("format") == BOOSTERS_FORMAT:
+        models, digests = payload.get("models"), payload.get("sha256")
+        if not isinstance(digests, dict):
+            raise InputError("digests missing", source=str(path), field="sha256")
+    else:
+        models = payload  # first format: the object of model strings itself
+    if not isinstance(models, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in models.items()
+    ):
+        raise InputError(
+            "expected an object of LightGBM model strings", source=str(path), field="models"
+        )
+    missing = [k for k in required if k not in models]
+    if missing:
+        raise InputError(
+            f"model(s) {', '.join(missing[:3])} missing", source=str(path), field=missing[0]
+        )
+    out = {}
+    for key, model in models.items():
+        if digests and hashlib.sha256(model.encode()).hexdigest() != digests.get(key):
+            raise InputError("model string does not match its digest", source=str(path), field=key)
+        if not complete_model_string(model):
+            raise InputError("truncated or damaged model string", source=str(path), field=key)
+        try:
+            out[key] = lgb.Booster(model_str=model)
+        except (lgb.basic.LightGBMError, ValueError) as exc:
+            raise InputError(
+                f"LightGBM cannot read this model: {exc}", source=str(path), field=key
+            ) from None
+    return out
+
+
+def complete_model_string(model: str) -> bool:
+    """Whether a LightGBM model string is whole: its header's ``tree_sizes`` add up to the
+    tree section, one ``Tree=`` per size, and the trailer is there."""
+    if not model.startswith("tree\n") or "end of parameters" not in model:
+        return False
+    match = re.search(r"^tree_sizes=([0-9 ]*)$", model, re.M)
+    first = model.find("Tree=0\n")
+    end = model.find("end of trees")
+    if match is None or first < 0 or end < 0:
+        return False
+    sizes = [int(x) for x in match.group(1).split()]
+    return end - first == sum(sizes) and model.count("\nTree=") == len(sizes)
 
 
 def check_width(booster, expected: int, *, source: str) -> None:

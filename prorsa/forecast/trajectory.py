@@ -28,12 +28,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from prorsa.errors import InputError
 from prorsa.forecast import lgbm
 from prorsa.forecast.aggregate import LOSSES, subsample
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
 from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import aggregate_feature_names
+from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
@@ -346,10 +348,36 @@ class LightGBMTrajectoryForecaster(Forecaster):
         }
 
     def _set_state(self, state: dict, path: Path) -> None:
-        self.boosters_ = lgbm.load_boosters(path / state["boosters"])
-        self.spread_ = {k: list(v) for k, v in state["spread"].items()}
-        self.default_ = {k: float(v) for k, v in state["default"].items()}
-        self.calibration_features_ = list(state.get("calibration_features", []))
+        file = model_file(
+            path, state_field(state, "boosters", str, source=path), field="state.boosters"
+        )
+        spread = state_field(state, "spread", dict, source=path)
+        default = state_field(state, "default", dict, source=path)
+        features = state.get("calibration_features", [])
+        source = str(path / MANIFEST)
+        if not isinstance(features, list) or not all(f in CALIBRATION_FEATURES for f in features):
+            raise InputError(
+                f"unknown calibration features {features!r}",
+                source=source,
+                field="state.calibration_features",
+            )
+        missing = [name for name in TURN_MODELS if name not in default]
+        if missing:
+            raise InputError("missing", source=source, field=f"state.default.{missing[0]}")
+        for table, label in ((spread, "spread"), (default, "default")):
+            for key, value in table.items():
+                values = value if label == "spread" else [value]
+                if not isinstance(values, list) or not all(_finite(v) for v in values):
+                    raise InputError(
+                        f"must be finite numbers, got {value!r}",
+                        source=source,
+                        field=f"state.{label}.{key}",
+                    )
+        required = [f"cal:{t}:{suffix}" for t in TARGETS for suffix, _, _ in LOSSES]
+        self.boosters_ = lgbm.load_boosters(file, tuple(required) if self.calibrate else ())
+        self.spread_ = {k: [float(x) for x in v] for k, v in spread.items()}
+        self.default_ = {k: float(v) for k, v in default.items()}
+        self.calibration_features_ = list(features)
         self._cal_index = None
         turn_width = len(EVENT_FEATURES)
         cal_width = (
@@ -357,7 +385,11 @@ class LightGBMTrajectoryForecaster(Forecaster):
         )
         for key, booster in self.boosters_.items():
             width = cal_width if key.startswith("cal:") else turn_width
-            lgbm.check_width(booster, width, source=str(path / state["boosters"]))
+            lgbm.check_width(booster, width, source=str(file))
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
 
 
 def _spread_by_task(residual: np.ndarray, task: np.ndarray, n_tasks: int) -> list[float]:
