@@ -140,7 +140,9 @@ def compare_cmd(
     Cells run as Ray tasks and stream to OUT/cells.jsonl as they finish; running the same
     command again skips the finished ones."""
     from prorsa.experiments.compare import CompareConfig
+    from prorsa.io import check_output
 
+    out = check_output(out, kind="dir", inputs=trace)
     workloads = [(None, str(t)) for t in trace] or [
         (s.strip(), None) for s in scenario.split(",") if s.strip()
     ]

@@ -50,6 +50,7 @@ def tune_cmd(
     workers (or several commands) may share one storage."""
     from prorsa.experiments.cells import Cell
     from prorsa.experiments.compare import FORECAST_POLICIES
+    from prorsa.io import check_output
     from prorsa.tracking import Tracker
     from prorsa.tune import TuneConfig, default_study_name, study_summary, tune
 
@@ -79,6 +80,7 @@ def tune_cmd(
     )
     cfg.validate()
     name = study or default_study_name(cfg)
+    check_output(out / name, kind="dir", inputs=[trace])
     with Progress(
         TextColumn("[bold]trials"),
         BarColumn(),

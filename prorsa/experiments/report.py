@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from prorsa.io import atomic_write_text
+
 COLORS = {
     "colocate": "#7f7f7f",
     "static": "#bcbd22",
@@ -178,8 +180,9 @@ def write_report(
 ) -> Path:
     """results.json, PNG plots and report.md under ``out``; returns the report path."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(
-        json.dumps({"config": config, **result}, indent=1, default=_json_value) + "\n"
+    atomic_write_text(
+        out / "results.json",
+        json.dumps({"config": config, **result}, indent=1, default=_json_value) + "\n",
     )
     summary, runs = result["summary"], result["runs"]
     lines = [f"# {title}", ""]
@@ -205,7 +208,7 @@ def write_report(
             if png is not None:
                 lines += [f"![{name}]({png.name})", ""]
     path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 

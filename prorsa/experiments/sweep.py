@@ -141,9 +141,44 @@ def ray_session(workers: int, address: str | None = None) -> Iterator[Any]:
         logger.info("Ray session %s", address or f"local, {workers} CPUs")
     try:
         yield ray
+    except KeyboardInterrupt:
+        if owned and not address:
+            _stop_local_ray_now(ray)
+        raise
     finally:
         if owned:
             ray.shutdown()
+
+
+def _stop_local_ray_now(ray: Any, grace_s: float = 0.3) -> None:
+    """Stop a local Ray instance's helper processes (autoscaler monitor, dashboard, log
+    monitor) all at once before ``ray.shutdown``, which stops them one by one and gives
+    each a second; an interrupted command should be gone in a moment. The GCS and the
+    raylet stay for ``shutdown``: the driver must disconnect from them first."""
+    import time
+
+    keep = ("gcs_server", "raylet", "reaper")
+    try:  # Ray keeps its child processes on the node object (not a public API)
+        node = ray._private.worker._global_node
+        processes = [
+            info.process
+            for kind, infos in node.all_processes.items()
+            if kind not in keep
+            for info in infos
+        ]
+    except Exception:
+        logger.debug("cannot list Ray's processes; stopping them one by one", exc_info=True)
+        return
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+        time.sleep(0.02)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=1.0)
 
 
 def cancel_ray_tasks(ray: Any, refs: list) -> None:
@@ -312,8 +347,9 @@ class Sweep:
         self._stack.append(stack)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stack.pop().close()
+    def __exit__(self, *exc: Any) -> None:
+        # Pass the exception on: an interrupted session is stopped faster than a finished one.
+        self._stack.pop().__exit__(*exc)
 
     def _close_pool(self) -> None:
         if self._pool is not None:
@@ -371,7 +407,7 @@ class Sweep:
         try:
             while pending:
                 # A timeout keeps the loop returning to Python, where signals are handled.
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
                 for ref in ready:
                     k = pending.pop(ref)
                     yield k, _unwrap(ray.get(ref))

@@ -1,0 +1,239 @@
+"""The sweep runner: streamed, resumable results; Ray tasks; no worker outlives a SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from prorsa.errors import ConfigError
+from prorsa.experiments.cells import Cell
+from prorsa.experiments.compare import CompareConfig, run_compare
+from prorsa.experiments.sweep import Sweep, cell_key, run_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cell(seed: int = 0, **changes) -> Cell:
+    base = Cell(
+        scenario="search",
+        trace=None,
+        mode="sync",
+        policy="colocate",
+        seed=seed,
+        engines=4,
+        profile="h200-qwen2.5-7b-tp1",
+        trajectories=16,
+        group_size=4,
+        series=False,
+    )
+    return replace(base, **changes)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray instance for the module (start-up costs seconds); sweeps reuse it."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def test_cell_key_is_stable_and_covers_every_field():
+    assert cell_key(_cell()) == cell_key(_cell())
+    keys = {
+        cell_key(c)
+        for c in (
+            _cell(),
+            _cell(seed=1),
+            _cell(policy="static"),
+            _cell(policy_params={"prefill_gpus": 1}),
+            _cell(cluster_overrides={"local_prefill_threshold": 64}),
+        )
+    }
+    assert len(keys) == 5
+
+
+def test_resumed_sweep_skips_finished_cells_and_reruns_a_cut_line(tmp_path):
+    calls = []
+
+    def counted(cell):
+        from prorsa.experiments.cells import run_cell
+
+        calls.append(cell.seed)
+        return run_cell(cell)
+
+    path = tmp_path / "cells.jsonl"
+    first = run_sweep([_cell(s) for s in range(3)], results_path=path, workers=1, fn=counted)
+    assert calls == [0, 1, 2]
+    assert len(path.read_text().splitlines()) == 3
+    # A kill in the middle of a write leaves a line without its end.
+    with path.open("a") as f:
+        f.write('{"key": "' + cell_key(_cell(3)) + '", "result": {"cell"')
+    calls.clear()
+    with Sweep(results_path=path, workers=1, fn=counted) as sweep:
+        again = sweep.map([_cell(s) for s in range(5)])
+    assert calls == [3, 4]  # 0-2 read back; 3 was cut short, so it runs again
+    assert (sweep.reused, sweep.ran) == (3, 2)
+    assert again[:3] == first
+    assert [r["cell"]["seed"] for r in again] == [0, 1, 2, 3, 4]
+    lines = path.read_text().splitlines()
+    assert all(json.loads(line) for line in lines if line.endswith("}}"))
+    calls.clear()
+    run_sweep([_cell(s) for s in range(5)], results_path=path, workers=1, fn=counted)
+    assert calls == []
+    calls.clear()
+    run_sweep([_cell(0)], results_path=path, workers=1, fn=counted, resume=False)
+    assert calls == [0] and len(path.read_text().splitlines()) == 1
+
+
+@pytest.mark.ray
+def test_ray_sweep_streams_each_cell_as_it_finishes(tmp_path, ray_local):
+    path = tmp_path / "cells.jsonl"
+    seen = []
+
+    def progress(done: int, total: int) -> None:
+        # Each finished cell is on disk before progress reports it.
+        seen.append((done, total, len(path.read_text().splitlines()) if path.exists() else 0))
+
+    cells = [_cell(s) for s in range(4)]
+    with Sweep(results_path=path, workers=2) as sweep:
+        assert sweep.backend == "ray"
+        results = sweep.map(cells, progress)
+    assert ray_local.is_initialized()  # a session the caller started is left running
+    assert [r["cell"]["seed"] for r in results] == [0, 1, 2, 3]
+    assert seen[-1] == (4, 4, 4)
+    assert all(lines >= done for done, _, lines in seen)
+    inline = run_sweep(cells, workers=1)
+    assert [r["objective"] for r in results] == [r["objective"] for r in inline]
+
+
+@pytest.mark.ray
+def test_project_errors_from_workers_keep_their_message(ray_local):
+    bad = _cell(policy="best-static")  # needs prefill_gpus
+    with pytest.raises(ConfigError, match="prefill_gpus") as info:
+        run_sweep([_cell(0), bad], workers=2)
+    assert info.value.hint and "compare" in info.value.hint
+
+
+def test_compare_resumes_from_its_cells_file(tmp_path):
+    cfg = CompareConfig(
+        workloads=[("search", None)],
+        policies=["colocate", "best-static", "threshold"],
+        seeds=2,
+        engines=4,
+        trajectories=16,
+        group_size=4,
+        workers=1,
+        cells_path=tmp_path / "cells.jsonl",
+    )
+    first = run_compare(cfg)
+    assert first["cells"]["run"] == 2 * 3 + 3  # matrix + the three static splits
+    again = run_compare(cfg)
+    assert (again["cells"]["run"], again["cells"]["reused"]) == (0, first["cells"]["run"])
+    assert again["summary"] == first["summary"]
+    assert (
+        again["best_static"]["search/sync"]["prefill_slots"]
+        == (first["best_static"]["search/sync"]["prefill_slots"])
+    )
+
+
+def test_bad_sweep_options_are_config_errors():
+    with pytest.raises(ConfigError, match="workers"):
+        Sweep(workers=-1)
+    with pytest.raises(ConfigError, match="backend"):
+        Sweep(backend="threads")
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.slow  # a fresh Ray instance in a subprocess: 15-40 s on 2 busy cores
+@pytest.mark.ray
+def test_sigterm_on_compare_leaves_no_child_alive(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("ray")
+    out = tmp_path / "cmp"
+    cmd = [
+        sys.executable,
+        "-m",
+        "prorsa.cli.main",
+        "compare",
+        "--scenario",
+        "swe",
+        "--policies",
+        "colocate,threshold",
+        "--engines",
+        "8",
+        "--trajectories",
+        "512",
+        "--seeds",
+        "6",
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ)
+    )
+    try:
+        # Wait until Ray workers are running cells (a worker's title is "ray::<task>").
+        deadline = time.monotonic() + 90
+        children: list = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            children = _descendants(proc.pid)
+            busy = [c for c in children if _cmdline(c).startswith("ray::_call")]
+            if busy:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        assert busy, "no Ray worker started within 90 s"
+        children = _descendants(proc.pid)
+        assert len(children) >= 3  # Ray's own processes and the workers
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        # Everything, the command itself included, is gone within 5 s of the signal.
+        assert proc.wait(timeout=5) == 130  # ended like Ctrl-C
+        left_s = max(5.0 - (time.monotonic() - signalled), 0.0)
+        _, alive = psutil.wait_procs(children, timeout=left_s)
+        alive = [p for p in alive if _alive(p)]
+        assert not alive, [f"{p.pid}: {_cmdline(p)}" for p in alive]
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmdline(process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except Exception:  # it exited meanwhile
+        return ""
