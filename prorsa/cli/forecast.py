@@ -77,7 +77,7 @@ class SimPlan:
 def simulate_runs(plan: SimPlan, progress: Callable[[int, int], None] | None = None) -> list:
     """Run every simulation of ``plan``; their telemetry tables (marked as simulated)."""
     from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.scenario import RunRequest, WorkloadConfig, simulate
+    from prorsa.runtime.sim.scenario import ControlConfig, RunRequest, WorkloadConfig, simulate
 
     runs = plan.runs()
     tables = []
@@ -91,7 +91,9 @@ def simulate_runs(plan: SimPlan, progress: Callable[[int, int], None] | None = N
             seed=seed,
         )
         cluster = ClusterConfig(profile=plan.profile, num_slots=plan.engines)
-        result = simulate(RunRequest(work=work, cluster=cluster, policy=plan.policy, run_id=run_id))
+        result = simulate(
+            RunRequest(work, cluster, ControlConfig(policy=plan.policy), run_id=run_id)
+        )
         if result.telemetry is None or result.telemetry.num_rows == 0:
             raise InputError(f"simulation {run_id} recorded no telemetry")
         tables.append(result.telemetry)

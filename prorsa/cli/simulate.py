@@ -10,118 +10,30 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prorsa.cli.common import console, friendly_errors, print_json
-from prorsa.errors import ConfigError
-
-
-def parse_params(items: list[str]) -> dict[str, object]:
-    """``key=value`` pairs; values parsed as JSON when they can be (numbers, bools)."""
-    params: dict[str, object] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"policy parameter '{item}' is not key=value")
-        key, value = item.split("=", 1)
-        try:
-            params[key] = json.loads(value)
-        except json.JSONDecodeError:
-            params[key] = value
-    return params
-
-
-def make_request(
-    *,
-    scenario,
-    trace,
-    policy,
-    policy_param,
-    engines,
-    profile,
-    mode,
-    seed,
-    trajectories,
-    group_size,
-    steps,
-    in_flight,
-    tp_prefill,
-    tp_decode,
-    reuse_mode,
-    local_prefill_threshold,
-    switch_mode,
-    forecaster,
-    interval_s,
-    min_dwell_s,
-    record=True,
-):
-    from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.scenario import RunRequest, WorkloadConfig
-
-    work = WorkloadConfig(
-        scenario=None if trace else scenario,
-        trace=str(trace) if trace else None,
-        mode=mode,
-        trajectories=trajectories,
-        group_size=group_size,
-        steps=steps,
-        max_in_flight=in_flight,
-        seed=seed,
-    )
-    cluster = ClusterConfig(
-        profile=profile,
-        num_slots=engines,
-        role_tp={"prefill": tp_prefill, "decode": tp_decode, "colocated": tp_decode},
-        reuse_mode=reuse_mode,
-        local_prefill_threshold=local_prefill_threshold,
-        switch_mode=switch_mode,
-    )
-    return RunRequest(
-        work=work,
-        cluster=cluster,
-        policy=policy,
-        policy_params=parse_params(policy_param),
-        forecaster=forecaster,
-        interval_s=interval_s,
-        min_dwell_s=min_dwell_s,
-        record=record,
-    )
-
-
-SCENARIO = typer.Option("swe", help="workload scenario: swe, search, math-tool, mixed, tau2")
-TRACE = typer.Option(None, help="replay an imported trace (.parquet) instead of a scenario")
+from prorsa.cli.options import config_command, parse_params  # noqa: F401  (shared by commands)
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import WorkloadConfig
 
 
 @friendly_errors
+@config_command(work=WorkloadConfig, cluster=ClusterConfig, control=ControlConfig)
 def simulate_cmd(
-    scenario: str = SCENARIO,
-    trace: Path | None = TRACE,
-    policy: str = typer.Option("colocate", help="allocation policy (see `prorsa policies`)"),
-    policy_param: list[str] = typer.Option([], "--param", help="policy parameter key=value"),
-    engines: int = typer.Option(16, help="engine slots (GPUs at TP1)"),
-    profile: str = typer.Option("h200-qwen2.5-7b-tp1", help="cost profile"),
-    mode: str = typer.Option("sync", help="sync | async"),
-    seed: int = typer.Option(0),
-    trajectories: int = typer.Option(256, help="per sync step, or in total (async)"),
-    group_size: int = typer.Option(8, help="GRPO samples per prompt"),
-    steps: int = typer.Option(1, help="sync RL steps"),
-    in_flight: int = typer.Option(128, help="async: trajectories kept in flight"),
-    tp_prefill: int = typer.Option(1, help="tensor-parallel degree of prefill engines"),
-    tp_decode: int = typer.Option(1, help="tensor-parallel degree of decode/colocated engines"),
-    reuse_mode: str = typer.Option("pull", help="multi-turn reuse: reprefill | pull"),
-    local_prefill_threshold: int = typer.Option(
-        0, help="prefill smaller turns on the decode engine"
-    ),
-    switch_mode: str = typer.Option("drain", help="role switch: drain | migrate"),
-    forecaster: str | None = typer.Option(None, help="forecaster for predictive policies"),
-    interval_s: float = typer.Option(1.0, help="control interval"),
-    min_dwell_s: float = typer.Option(10.0, help="minimum time between switches of a slot"),
+    work: WorkloadConfig,
+    cluster: ClusterConfig,
+    control: ControlConfig,
     out: Path = typer.Option(Path("out/simulate"), help="output directory"),
     as_json: bool = typer.Option(False, "--json", help="print metrics as JSON"),
 ) -> None:
     """Simulate one rollout; writes telemetry.parquet and metrics.json to --out."""
-    options = {k: v for k, v in locals().items() if k not in ("out", "as_json")}
-    from prorsa.runtime.sim.scenario import simulate
+    from prorsa.runtime.sim.scenario import RunRequest, simulate
     from prorsa.telemetry.reader import write_parquet
 
-    request = make_request(**options)
-    total = trajectories * (steps if mode == "sync" else 1)
+    if work.trace is not None:
+        work.scenario = None  # a trace replaces the default scenario
+    request = RunRequest(work, cluster, control)
+    request.validate()
+    total = work.trajectories * (work.steps if work.mode == "sync" else 1)
     with Progress(
         TextColumn("[bold]simulating"),
         BarColumn(),
@@ -146,7 +58,7 @@ def simulate_cmd(
     if as_json:
         print_json(metrics)
         return
-    console.print(metrics_table(result.metrics, title=f"{policy} on {trace or scenario}"))
+    console.print(metrics_table(result.metrics, title=f"{control.policy} on {work.label}"))
     console.print(f"wrote {out / 'telemetry.parquet'} and {out / 'metrics.json'}")
 
 
@@ -156,8 +68,7 @@ def _describe(request) -> dict:
     return {
         "work": asdict(request.work),
         "cluster": asdict(request.cluster),
-        "policy": request.policy,
-        "policy_params": request.policy_params,
+        "control": asdict(request.control),
     }
 
 

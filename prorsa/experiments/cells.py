@@ -46,7 +46,7 @@ class Cell:
 def run_cell(cell: Cell) -> dict:
     """Simulate ``cell`` and summarise it (top-level function: picklable for pools)."""
     from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.scenario import RunRequest, WorkloadConfig, simulate
+    from prorsa.runtime.sim.scenario import ControlConfig, RunRequest, WorkloadConfig, simulate
 
     work = WorkloadConfig(
         scenario=cell.scenario,
@@ -58,14 +58,17 @@ def run_cell(cell: Cell) -> dict:
         seed=cell.seed,
     )
     cluster = ClusterConfig(profile=cell.profile, num_slots=cell.engines, **cell.cluster_overrides)
-    request = RunRequest(
-        work=work,
-        cluster=cluster,
+    control = ControlConfig(
         policy=cell.policy,
         policy_params=dict(cell.policy_params),
         forecaster=cell.forecaster,
         interval_s=cell.interval_s,
         min_dwell_s=cell.min_dwell_s,
+    )
+    request = RunRequest(
+        work=work,
+        cluster=cluster,
+        control=control,
         record=True,
         run_id=f"{cell.workload}-{cell.mode}-{cell.policy}-s{cell.seed}",
     )

@@ -22,11 +22,17 @@ class ClusterConfig:
         **_help("cost profile name (see `prorsa profile list`)"), default="h200-qwen2.5-7b-tp1"
     )
     num_slots: int = field(
-        **_help("GPU groups that switch roles as a unit ('engines' at TP1)"), default=8
+        default=8,
+        metadata={
+            "help": "GPU groups that switch roles as a unit ('engines' at TP1)",
+            "cli": "engines",
+        },
     )
     role_tp: dict[str, int] = field(
         default_factory=lambda: {"prefill": 1, "decode": 1, "colocated": 1},
-        metadata={"help": "tensor-parallel degree per role; a slot has max(role_tp) GPUs"},
+        metadata={
+            "help": "tensor-parallel degree per role, e.g. decode=2; a slot has max(role_tp) GPUs"
+        },
     )
     max_batch: int | None = field(
         **_help("max running sequences per engine (profile default)"), default=None

@@ -10,35 +10,15 @@ from pathlib import Path
 
 from prorsa.errors import ConfigError
 from prorsa.policy import make_policy
-from prorsa.runtime.sim.config import ClusterConfig
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.runtime.sim.drivers import AsyncDriver, SyncDriver
 from prorsa.runtime.sim.simulation import Simulation, SimulationResult
 from prorsa.workload import get_scenario, specs_from_trace
+from prorsa.workload.config import WorkloadConfig
 from prorsa.workload.spec import TrajectorySpec
 
-
-@dataclass
-class WorkloadConfig:
-    """What to roll out: a scenario or a trace, in sync or async mode."""
-
-    scenario: str | None = "swe"
-    trace: str | None = None
-    mode: str = "sync"
-    trajectories: int = 256  # per sync step, or total in async mode
-    group_size: int = 8  # GRPO samples per prompt
-    steps: int = 1  # sync steps
-    max_in_flight: int = 128  # async concurrency
-    max_staleness: int | None = None
-    train_step_s: float = 0.0
-    seed: int = 0
-
-    def validate(self) -> None:
-        if (self.scenario is None) == (self.trace is None):
-            raise ConfigError("give exactly one of a scenario or a trace")
-        if self.mode not in ("sync", "async"):
-            raise ConfigError(f"mode must be sync or async, not '{self.mode}'")
-        if self.trajectories < 1 or self.group_size < 1 or self.steps < 1:
-            raise ConfigError("trajectories, group_size and steps must be >= 1")
+__all__ = ["ControlConfig", "RunRequest", "WorkloadConfig", "build_driver", "simulate"]
 
 
 def _spec_stream(work: WorkloadConfig) -> tuple[list[TrajectorySpec] | None, object]:
@@ -113,17 +93,18 @@ def _replay_batch(replay: list[TrajectorySpec], n: int, step: int) -> list[Traje
 
 @dataclass
 class RunRequest:
-    """One simulation: workload x cluster x policy."""
+    """One simulation: workload x cluster x control loop."""
 
     work: WorkloadConfig
     cluster: ClusterConfig
-    policy: str = "colocate"
-    policy_params: dict = field(default_factory=dict)
-    forecaster: str | None = None
-    interval_s: float = 1.0
-    min_dwell_s: float = 10.0
+    control: ControlConfig = field(default_factory=ControlConfig)
     record: bool = True
     run_id: str = "sim"
+
+    def validate(self) -> None:
+        self.work.validate()
+        self.cluster.validate()
+        self.control.validate()
 
 
 def simulate(
@@ -131,12 +112,14 @@ def simulate(
 ) -> SimulationResult:
     """Run one simulation described by ``request`` (``keep_forecasts``: store each tick's
     forecast in the decisions, for plots)."""
+    request.validate()
+    control = request.control
     driver = build_driver(request.work)
-    policy = make_policy(request.policy, **request.policy_params)
+    policy = make_policy(control.policy, **control.policy_params)
     forecaster = forecaster_obj
     # Some policies are defined by their forecaster (the oracle policy is MPC + oracle).
-    name = getattr(policy, "forecaster_name", None) or request.forecaster
-    if forecaster is None and name is not None and (policy.needs_forecast or request.forecaster):
+    name = getattr(policy, "forecaster_name", None) or control.forecaster
+    if forecaster is None and name is not None and (policy.needs_forecast or control.forecaster):
         from prorsa.runtime.forecast_provider import make_provider
 
         forecaster = make_provider(name)
@@ -145,8 +128,8 @@ def simulate(
         policy,
         driver,
         forecaster=forecaster,
-        interval_s=request.interval_s,
-        min_dwell_s=request.min_dwell_s,
+        interval_s=control.interval_s,
+        min_dwell_s=control.min_dwell_s,
         seed=request.work.seed,
         run_id=request.run_id,
         record=request.record,
