@@ -38,3 +38,17 @@ def test_list_json_and_unknown_profile():
     result = runner.invoke(app, ["show", "nope"])
     assert result.exit_code == 1
     assert "unknown cost profile 'nope'" in result.output
+
+
+def test_layouts_json_lists_fitted_layouts_with_throughput():
+    result = runner.invoke(
+        app, ["layouts", "qwen3-235b-a22b", "--batch", "16", "--context", "16384", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["layout"]: r for r in json.loads(result.stdout)}
+    assert {"tp4", "tp8", "tp1-dp8-ep8"} <= set(rows)
+    assert rows["tp1-dp8-ep8"]["gpus"] == 8
+    assert rows["tp1-dp8-ep8"]["decode_tokens_per_s_per_gpu"] > 0
+    # 16 x 16k tokens do not fit in a TP2 rank's KV: reported as missing, not invented
+    assert rows["tp2-dp2"]["decode_tokens_per_s_per_gpu"] is None
+    assert rows["tp2-dp2"]["kv_capacity_tokens_per_rank"] < 16 * 16384

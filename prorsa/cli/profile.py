@@ -115,3 +115,81 @@ def fit_aiconfigurator_command(
             f"{fit['decode_fit']['mape']:.1%} -> {out / (p.name + '.json')}",
             highlight=False,
         )
+
+
+@app.command("fit-layouts")
+@friendly_errors
+def fit_layouts_command(
+    data: Path = typer.Option(
+        None,
+        "--data",
+        help="Folder with the H200 kernel, MoE and communication parquet files "
+        "(default: ../shared/data/profiles/aiconfigurator-h200-vllm-0.19).",
+    ),
+    out: Path = typer.Option(
+        Path("datasets/profiles/layouts"), "--out", "-o", help="Folder for JSON."
+    ),
+) -> None:
+    """Refit the layout costs (TP x DP-attention x EP) of every model and write JSON."""
+    from prorsa.runtime.sim.cost.layout_fit import fit_layout_terms_all
+
+    for terms in fit_layout_terms_all(data, out):
+        fit = terms.provenance["decode_attention_fit"]
+        console.print(
+            f"{terms.name}: decode attention fit MAPE {fit['mape']:.1%} -> "
+            f"{out / (terms.name + '.json')}",
+            highlight=False,
+        )
+
+
+@app.command("layouts")
+@friendly_errors
+def layouts_command(
+    model: str = typer.Argument(..., help="Model name, e.g. qwen3-30b-a3b."),
+    batch: int = typer.Option(64, "--batch", help="Decode sequences per DP rank."),
+    context: int = typer.Option(8192, "--context", help="Context tokens per sequence."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """The fitted layouts of a model with their decode and prefill throughput per GPU."""
+    from prorsa.runtime.sim.cost import layout_cost_for, layouts_for
+
+    rows = []
+    for layout in layouts_for(model):
+        cost = layout_cost_for(model, layout)
+        fits = batch * context <= cost.kv_capacity_tokens
+        rows.append(
+            {
+                "layout": layout.name,
+                "gpus": layout.gpus,
+                # None where the rank cannot hold batch x context tokens of KV
+                "decode_tokens_per_s_per_gpu": round(
+                    cost.decode_tokens_per_s_per_gpu(batch, context), 1
+                )
+                if fits
+                else None,
+                "prefill_tokens_per_s_per_gpu": round(cost.prefill_tokens_per_s_per_gpu(), 1),
+                "kv_capacity_tokens_per_rank": cost.kv_capacity_tokens,
+            }
+        )
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(
+        "layout",
+        "GPUs",
+        "decode tok/s/GPU",
+        "prefill tok/s/GPU",
+        "KV tokens/rank",
+        title=f"{model}: decode at {batch} x {context} tokens per rank",
+    )
+    for r in rows:
+        table.add_row(
+            r["layout"],
+            str(r["gpus"]),
+            "-"
+            if r["decode_tokens_per_s_per_gpu"] is None
+            else f"{r['decode_tokens_per_s_per_gpu']:,.0f}",
+            f"{r['prefill_tokens_per_s_per_gpu']:,.0f}",
+            f"{r['kv_capacity_tokens_per_rank']:,}",
+        )
+    console.print(table)

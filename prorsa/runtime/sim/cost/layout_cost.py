@@ -123,10 +123,6 @@ class LayoutCost:
         self.sched_cpu_s = 0.0 if self.async_scheduling else terms.sched_cpu_s
         #: what a step costs more without full CUDA graphs (every rank, once per step)
         self.graph_loss_s = terms.graph_loss_s
-        self.attn_decode_base_s = terms.attn_decode_base_s
-        self.attn_decode_per_seq_s = terms.attn_decode_per_seq_s
-        #: decode attention per KV token of the slowest rank (the epochs' slope term)
-        self.per_ctx_token_s = terms.attn_decode_per_ctx_token_s
         self.attn_prefill_per_chunk_s = terms.attn_prefill_per_chunk_s
         self.attn_prefill_s_per_token2 = terms.attn_prefill_s_per_token2
 
@@ -146,6 +142,18 @@ class LayoutCost:
         self._alltoall = self.layout.moe_comm == "alltoall"
         self._a2a_decode = _Curve(grid, terms.a2a_decode_s, upto) if self._alltoall else _Zero()
         self._a2a_prefill = _Curve(grid, terms.a2a_prefill_s, upto) if self._alltoall else _Zero()
+        # Decode attention per rank: fixed[b] + per_ctx[b] * S (interpolated between the
+        # fitted batch sizes; held constant past the largest).
+        attn_grid = terms.attn_decode_batch_grid
+        self._attn_fixed = _Curve(attn_grid, terms.attn_decode_fixed_s, self.max_batch)
+        self._attn_per_ctx = array(
+            "d",
+            np.interp(
+                np.arange(self.max_batch + 1),
+                attn_grid,
+                terms.attn_decode_per_ctx_token_s,
+            ),
+        )
         # Decode-only step of ranks padded to b sequences, attention's context part aside.
         self._decode_base = array("d", [0.0] * (self.max_batch + 1))
         for b in range(1, self.max_batch + 1):
@@ -165,8 +173,7 @@ class LayoutCost:
         return (
             self._dense(b)
             + self._lm_head(b)
-            + self.attn_decode_base_s
-            + self.attn_decode_per_seq_s * b
+            + self._attn_fixed(b)
             + self._moe_part_s(self.dp_ranks * b, b, prefill=False)
             + self.sched_cpu_s
         )
@@ -181,7 +188,7 @@ class LayoutCost:
             return 0.0, 0.0
         if b > self.max_batch:
             raise ValueError(f"batch_max {b} exceeds the layout's max_batch {self.max_batch}")
-        return self._decode_base[b], self.per_ctx_token_s
+        return self._decode_base[b], self._attn_per_ctx[b]
 
     def decode_step_s(self, batch_per_rank, ctx_sum_per_rank) -> float:
         """One decode-only step: ``batch_per_rank[i]`` sequences holding
@@ -193,9 +200,14 @@ class LayoutCost:
             return 0.0
         if b_max > self.max_batch:
             raise ValueError(f"a rank holds {b_max} sequences, over max_batch {self.max_batch}")
-        per_seq, per_ctx = self.attn_decode_per_seq_s, self.per_ctx_token_s
-        attn = max(per_seq * (b - b_max) + per_ctx * s for b, s in zip(batches, ctxs, strict=True))
-        return self._decode_base[int(b_max)] + attn
+        b_max = int(b_max)
+        fixed, per_ctx = self._attn_fixed, self._attn_per_ctx
+        top = fixed(b_max)
+        attn = max(
+            fixed(b) - top + per_ctx[int(b)] * s if b > 0 else 0.0
+            for b, s in zip(batches, ctxs, strict=True)
+        )
+        return self._decode_base[b_max] + attn
 
     def decode_run_s(
         self,
@@ -292,7 +304,7 @@ class LayoutCost:
         # no graphs at all past the captured sizes (vLLM) or in SGLang's extend steps
         mode = "eager" if sglang or t_max > self.max_capture_tokens else "piecewise"
         pad = mode != "eager"
-        per_seq, per_ctx = self.attn_decode_per_seq_s, self.per_ctx_token_s
+        fixed, per_ctx = self._attn_fixed, self._attn_per_ctx
         rank_max = 0.0
         for b, s, n, p, t in zip(batches, ctxs, pre, prior, tokens, strict=True):
             m = t_max if pad else t
@@ -300,7 +312,7 @@ class LayoutCost:
             if mode == "eager":
                 rank += self._ar_extra(m)
             if b > 0:
-                rank += self.attn_decode_base_s + per_seq * b + per_ctx * s
+                rank += fixed(b) + per_ctx[int(b)] * s
             if n > 0:
                 rank += self.attn_prefill_per_chunk_s + self.attn_prefill_s_per_token2 * n * (
                     p + n / 2
@@ -339,6 +351,11 @@ class LayoutCost:
         ``context_tokens`` each on every rank (pure decode, full graphs)."""
         dp = self.dp_ranks
         b = int(batch_per_rank)
+        if b * context_tokens > self.kv_capacity_tokens:
+            raise ValueError(
+                f"{b} x {context_tokens} KV tokens per rank exceed the rank's KV capacity "
+                f"({self.kv_capacity_tokens:,} tokens at {self.layout.name})"
+            )
         step = self.decode_step_s([b] * dp, [b * context_tokens] * dp)
         return dp * b / step / self.gpus
 

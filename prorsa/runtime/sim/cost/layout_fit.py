@@ -8,8 +8,9 @@ Per DP rank (``tp`` GPUs) and summed over layers:
 * two ``tp``-way all-reduces per layer (after attention, after the MLP/MoE) from the vLLM
   custom all-reduce table: graph rows in the curve, eager minus graph as the extra of
   steps that run without graphs;
-* decode attention from the generation-attention table at the rank's heads, fitted to
-  ``base + per_seq * B + per_ctx * S`` (non-negative least squares, relative residuals);
+* decode attention from the generation-attention table at the rank's heads, fitted per
+  batch size ``B`` to ``fixed(B) + per_ctx(B) * S`` over contexts of 1k-64k tokens
+  (non-negative least squares, relative residuals);
   prefill attention from the context-attention table fitted to ``per_chunk + c2 * n^2/2``
   (the tables have no prefix dimension, so ``c2`` also prices cached context);
 * MoE from the fused-MoE table at the tokens one GPU's MoE sees, at the layout's
@@ -62,6 +63,10 @@ TOKEN_GRID = (
 # up to 8 ranks
 MOE_GRID_EXTRA = (10240, 12288, 16384, 24576, 32768, 49152, 65536)
 PREFILL_ATTN_FIT_TOKENS = tuple(range(256, 16385, 256))
+# Decode attention is fitted over the contexts rollout engines hold (agentic contexts of
+# thousands of tokens): the line would otherwise bend to the launch-bound short-context
+# corner of the tables (~11 us a layer for one short sequence).
+ATTN_FIT_MIN_CONTEXT = 1024
 
 
 def layout_cost_name(model: str, layout: Layout | str, hardware: str = HARDWARE) -> str:
@@ -147,18 +152,33 @@ def alltoall_moe_layer_s(
 
 
 def _fit_decode_attention(arch: ModelArch, tp: int, capacity: int, max_batch: int, kernels):
+    """Per batch size: ``fixed + per_ctx * S`` fitted over contexts (NNLS, relative)."""
     heads, kv = arch.heads_per_rank(tp), arch.kv_heads_per_rank(tp)
-    rows = [
-        (b, ctx, arch.num_layers * kernels.generation_attention_s(heads, kv, b, ctx, arch.head_dim))
-        for b in DECODE_BATCH_GRID
-        if b <= max_batch
-        for ctx in DECODE_CONTEXT_GRID
-        if b * ctx <= capacity
-    ]
-    arr = np.asarray(rows, dtype=float)
-    design = np.column_stack([np.ones(len(arr)), arr[:, 0], arr[:, 0] * arr[:, 1]])
-    coef = _nnls(design, arr[:, 2], relative=True)
-    return coef, _stats(coef, design @ coef, arr[:, 2])
+    batches, fixed, per_ctx, samples, preds = [], [], [], [], []
+    for b in DECODE_BATCH_GRID:
+        if b > max_batch:
+            continue
+        contexts = [
+            c for c in DECODE_CONTEXT_GRID if c >= ATTN_FIT_MIN_CONTEXT and b * c <= capacity
+        ]
+        if len(contexts) < 2:
+            continue
+        ctx = np.asarray(contexts, dtype=float)
+        y = np.asarray(
+            [
+                arch.num_layers * kernels.generation_attention_s(heads, kv, b, c, arch.head_dim)
+                for c in contexts
+            ]
+        )
+        design = np.column_stack([np.ones_like(ctx), b * ctx])
+        coef = _nnls(design, y, relative=True)
+        batches.append(b)
+        fixed.append(float(coef[0]))
+        per_ctx.append(float(coef[1]))
+        samples.append(y)
+        preds.append(design @ coef)
+    y_all, p_all = np.concatenate(samples), np.concatenate(preds)
+    return batches, fixed, per_ctx, _stats((0.0,), p_all, y_all)
 
 
 def _fit_prefill_attention(arch: ModelArch, tp: int, kernels):
@@ -240,7 +260,7 @@ def fit_layout_terms(
     dense = [L * dense_layer_gemms_s(arch, m, tp, k) + allreduce_s(m, True) for m in grid]
     ar_extra = [allreduce_s(m, False) - allreduce_s(m, True) for m in grid]
     lm_head = [k.gemm_s(m, n_lm, k_lm) for m in grid]
-    (d_base, d_seq, d_ctx), decode_fit = _fit_decode_attention(arch, tp, capacity, max_batch, k)
+    d_batches, d_fixed, d_ctx, decode_fit = _fit_decode_attention(arch, tp, capacity, max_batch, k)
     (p_chunk, p_c2), prefill_fit = _fit_prefill_attention(arch, tp, k)
 
     moe_grid: list[int] = []
@@ -329,9 +349,9 @@ def fit_layout_terms(
         dense_s=dense,
         allreduce_eager_extra_s=ar_extra,
         lm_head_s=lm_head,
-        attn_decode_base_s=float(d_base),
-        attn_decode_per_seq_s=float(d_seq),
-        attn_decode_per_ctx_token_s=float(d_ctx),
+        attn_decode_batch_grid=d_batches,
+        attn_decode_fixed_s=d_fixed,
+        attn_decode_per_ctx_token_s=d_ctx,
         attn_prefill_per_chunk_s=float(p_chunk),
         attn_prefill_s_per_token2=float(p_c2),
         graph_loss_s=L * loss_per_layer,

@@ -19,8 +19,12 @@ Curves (``grid`` x-values, one list of seconds per curve):
 * ``a2a_decode_s`` / ``a2a_prefill_s`` over ``token_grid``: DeepEP low-latency / normal
   dispatch + combine at that many tokens per rank (all-to-all mode).
 
-Scalars: decode attention ``attn_decode_base_s + attn_decode_per_seq_s * B +
-attn_decode_per_ctx_token_s * S`` per rank; prefill attention ``attn_prefill_per_chunk_s
+Decode attention of a rank with ``B`` sequences holding ``S`` KV tokens:
+``attn_decode_fixed_s[B] + attn_decode_per_ctx_token_s[B] * S``, both curves over
+``attn_decode_batch_grid`` (linear in ``S`` at a fixed batch; the per-token cost falls as
+batches grow because larger batches fill the GPU better).
+
+Scalars: prefill attention ``attn_prefill_per_chunk_s
 + attn_prefill_s_per_token2 * n * (p + n/2)`` per chunk; what a step costs more when it
 runs without full CUDA graphs ``graph_loss_s``; per-step CPU scheduling ``sched_cpu_s``.
 """
@@ -46,9 +50,6 @@ _CURVES_ON_TOKEN_GRID = (
     "a2a_prefill_s",
 )
 _SCALARS = (
-    "attn_decode_base_s",
-    "attn_decode_per_seq_s",
-    "attn_decode_per_ctx_token_s",
     "attn_prefill_per_chunk_s",
     "attn_prefill_s_per_token2",
     "graph_loss_s",
@@ -75,9 +76,9 @@ class LayoutTerms:
     dense_s: list
     allreduce_eager_extra_s: list
     lm_head_s: list
-    attn_decode_base_s: float
-    attn_decode_per_seq_s: float
-    attn_decode_per_ctx_token_s: float
+    attn_decode_batch_grid: list
+    attn_decode_fixed_s: list
+    attn_decode_per_ctx_token_s: list
     attn_prefill_per_chunk_s: float
     attn_prefill_s_per_token2: float
     graph_loss_s: float
@@ -103,6 +104,9 @@ class LayoutTerms:
             value = getattr(self, attr)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{where}: field '{attr}' must be a finite number >= 0")
+        _check_grid(self.attn_decode_batch_grid, where, "attn_decode_batch_grid")
+        for curve in ("attn_decode_fixed_s", "attn_decode_per_ctx_token_s"):
+            _check_curve(getattr(self, curve), len(self.attn_decode_batch_grid), where, curve)
         if self.moe_s:
             _check_grid(self.moe_grid, where, "moe_grid")
             unknown = sorted(set(self.moe_s) - set(DISTRIBUTIONS))
