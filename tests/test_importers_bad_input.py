@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from prorsa.telemetry.importers import import_trace
 from prorsa.telemetry.validation import find_violations
 
 DATA = Path(__file__).resolve().parent / "data" / "importers"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 MINI = "traces/mini-swe-agent-swebench"
 GOOD_MINI = "django__django-16667.traj.json"  # 19 calls
 OTHER_MINI = "django__django-14559.traj.json"  # 24 calls
@@ -253,3 +255,185 @@ def test_unknown_format_and_missing_source(tmp_path):
         import_trace(tmp_path / "absent", "tau2")
     with pytest.raises(InputError, match=r"no \*\.traj\.json files"):
         import_trace(tmp_path, "mini-swe-agent")
+
+
+# ---------------------------------------------------------------- never a silent change
+BIG = 2**31  # one past the schema's int32
+
+
+def _mooncake_line(**change) -> str:
+    return json.dumps(
+        {"timestamp": 0, "input_length": 600, "output_length": 20, "hash_ids": [1, 2], **change}
+    )
+
+
+@pytest.mark.parametrize(
+    ("fmt", "make", "field"),
+    [
+        (
+            "mooncake",
+            lambda d: _write_lines(
+                d / "m.jsonl", [_mooncake_line(), _mooncake_line(input_length=BIG)]
+            ),
+            "input_length",
+        ),
+        (
+            "azure",
+            lambda d: _write_lines(
+                d / "a.csv",
+                [
+                    "TIMESTAMP,ContextTokens,GeneratedTokens",
+                    "2023-11-16 18:17:03,10,2",
+                    f"2023-11-16 18:17:04,{BIG},2",
+                ],
+            ),
+            "ContextTokens",
+        ),
+        (
+            "tracelab",
+            lambda d: _write_lines(
+                d / "t.jsonl",
+                [
+                    {**r, "output_tokens": BIG} if i == 12 else r
+                    for i, r in enumerate(_tracelab_lines(SHARED))
+                ],
+            ),
+            "output_tokens",
+        ),
+    ],
+)
+def test_token_counts_beyond_int32_are_clear_errors(tmp_path, fmt, make, field):
+    path = make(tmp_path)
+    with pytest.raises(InputError, match="int32 limit 2147483647") as err:
+        import_trace(path, fmt)
+    assert err.value.field == field and err.value.source == str(path)
+    result = import_trace(path, fmt, skip_bad=True)
+    assert result.skipped == 1 and "int32 limit" in result.skipped_examples[0]
+    assert find_violations(result.table) == []
+
+
+def test_mini_swe_agent_tokens_beyond_int32(shared_data, tmp_path):
+    folder = _copy_mini(shared_data, tmp_path / "trajs", GOOD_MINI, OTHER_MINI)
+    _edit_json(
+        folder / OTHER_MINI,
+        lambda d: _assistant(d, 2)["extra"]["response"]["usage"].update(prompt_tokens=BIG),
+    )
+    with pytest.raises(InputError, match="int32 limit") as err:
+        import_trace(folder, "mini-swe-agent")
+    assert err.value.field == "extra.response.usage.prompt_tokens"
+    assert import_trace(folder, "mini-swe-agent", skip_bad=True).trajectories == 1
+
+
+def test_tracelab_round_years_before_the_previous_is_an_error(shared_data, tmp_path):
+    rows = _tracelab_lines(shared_data)
+    for event in rows[4]["timing_events"]:  # claude round 4: six years earlier
+        event["timestamp"] = "2019" + event["timestamp"][4:]
+    path = _write_lines(tmp_path / "rounds.jsonl", rows)
+    with pytest.raises(InputError, match="before the previous round's first output") as err:
+        import_trace(path, "tracelab")
+    assert (err.value.record, err.value.field) == ("line 5", "timing_events")
+    result = import_trace(path, "tracelab", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (1, 1)  # the codex session stays
+    assert "[skipped session 'claude:" in result.skipped_examples[0]
+
+
+def test_tracelab_small_overlap_is_moved_and_says_so(shared_data, tmp_path):
+    rows = _tracelab_lines(shared_data)
+    clean = import_trace(_write_lines(tmp_path / "clean.jsonl", rows), "tracelab")
+    assert not any("still streaming" in note for note in clean.notes)
+    # round 3's tool result arrives 0.1 s before round 2's 18 s response ended
+    before = rows[2]["timing_events"]
+    last_out = max(
+        e["timestamp"] for e in before if e["event_type"] not in ("user_message", "tool_result")
+    )
+    from prorsa.telemetry.importers.fields import parse_iso
+
+    moved = datetime.fromtimestamp(parse_iso(last_out) - 0.1, tz=UTC).isoformat()
+    for event in rows[3]["timing_events"]:
+        if event["event_type"] in ("user_message", "tool_result"):
+            event["timestamp"] = moved
+    result = import_trace(_write_lines(tmp_path / "overlap.jsonl", rows), "tracelab")
+    assert any("1 round(s)" in note and "0.100 s" in note for note in result.notes)
+
+
+def _azure(tmp_path, *stamps: str) -> Path:
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"] + [f"{s},100,10" for s in stamps]
+    return _write_lines(tmp_path / "AzureLLMInferenceTrace_code.csv", lines)
+
+
+def test_azure_placeholder_year_is_refused_not_stretched(tmp_path):
+    path = _azure(tmp_path, "0001-01-01 00:00:00", "2023-11-16 18:17:03", "2023-11-16 18:17:04")
+    with pytest.raises(InputError, match="implausible time") as err:
+        import_trace(path, "azure")
+    assert (err.value.record, err.value.field) == ("line 2", "TIMESTAMP")
+    result = import_trace(path, "azure", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (2, 1)
+    assert max(result.table.column("time").to_pylist()) < 2.0  # not 2,000 years
+
+
+def test_azure_row_out_of_order_is_refused(tmp_path):
+    path = _azure(tmp_path, "2023-11-16 18:17:03", "2023-11-16 18:17:05", "2023-11-16 18:17:04")
+    with pytest.raises(InputError, match="earlier than line 3") as err:
+        import_trace(path, "azure")
+    assert err.value.record == "line 4"
+
+
+def test_duplicate_session_ids_name_both_places(shared_data, tmp_path):
+    folder = tmp_path / "tl"
+    folder.mkdir()
+    rows = _tracelab_lines(shared_data)
+    _write_lines(folder / "a.jsonl", rows)
+    _write_lines(folder / "b.jsonl", rows[10:])  # the codex session again
+    with pytest.raises(InputError, match="duplicate trajectory id 'codex:") as err:
+        import_trace(folder, "tracelab")
+    assert err.value.source == str(folder / "b.jsonl") and err.value.field == "session_id"
+    assert str(folder / "a.jsonl") in str(err.value)
+    result = import_trace(folder, "tracelab", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (2, 1)
+    assert find_violations(result.table) == []
+
+
+def test_tau2_duplicate_simulation_ids(shared_data, tmp_path):
+    path = tmp_path / "tau2.json"
+    shutil.copy(shared_data / "traces" / "tau2-bench" / "tau2_telecom_gpt4o.json", path)
+    _edit_json(path, lambda d: d["simulations"][3].update(id=d["simulations"][1]["id"]))
+    with pytest.raises(InputError, match="duplicate trajectory id") as err:
+        import_trace(path, "tau2")
+    assert err.value.record == "simulations[3]" and "simulations[1]" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shared", "pattern", "junk_name"),
+    [
+        ("tracelab", "tracelab/round_trace.jsonl", "*.jsonl", "zz.jsonl"),
+        ("mooncake", "mooncake/synthetic_trace.jsonl", "*.jsonl", "aa.jsonl"),
+        ("azure", "azure-llm-2023/AzureLLMInferenceTrace_code.csv", "*.csv", "junk.csv"),
+        ("mini-swe-agent", f"mini-swe-agent-swebench/{GOOD_MINI}", "*.traj.json", "junk.traj.json"),
+    ],
+)
+def test_one_binary_file_in_a_folder_is_named_and_skippable(
+    shared_data, tmp_path, fmt, shared, pattern, junk_name
+):
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    good = shared_data / "traces" / shared
+    shutil.copy(good, folder / good.name)
+    (folder / junk_name).write_bytes(bytes(range(256)) * 64)  # NUL bytes, invalid UTF-8
+    with pytest.raises(InputError) as err:
+        import_trace(folder, fmt)
+    assert err.value.source == str(folder / junk_name)
+    result = import_trace(folder, fmt, skip_bad=True)
+    reference = import_trace(good, fmt)
+    assert result.skipped == 1 and junk_name in result.skipped_examples[0]
+    assert result.trajectories == reference.trajectories
+
+
+def test_text_garbage_line_in_jsonl_is_a_skipped_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(
+        (_mooncake_line() + "\n" + _mooncake_line() + "\n").encode() + b"\xff garbage\n"
+    )
+    with pytest.raises(InputError, match="not UTF-8") as err:
+        import_trace(path, "mooncake")
+    assert err.value.record == "line 3"
+    assert import_trace(path, "mooncake", skip_bad=True).skipped == 1

@@ -86,7 +86,13 @@ def import_trace(
         if builder.first_error is not None:
             raise builder.first_error
         raise InputError("no trajectories found", source=str(path))
-    table = _finish(builder.rows)
+    try:
+        table = _finish(builder.rows)
+    except (pa.ArrowException, OverflowError) as exc:  # every value was checked: a bug
+        raise InputError(
+            f"cannot build the event table: {exc}; please report this importer bug",
+            source=str(path),
+        ) from None
     problems = find_violations(table, limit=1)
     if problems:  # the importers check every record, so this is a bug, not bad input
         record, column, reason = problems[0]

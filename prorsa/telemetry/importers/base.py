@@ -100,6 +100,19 @@ class TraceBuilder:
         self.first_error: InputError | None = None
         self.derived: dict[str, str] = {}
         self.notes: list[str] = []
+        # trajectory id -> where it was first read, to refuse a second one
+        self._origins: dict[str, str] = {}
+
+    def mark(self) -> tuple[int, int, int]:
+        """A point to :meth:`rollback` to (before reading a file that may fail half-way)."""
+        return len(self.rows), self.trajectories, self.turns
+
+    def rollback(self, mark: tuple[int, int, int]) -> None:
+        """Forget every trajectory added since ``mark``."""
+        rows, self.trajectories, self.turns = mark
+        for row in self.rows[rows:]:
+            self._origins.pop(row[2], None)
+        del self.rows[rows:]
 
     def derive(self, quantity: str, how: str) -> None:
         """Record (once) that ``quantity`` is derived and how."""
@@ -137,10 +150,29 @@ class TraceBuilder:
         end_s: float | None = None,
         start_detail: str = "",
         end_detail: str = "",
+        source: str | None = None,
+        record: int | str | None = None,
+        id_field: str | None = None,
     ) -> None:
-        """Append one trajectory's events: start, per-turn stages, tools between, end."""
+        """Append one trajectory's events: start, per-turn stages, tools between, end.
+
+        ``source``, ``record`` and ``id_field`` say where the trajectory's id was read;
+        a second trajectory with the same id raises an :class:`InputError` naming both
+        places (two trajectories under one id would interleave into nonsense).
+        """
         if not turns:
             raise ValueError("a trajectory needs at least one turn")
+        where = f"{source}" + (f", {record}" if record is not None else "")
+        first = self._origins.get(trajectory_id)
+        if first is not None:
+            raise InputError(
+                f"duplicate trajectory id {trajectory_id!r} (first read at {first})",
+                source=source,
+                record=record,
+                field=id_field,
+                hint="ids must be unique across the files of one import",
+            )
+        self._origins[trajectory_id] = where if source is not None else "an earlier record"
         head = (self.run_id, trajectory_id, group_id, task)
         rows = self.rows
         clock = turns[0].queued_s if start_s is None else start_s

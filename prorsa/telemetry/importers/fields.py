@@ -8,6 +8,7 @@ dotted field path), so a user can find it in the raw file.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from collections.abc import Iterator
@@ -18,6 +19,15 @@ from typing import Any
 from prorsa.errors import InputError
 
 _MISSING: Any = object()
+#: Token counts and indices are int32 in the telemetry schema.
+INT32_MAX = 2**31 - 1
+#: Wall-clock times before this are placeholders (0001-01-01, 1970-01-01), not when an LLM
+#: call happened: no LLM serving or agent trace predates 2000. Accepting one would stretch
+#: the trace by decades, since times are taken relative to the earliest event.
+EARLIEST_PLAUSIBLE = datetime(2000, 1, 1, tzinfo=UTC)
+EARLIEST_PLAUSIBLE_S = EARLIEST_PLAUSIBLE.timestamp()
+#: Bytes inspected to tell a text file from a binary one.
+_SNIFF_BYTES = 64 * 1024
 
 
 class Fields:
@@ -63,6 +73,10 @@ class Fields:
             raise self.error(path, f"must be a non-negative integer, got {value!r}")
         if value < 0:
             raise self.error(path, f"must be a non-negative integer, got {value!r}")
+        if value > INT32_MAX:
+            raise self.error(
+                path, f"{value} exceeds the telemetry schema's int32 limit {INT32_MAX}"
+            )
         return value
 
     def number(self, obj: Any, path: str, default: Any = _MISSING) -> float:
@@ -101,12 +115,28 @@ class Fields:
         return value
 
     def timestamp(self, obj: Any, path: str) -> float:
-        """An ISO-8601 timestamp as unix seconds (naive times are taken as UTC)."""
+        """An ISO-8601 timestamp as unix seconds (naive times are taken as UTC), no
+        earlier than :data:`EARLIEST_PLAUSIBLE`."""
         value = self.text(obj, path)
         try:
-            return parse_iso(value)
+            seconds = parse_iso(value)
         except ValueError:
             raise self.error(path, f"not an ISO-8601 timestamp: {value!r}") from None
+        return self._plausible(path, seconds, repr(value))
+
+    def unix_time(self, obj: Any, path: str) -> float:
+        """Unix seconds (a number), no earlier than :data:`EARLIEST_PLAUSIBLE`."""
+        seconds = self.number(obj, path)
+        return self._plausible(path, seconds, f"{seconds:g}")
+
+    def _plausible(self, path: str, seconds: float, shown: str) -> float:
+        if seconds < EARLIEST_PLAUSIBLE_S:
+            raise self.error(
+                path,
+                f"implausible time {shown}: before {EARLIEST_PLAUSIBLE.date()} "
+                "(a placeholder date?)",
+            )
+        return seconds
 
 
 def parse_iso(value: str) -> float:
@@ -115,7 +145,29 @@ def parse_iso(value: str) -> float:
     moment = datetime.fromisoformat(value)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
+    try:
+        return moment.timestamp()
+    except (OverflowError, OSError) as exc:  # an offset pushing year 1 or 9999 out of range
+        raise ValueError(str(exc)) from None
+
+
+def check_text_file(path: Path) -> None:
+    """Raise :class:`InputError` naming ``path`` if it is a binary file, not text.
+
+    Looks at the first 64 KiB: a NUL byte, or more than 1% of bytes that are not UTF-8,
+    mean a binary file (an archive, an image, a compiled file dropped into a trace
+    folder), which is refused as a whole rather than as thousands of unreadable lines. A
+    few bad bytes in a text file are left to the line they damage.
+    """
+    with path.open("rb") as handle:
+        head = handle.read(_SNIFF_BYTES)
+    where = head.find(b"\0")
+    if where >= 0:
+        raise InputError(f"binary file, not text (NUL byte at offset {where})", source=str(path))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = decoder.decode(head, final=len(head) < _SNIFF_BYTES)
+    if text.count("\ufffd") > 0.01 * max(len(head), 1):
+        raise InputError("binary file, not UTF-8 text", source=str(path))
 
 
 def load_json(path: Path) -> Any:
@@ -124,37 +176,53 @@ def load_json(path: Path) -> Any:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"not UTF-8 text: {exc}", source=str(path)) from None
+    return _parse_json(text, str(path), None)
+
+
+def _parse_json(text: str, source: str, line: int | None) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(
             f"invalid or truncated JSON: {exc.msg} (column {exc.colno})",
-            source=str(path),
-            record=f"line {exc.lineno}",
+            source=source,
+            record=f"line {exc.lineno if line is None else line}",
+        ) from None
+    except RecursionError:
+        raise InputError(
+            "JSON nested too deeply to read",
+            source=source,
+            record=None if line is None else f"line {line}",
         ) from None
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any | InputError]]:
     """Yield ``(line number, parsed object or the InputError for that line)``.
 
-    Errors are yielded, not raised, so the caller decides whether to skip one line or
-    stop; blank lines are ignored.
+    Errors (invalid JSON, a line that is not UTF-8) are yielded, not raised, so the
+    caller decides whether to skip one line or stop; blank lines are ignored. Call
+    :func:`check_text_file` first to refuse a binary file as a whole.
     """
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
             try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as exc:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
                 yield (
                     number,
                     InputError(
-                        f"invalid or truncated JSON: {exc.msg} (column {exc.colno})",
+                        f"not UTF-8 text: {exc.reason} at column {exc.start + 1}",
                         source=str(path),
                         record=f"line {number}",
                     ),
                 )
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield number, _parse_json(line, str(path), number)
+            except InputError as exc:
+                yield number, exc
 
 
 def list_files(src: Path, pattern: str) -> list[Path]:

@@ -50,6 +50,7 @@ def read(src: Path, out: TraceBuilder) -> None:
             _turns(calls, out),
             start_detail=detail_json(source=path.name, model=meta.get("model")),
             end_detail=detail_json(exit_status=meta.get("exit_status")),
+            source=str(path),
         )
 
 
@@ -70,7 +71,7 @@ def _parse(path: Path) -> tuple[dict, list[tuple]]:
             raise rec.error(None, "expected an object")
         if rec.text(message, "role") != "assistant":
             continue
-        created = rec.number(message, "extra.response.created")
+        created = rec.unix_time(message, "extra.response.created")
         prompt = rec.count(message, f"{_USAGE}.prompt_tokens")
         cached = rec.count(message, f"{_USAGE}.prompt_tokens_details.cached_tokens", 0)
         completion = rec.count(message, f"{_USAGE}.completion_tokens")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prorsa.errors import InputError
 from prorsa.telemetry.importers.base import TraceBuilder, TraceFormat, Turn
-from prorsa.telemetry.importers.fields import Fields, iter_jsonl, list_files
+from prorsa.telemetry.importers.fields import Fields, check_text_file, iter_jsonl, list_files
 from prorsa.telemetry.importers.timing import SELF_HOSTED_ENGINE, fit_generation
 from prorsa.telemetry.schema import detail_json
 
@@ -40,6 +40,11 @@ def read(src: Path, out: TraceBuilder) -> None:
         "(estimates scaled down to fit where they exceed the gap)",
     )
     for path in list_files(src, "*.jsonl"):
+        try:
+            check_text_file(path)
+        except InputError as exc:
+            out.skip(exc, "file")
+            continue
         requests = []
         for line, record in iter_jsonl(path):
             try:
@@ -51,7 +56,9 @@ def read(src: Path, out: TraceBuilder) -> None:
         # Arrival order drives session assignment; keep file order among equal times.
         requests.sort(key=lambda r: r[0])
         for number, session in enumerate(_sessions(requests)):
-            out.add_trajectory(f"{path.stem}-s{number:05d}", "", TASK, _turns(session))
+            out.add_trajectory(
+                f"{path.stem}-s{number:05d}", "", TASK, _turns(session), source=str(path)
+            )
 
 
 def _parse(record: object, rec: Fields) -> tuple[float, int, int, list]:

@@ -126,6 +126,7 @@ def _add(path: Path, out: TraceBuilder) -> None:
             exit_status=top.get(data, "info.exit_status", None),
             final_tool_s=tool_s[-1],
         ),
+        source=source,
     )
 
 
@@ -154,7 +155,11 @@ def _content_chars(content: object, rec: Fields) -> int:
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        return sum(
+            len(p["text"])
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
     raise rec.error("content", f"must be a string or a list of parts, got {type(content).__name__}")
 
 

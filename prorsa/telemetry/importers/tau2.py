@@ -141,6 +141,9 @@ def _add(sim: dict, rec: Fields, task: str, out: TraceBuilder) -> None:
             reward=reward,
             env_tail_s=None if end is None else round(max(end - turns[-1].decode_end_s, 0.0), 3),
         ),
+        source=rec.source,
+        record=rec.record,
+        id_field="id",
     )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prorsa.errors import InputError
 from prorsa.telemetry.importers.base import TraceBuilder, TraceFormat, Turn
-from prorsa.telemetry.importers.fields import Fields, iter_jsonl, list_files
+from prorsa.telemetry.importers.fields import Fields, check_text_file, iter_jsonl, list_files
 from prorsa.telemetry.importers.timing import FRONTIER_API, split_generation
 from prorsa.telemetry.schema import detail_json
 
@@ -41,7 +41,13 @@ def read(src: Path, out: TraceBuilder) -> None:
         "tool_latency_s is real: response complete -> next request; after a round without "
         "tools the next request is a user message (tool_end detail `user_wait`)"
     )
+    overlaps: list[float] = []
     for path in list_files(src, "*.jsonl"):
+        try:
+            check_text_file(path)
+        except InputError as exc:
+            out.skip(exc, "file")
+            continue
         sessions: dict[str, list[tuple]] = {}
         broken: set[str] = set()
         for line, record in iter_jsonl(path):
@@ -64,9 +70,15 @@ def read(src: Path, out: TraceBuilder) -> None:
             if session in broken:
                 continue
             try:
-                _add_session(session, rounds, out)
+                overlaps += _add_session(session, rounds, out)
             except InputError as exc:
                 out.skip(exc, f"session {session!r} (its rounds' times depend on each other)")
+    if overlaps:
+        out.note(
+            f"{len(overlaps)} round(s) had their request (a tool result) arrive while the "
+            f"previous response was still streaming; they start when it ended (moved by up "
+            f"to {max(overlaps):.3f} s)"
+        )
 
 
 def _parse_round(record: object, rec: Fields) -> tuple[str, int, dict]:
@@ -124,18 +136,31 @@ def _parse_round(record: object, rec: Fields) -> tuple[str, int, dict]:
     return session, round_index, parsed
 
 
-def _add_session(session: str, rounds: list[tuple], out: TraceBuilder) -> None:
+def _add_session(session: str, rounds: list[tuple], out: TraceBuilder) -> list[float]:
+    """Add one session; return how far each overlapping request was moved (seconds)."""
     rounds.sort(key=lambda r: r[0])
     for expected, (index, rec, _) in enumerate(rounds):
         if index != expected:
             problem = "duplicate" if index < expected else f"round {expected} is missing; got"
             raise rec.error("round_index", f"{problem} round_index {index} in session {session!r}")
     parsed = [p for _, _, p in rounds]
+    for (_, rec, p), (_, _, before) in zip(rounds[1:], rounds, strict=False):
+        # A tool result can arrive while the response that called the tool still streams,
+        # but not before that response began: such a request is a bad timestamp.
+        if p["request"] < before["first_output"]:
+            raise rec.error(
+                "timing_events",
+                f"request at {_iso(p['request'])} is {before['first_output'] - p['request']:,.3f}"
+                f" s before the previous round's first output ({_iso(before['first_output'])})",
+            )
     origin = parsed[0]["request"]
     turns: list[Turn] = []
+    moved: list[float] = []
     queued = origin
     for k, p in enumerate(parsed):
         # Tools can finish while the response is still streaming; the next call cannot.
+        if p["request"] < queued:
+            moved.append(queued - p["request"])
         queued = max(p["request"], queued)
         response = max(p["response"], queued)
         prefill_s, _ = split_generation(
@@ -166,16 +191,23 @@ def _add_session(session: str, rounds: list[tuple], out: TraceBuilder) -> None:
             )
         )
         queued = next_queued if next_queued is not None else queued
-    started = datetime.fromtimestamp(origin, tz=UTC).isoformat()
     out.add_trajectory(
         session,
         "",
         TASK,
         turns,
         start_detail=detail_json(
-            started_at=started, provider=parsed[0]["provider"], model=parsed[0]["model"]
+            started_at=_iso(origin), provider=parsed[0]["provider"], model=parsed[0]["model"]
         ),
+        source=rounds[0][1].source,
+        record=rounds[0][1].record,
+        id_field="session_id",
     )
+    return moved
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, tz=UTC).isoformat()
 
 
 FORMAT = TraceFormat(
