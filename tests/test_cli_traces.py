@@ -137,3 +137,15 @@ def test_workload_fit_bad_values(tmp_path):
         app, ["workload", "sample", "swe", "-n", "-3", "-o", str(tmp_path / "s.jsonl")]
     )
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["models", "make-tiny", "--out"], ["profile", "fit-aiconfigurator", "--out"]],
+)
+def test_folder_outputs_are_checked_before_the_work(tmp_path, args):
+    a_file = tmp_path / "model.json"
+    a_file.write_text("{}")
+    out = _ok_one_line(runner.invoke(app, [*args, str(a_file)]))
+    assert "is not a directory" in out
+    assert a_file.read_text() == "{}"

@@ -18,7 +18,9 @@ def make_tiny(
     seed: int = typer.Option(0, "--seed", help="Weight seed; the same seed gives identical files."),
 ) -> None:
     """Write a random-initialised tiny Llama and a locally trained tokenizer (no download)."""
+    from prorsa.io import check_output
     from prorsa.runtime.ray.tiny_model import make_tiny_model
 
+    check_output(out, kind="dir")
     path = make_tiny_model(out, seed=seed)
     console.print(f"tiny model written to {path}", highlight=False)

@@ -105,8 +105,10 @@ def fit_aiconfigurator_command(
     out: Path = typer.Option(Path("datasets/profiles"), "--out", "-o", help="Folder for JSON."),
 ) -> None:
     """Refit the H200 profiles to the measured kernel tables and write them as JSON."""
+    from prorsa.io import check_output
     from prorsa.runtime.sim.cost.aiconfigurator import fit_aiconfigurator_profiles
 
+    check_output(out, kind="dir", inputs=[data])
     profiles = fit_aiconfigurator_profiles(data, out)
     for p in profiles:
         fit = p.provenance
