@@ -1,0 +1,492 @@
+"""Training data from simulations, model training, and the recipe of the shipped models.
+
+The library behind ``prorsa forecast dataset --from-sim``, ``prorsa forecast train`` and
+``prorsa forecast ship`` (the CLI only parses options and prints). It drives the
+simulator, so it sits on top of the runtime: the simulator is imported inside the
+functions that run it, never at import time, and nothing in the forecast package imports
+this module.
+
+The shipped models are trained on a fixed design over the regime map rather than one
+cluster: every shipped scenario and the training half of every shipped real trace
+(replayed through the simulator), sync and async, at loads from 4 to 128 trajectories per
+GPU, on clusters of 4 to 32 engines, with and without the KV store (``reuse_mode``
+kv-store or reprefill) and two models (7B TP1, 32B TP2). Held-out runs use other seeds, the other
+half of each trace, and cells the training never saw (including 128 trajectories per GPU
+on a larger cluster). Manifests record the dataset hash and the simulator version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from prorsa.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROFILE = "h200-qwen2.5-7b-tp1"
+Progress = Callable[[int, int], None]
+
+
+# --------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class SimRun:
+    """One simulation that yields telemetry for a forecasting dataset.
+
+    ``load_per_gpu`` trajectories per GPU: a sync step of that many x GPUs, or async with
+    that many x GPUs in flight (twice as many in all).
+    """
+
+    scenario: str | None
+    trace: str | None
+    mode: str
+    seed: int
+    engines: int
+    load_per_gpu: int
+    policy: str = "static"
+    profile: str = DEFAULT_PROFILE
+    reuse_mode: str = "reprefill"
+
+    @property
+    def workload(self) -> str:
+        return self.scenario or f"replay:{Path(self.trace or '').stem}"
+
+    @property
+    def run_id(self) -> str:
+        return (
+            f"{self.workload}-{self.mode}-{self.policy}-e{self.engines}-l{self.load_per_gpu}"
+            f"-{self.reuse_mode}-{self.profile}-s{self.seed}"
+        )
+
+    def simulate(self) -> pa.Table:
+        """Run it; the telemetry table (marked as simulated)."""
+        from prorsa.runtime.cluster.config import ClusterConfig
+        from prorsa.runtime.cluster.control import ControlConfig
+        from prorsa.runtime.sim.scenario import RunRequest, WorkloadConfig, simulate
+
+        cluster = ClusterConfig(
+            profile=self.profile, num_slots=self.engines, reuse_mode=self.reuse_mode
+        )
+        in_flight = self.load_per_gpu * cluster.total_gpus
+        work = WorkloadConfig(
+            scenario=self.scenario,
+            trace=self.trace,
+            mode=self.mode,
+            trajectories=in_flight if self.mode == "sync" else 2 * in_flight,
+            max_in_flight=in_flight,
+            seed=self.seed,
+        )
+        request = RunRequest(
+            work=work,
+            cluster=cluster,
+            control=ControlConfig(policy=self.policy),
+            run_id=self.run_id,
+        )
+        result = simulate(request)
+        if result.telemetry is None or result.telemetry.num_rows == 0:
+            raise InputError(f"simulation {self.run_id} recorded no telemetry")
+        return result.telemetry
+
+
+@dataclass
+class SimPlan:
+    """A grid of simulated runs: scenarios or trace replays x modes x seeds, one cluster."""
+
+    scenarios: list[str] = field(default_factory=list)
+    traces: list[str] = field(default_factory=list)
+    modes: list[str] = field(default_factory=lambda: ["sync"])
+    seeds: Sequence[int] = (0,)
+    engines: int = 8
+    policy: str = "static"
+    profile: str = DEFAULT_PROFILE
+    load_per_gpu: int = 16
+    reuse_mode: str = "reprefill"
+
+    def runs(self) -> list[SimRun]:
+        out = []
+        for mode in self.modes:
+            for seed in self.seeds:
+                workloads = [(s, None) for s in self.scenarios] + [(None, t) for t in self.traces]
+                for scenario, trace in workloads:
+                    out.append(
+                        SimRun(
+                            scenario,
+                            trace,
+                            mode,
+                            seed,
+                            self.engines,
+                            self.load_per_gpu,
+                            self.policy,
+                            self.profile,
+                            self.reuse_mode,
+                        )
+                    )
+        return out
+
+
+def simulate_runs(
+    runs: Sequence[SimRun] | SimPlan, progress: Progress | None = None
+) -> list[pa.Table]:
+    """Telemetry of every run, in order (``progress(done, total)`` after each)."""
+    runs = runs.runs() if isinstance(runs, SimPlan) else list(runs)
+    tables = []
+    for i, run in enumerate(runs, 1):
+        tables.append(run.simulate())
+        if progress is not None:
+            progress(i, len(runs))
+    return tables
+
+
+def simulator_version() -> dict[str, str]:
+    """prorsa's version, a SHA-256 over the simulator's sources, and the git commit."""
+    import prorsa
+
+    root = Path(prorsa.__file__).resolve().parent
+    digest = hashlib.sha256()
+    files = sorted(
+        [*(root / "runtime" / "sim").rglob("*.py"), *(root / "runtime" / "cluster").rglob("*.py")]
+    )
+    for file in files:
+        digest.update(str(file.relative_to(root)).encode())
+        digest.update(file.read_bytes())
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"prorsa": prorsa.__version__, "source_sha256": digest.hexdigest(), "commit": commit}
+
+
+# -------------------------------------------------------------------------- train
+def train_model(
+    model: str,
+    data_path: str | Path,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    horizons: Sequence[float] | None = None,
+    params: dict | None = None,
+    validate: Sequence[pa.Table] = (),
+    mlflow: str | None = None,
+    extra_manifest: dict | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` on a saved dataset, backtest it on held-out telemetry if given, save
+    it to ``out`` and log to MLflow when a tracking URI is given; a summary."""
+    from prorsa.forecast import make_forecaster
+    from prorsa.forecast.backtest import backtest, score
+    from prorsa.forecast.dataset import ForecastDataset
+    from prorsa.forecast.tracking import log_run, tracking_uri
+    from prorsa.forecast.types import check_horizons
+
+    data = ForecastDataset.load(data_path)
+    kwargs = dict(params or {})
+    kwargs["seed"] = seed
+    kwargs["horizons"] = check_horizons(horizons) if horizons else data.horizons
+    forecaster = make_forecaster(model, **kwargs)
+    forecaster.fit(data)
+    metrics = dict(forecaster.metrics_)
+    if validate:
+        table = concat_tables(list(validate))
+        results = backtest(forecaster, table, progress=progress)
+        for r in score(results).itertuples(index=False):
+            metrics[f"heldout_wape_{r.target}_h{r.horizon_s:g}"] = r.wape
+    path = forecaster.save(out, metrics=metrics)
+    if extra_manifest:
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest.update(extra_manifest)
+        (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    uri = tracking_uri(mlflow)
+    if uri:
+        log_run(
+            uri,
+            run_name=f"train {model}",
+            params={"model": model, **forecaster.get_params(), "data": str(data_path)},
+            metrics=metrics,
+            artifacts=path,
+            tags={"prorsa.data_hash": forecaster.data_hash_ or ""},
+        )
+    return {
+        "name": model,
+        "out": str(path),
+        "data_hash": forecaster.data_hash_ or "",
+        "metrics": metrics,
+    }
+
+
+def concat_tables(tables: list[pa.Table]) -> pa.Table:
+    """One table of several runs (schema metadata kept when they all share it)."""
+    if len(tables) == 1:
+        return tables[0]
+    meta = tables[0].schema.metadata
+    same = all(t.schema.metadata == meta for t in tables)
+    merged = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+    return merged.replace_schema_metadata(meta if same else None)
+
+
+# ------------------------------------------------------------------------- recipe
+#: What the shipped models are trained on (models/README.md is written from this).
+SHIP_SCENARIOS = ["swe", "search", "math-tool", "mixed", "tau2"]
+SHIP_TRACES = [
+    "mini-swe-agent-swebench",
+    "tau2-telecom-gpt4o",
+    "tracelab-round-trace",
+    "swe-agent",
+]
+SHIP_MODELS = ["lightgbm-trajectory", "lightgbm-aggregate", "gru"]
+SHIP_MODES = ["sync", "async"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A cluster and load of the recipe (every workload and mode runs in it)."""
+
+    engines: int
+    load_per_gpu: int
+    seed: int
+    reuse_mode: str = "reprefill"
+    profile: str = DEFAULT_PROFILE
+    policy: str = "static"
+
+
+#: Training cells: 4-128 trajectories per GPU, 4-32 engines, KV store or not, two models.
+TRAIN_CELLS = (
+    Cell(8, 4, 0),
+    Cell(8, 16, 1),
+    Cell(4, 64, 2, reuse_mode="kv-store"),
+    Cell(4, 128, 3),
+    Cell(16, 32, 4, policy="colocate"),
+    Cell(4, 16, 5, profile="h200-qwen2.5-32b-tp2"),
+)
+#: Held-out cells: other seeds and clusters, incl. 128 per GPU on a larger cluster.
+HELDOUT_CELLS = (
+    Cell(8, 16, 100),
+    Cell(8, 128, 101),
+    Cell(32, 8, 102, reuse_mode="kv-store"),
+)
+
+
+def split_trace(path: Path, out_dir: Path) -> tuple[Path, Path]:
+    """Write the even- and odd-numbered trajectories of a trace (sorted ids) to two files:
+    the first half trains the shipped models, the second is held out."""
+    import pyarrow.compute as pc
+
+    from prorsa.telemetry.reader import read_telemetry, write_parquet
+
+    table, _ = read_telemetry(path)
+    ids = sorted(set(table.column("trajectory_id").to_pylist()))
+    halves = []
+    for part, chosen in (("train", ids[0::2]), ("heldout", ids[1::2] or ids[:1])):
+        mask = pc.is_in(table.column("trajectory_id"), value_set=pa.array(chosen, pa.string()))
+        target = out_dir / f"{path.stem}-{part}.parquet"
+        write_parquet(table.filter(mask), target)
+        halves.append(target)
+    return halves[0], halves[1]
+
+
+def recipe_runs(traces_dir: Path, work: Path, cells: Sequence[Cell], part: str) -> list[SimRun]:
+    """Every workload x mode in every cell; traces replay their ``part`` half."""
+    traces = []
+    for name in SHIP_TRACES:
+        train, heldout = split_trace(traces_dir / f"{name}.parquet", work)
+        traces.append(str(train if part == "train" else heldout))
+    runs = []
+    for cell in cells:
+        for mode in SHIP_MODES:
+            workloads = [(s, None) for s in SHIP_SCENARIOS] + [(None, t) for t in traces]
+            for scenario, trace in workloads:
+                runs.append(
+                    SimRun(
+                        scenario,
+                        trace,
+                        mode,
+                        cell.seed,
+                        cell.engines,
+                        cell.load_per_gpu,
+                        cell.policy,
+                        cell.profile,
+                        cell.reuse_mode,
+                    )
+                )
+    return runs
+
+
+def ship_recipe(data) -> dict[str, Any]:
+    """JSON description of the shipped training data (also in the manifests)."""
+    return {
+        "scenarios": SHIP_SCENARIOS,
+        "trace_replays": [
+            f"datasets/traces/{t}.parquet (even-numbered trajectories)" for t in SHIP_TRACES
+        ],
+        "modes": SHIP_MODES,
+        "train_cells": [asdict(c) for c in TRAIN_CELLS],
+        "heldout_cells": [asdict(c) for c in HELDOUT_CELLS],
+        "runs": len(data.runs),
+        "ticks": len(data.ticks),
+        "turns": len(data.turns),
+        "snapshots": len(data.snapshots),
+        "tick_s": data.meta["tick_s"],
+        "horizons_s": list(data.horizons),
+        "tasks": list(data.tasks),
+        "data_hash": data.data_hash(),
+        "simulator": data.meta.get("simulator", {}),
+        "regenerate": "prorsa forecast ship --out models",
+    }
+
+
+@dataclass
+class ShipReport:
+    """What :func:`ship` did."""
+
+    out: Path
+    models: dict[str, dict]
+    train_runs: int
+    heldout_runs: int
+    data_hash: str
+    simulator: dict[str, str]
+
+
+def ship(
+    out: str | Path,
+    *,
+    keep_data: str | Path | None = None,
+    models: Sequence[str] = SHIP_MODELS,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> ShipReport:
+    """Regenerate the shipped models (and ``out/README.md``) from the fixed recipe.
+
+    ``progress(stage, done, total)`` reports simulation and backtest progress.
+    """
+    from prorsa.forecast.dataset import build_dataset
+    from prorsa.workload.scenarios import datasets_dir
+
+    out = Path(out)
+    version = simulator_version()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(keep_data) if keep_data else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        traces_dir = datasets_dir() / "traces"
+        tables: dict[str, list[pa.Table]] = {}
+        for part, cells in (("train", TRAIN_CELLS), ("heldout", HELDOUT_CELLS)):
+            runs = recipe_runs(traces_dir, work, cells, part)
+            tables[part] = simulate_runs(runs, _stage(progress, f"simulating ({part})"))
+        data = build_dataset(tables["train"], progress=_stage(progress, "replaying"))
+        data.meta["simulator"] = version
+        data_path = data.save(work / "train.parquet")
+        heldout = concat_tables(tables["heldout"])
+        results = {}
+        for name in models:
+            logger.info("training %s", name)
+            results[name] = train_model(
+                name,
+                data_path,
+                out / name,
+                validate=[heldout],
+                extra_manifest={"recipe": ship_recipe(data), "simulator": version},
+                progress=_stage(progress, f"backtesting {name}"),
+            )
+        write_data_card(out / "README.md", data, results, len(tables["heldout"]))
+    return ShipReport(
+        out=out,
+        models=results,
+        train_runs=len(tables["train"]),
+        heldout_runs=len(tables["heldout"]),
+        data_hash=data.data_hash(),
+        simulator=version,
+    )
+
+
+def _stage(progress: Callable[[str, int, int], None] | None, stage: str) -> Progress | None:
+    return None if progress is None else lambda done, total: progress(stage, done, total)
+
+
+def write_data_card(path: Path, data, results: dict, heldout_runs: int) -> None:
+    """models/README.md: what the shipped models were trained on and how they score."""
+    recipe = ship_recipe(data)
+    sim = recipe["simulator"]
+    lines = [
+        "# Shipped forecasters (data card)",
+        "",
+        "Written by `prorsa forecast ship --out models`, which regenerates everything here",
+        "(deterministic: fixed seeds, single-threaded training). Each folder holds",
+        "`manifest.json` (forecaster, parameters, data hash, simulator version, package",
+        "versions, metrics, this recipe) and the model files. Load one with",
+        "`prorsa.forecast.load_forecaster('models/NAME')`, or use it in a simulation with",
+        "`prorsa simulate --policy predictive --forecaster NAME`. (Other models in this folder",
+        "have their own cards.)",
+        "",
+        "## Training data",
+        "",
+        f"- Scenarios (shipped workload profiles): {', '.join(SHIP_SCENARIOS)}.",
+        "- Real-trace replays through the simulator: the even-numbered trajectories (sorted by",
+        "  id) of " + ", ".join(f"`datasets/traces/{t}.parquet`" for t in SHIP_TRACES) + ";",
+        "  the odd-numbered ones are held out.",
+        "- Every workload in both modes: sync (one step of load x GPUs trajectories, GRPO",
+        "  groups of 8) and async (load x GPUs in flight, twice as many in all), in each cell:",
+        "",
+        "| engines | trajectories per GPU | KV reuse | profile | policy | seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in TRAIN_CELLS:
+        lines.append(
+            f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | `{c.profile}` | "
+            f"`{c.policy}` | {c.seed} |"
+        )
+    lines += [
+        "",
+        f"- In all: {recipe['runs']} runs, {recipe['ticks']:,} ticks of {recipe['tick_s']:g} s, "
+        f"{recipe['turns']:,} turns, {recipe['snapshots']:,} trajectory snapshots.",
+        f"- Horizons: {', '.join(f'{h:g}' for h in recipe['horizons_s'])} s. Task vocabulary: "
+        f"{', '.join(recipe['tasks'])}.",
+        f"- Dataset hash (sha256 of the replayed tables): `{recipe['data_hash']}`.",
+        f"- Simulator: prorsa {sim.get('prorsa', '?')}, commit `{sim.get('commit', '?')}`, "
+        f"sources sha256 `{sim.get('source_sha256', '?')[:16]}…`.",
+        "",
+        "## Held-out scores",
+        "",
+        f"Rolling-origin backtest on {heldout_runs} held-out runs (every workload, the",
+        "held-out trace halves, both modes) in cells the training did not see:",
+        "",
+        "| engines | trajectories per GPU | KV reuse | profile | seed |",
+        "|---|---|---|---|---|",
+    ]
+    for c in HELDOUT_CELLS:
+        lines.append(
+            f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | `{c.profile}` | {c.seed} |"
+        )
+    lines += [
+        "",
+        "WAPE at 5 s:",
+        "",
+        "| model | prefill tokens | decode tokens | decode sequences | decode KV tokens | size |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, summary in results.items():
+        m = summary["metrics"]
+        size = sum(f.stat().st_size for f in Path(summary["out"]).iterdir())
+        cells = [
+            f"{m.get(f'heldout_wape_{t}_h5', float('nan')):.3f}"
+            for t in ("prefill_tokens", "decode_tokens", "decode_sequences", "decode_kv_tokens")
+        ]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {size / 1e6:.2f} MB |")
+    lines += [
+        "",
+        "See `benchmarks/results/forecast.json` for the comparison with the baselines.",
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))

@@ -1,0 +1,48 @@
+"""The shipping library: simulated runs for datasets, the recipe, the simulator version."""
+
+from __future__ import annotations
+
+from prorsa.forecast.shipping import (
+    HELDOUT_CELLS,
+    SHIP_MODES,
+    SHIP_SCENARIOS,
+    SHIP_TRACES,
+    TRAIN_CELLS,
+    SimPlan,
+    SimRun,
+    recipe_runs,
+    simulate_runs,
+    simulator_version,
+)
+from tests.conftest import REPO
+
+
+def test_a_run_simulates_its_load_per_gpu():
+    run = SimRun("math-tool", None, "sync", 3, engines=2, load_per_gpu=3)
+    (table,) = simulate_runs([run])
+    assert set(table.column("run_id").to_pylist()) == {run.run_id}
+    assert len(set(table.column("trajectory_id").to_pylist())) == 6  # 3 per GPU x 2 GPUs
+    meta = table.schema.metadata or {}
+    assert meta.get(b"prorsa.source") == b"simulator"
+
+
+def test_plan_and_recipe_run_ids_are_unique(tmp_path):
+    plan = SimPlan(["swe", "search"], [], ["sync", "async"], (0, 1), engines=4)
+    ids = [r.run_id for r in plan.runs()]
+    assert len(ids) == len(set(ids)) == 8
+    train = recipe_runs(REPO / "datasets" / "traces", tmp_path, TRAIN_CELLS, "train")
+    heldout = recipe_runs(REPO / "datasets" / "traces", tmp_path, HELDOUT_CELLS, "heldout")
+    per_cell = len(SHIP_MODES) * (len(SHIP_SCENARIOS) + len(SHIP_TRACES))
+    assert len(train) == per_cell * len(TRAIN_CELLS)
+    assert len(heldout) == per_cell * len(HELDOUT_CELLS)
+    assert not {r.run_id for r in train} & {r.run_id for r in heldout}
+    loads = {c.load_per_gpu for c in TRAIN_CELLS}
+    assert min(loads) == 4 and max(loads) == 128
+    assert any(c.load_per_gpu == 128 for c in HELDOUT_CELLS)
+    # Held-out replays read the other half of each trace.
+    assert all("heldout" in r.trace for r in heldout if r.trace)
+
+
+def test_simulator_version_is_stable_and_names_the_sources():
+    a, b = simulator_version(), simulator_version()
+    assert a == b and len(a["source_sha256"]) == 64 and a["prorsa"]
