@@ -13,6 +13,7 @@ from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
 from prorsa.cli.compare import compare_cmd, demo_cmd, policies_cmd
 from prorsa.cli.rollout import rollout_cmd
+from prorsa.cli.serve import serve_cmd
 from prorsa.cli.simulate import simulate_cmd
 from prorsa.cli.tune import tune_cmd
 
@@ -37,6 +38,7 @@ app.add_typer(models_cli.app, name="models", help="Make small local models for t
 app.add_typer(rl_cli.app, name="rl", help="Train the learned (PPO) allocation policy.")
 app.command("simulate")(simulate_cmd)
 app.command("rollout")(rollout_cmd)
+app.command("serve")(serve_cmd)
 app.command("compare")(compare_cmd)
 app.command("demo")(demo_cmd)
 app.command("policies")(policies_cmd)

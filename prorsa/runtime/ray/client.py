@@ -96,6 +96,8 @@ class EngineAdminClient(EngineClient, Protocol):
 
     async def is_sleeping(self) -> bool: ...
 
+    async def in_flight(self) -> list[str]: ...
+
 
 class RayEngineClient:
     """:class:`EngineClient` over an ``EngineServer`` Ray actor handle."""
@@ -176,6 +178,9 @@ class RayEngineClient:
 
     async def is_sleeping(self) -> bool:
         return bool(await self._call("is_sleeping"))
+
+    async def in_flight(self) -> list[str]:
+        return list(await self._call("in_flight"))
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._call("reset_prefix_cache"))

@@ -24,6 +24,10 @@ from prorsa.runtime.ray.sampling import OutputCollector, request_errors, samplin
 
 logger = logging.getLogger(__name__)
 
+#: Key a prefill leg adds to the ``kv_transfer_params`` it returns: the weight version that
+#: computed the KV. A decode leg whose engine has other weights refuses to pull it.
+KV_WEIGHT_VERSION_KEY = "prorsa_weight_version"
+
 #: ``kv_transfer_params`` for a prefill leg whose KV a remote decode engine will pull.
 PREFILL_FOR_REMOTE_DECODE: dict[str, Any] = {
     "do_remote_decode": True,
@@ -170,7 +174,8 @@ class EngineServer(EngineControl):
 
     async def release_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
         """Free KV a prefill leg pinned for a decode that will never pull it."""
-        await self._engine().notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
+        params = {k: v for k, v in kv_transfer_params.items() if k != KV_WEIGHT_VERSION_KEY}
+        await self._engine().notify_kv_transfer_request_rejected(request_id, params)
 
     async def in_flight(self) -> list[str]:
         """Ids of requests this engine is serving now."""
@@ -239,18 +244,27 @@ class EngineServer(EngineControl):
         self.check_request(prompt_token_ids, max_tokens)
         if request_id in self._in_flight:
             raise InputError(f"request id {request_id!r} is already in flight", field="request_id")
-        params = sampling_params(
-            max_tokens, temperature, kv_transfer_params, sampling, record=request_id
-        )
+        kv_params = dict(kv_transfer_params) if kv_transfer_params else None
+        kv_version = kv_params.pop(KV_WEIGHT_VERSION_KEY, None) if kv_params else None
+        if kv_version is not None and kv_version != self.weight_version:
+            # The prompt's KV was computed with other weights: never decode from it. The
+            # router serves the turn again from a fresh prefill (finish reason "abort").
+            await self._release_stale_kv(request_id, kv_params)
+            yield {"event": "done", **self._aborted(request_id, prompt_token_ids)}
+            return
+        params = sampling_params(max_tokens, temperature, kv_params, sampling, record=request_id)
         collector = OutputCollector(params.logprobs, params.prompt_logprobs)
         started = time.perf_counter()
         self._in_flight[request_id] = started
         first_token_s = None
         final: Any = None
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if self.config.enable_prefix_caching:
+            # Prefix-cache entries are keyed by weight version too: a request admitted
+            # under version v can never reuse KV computed under another version.
+            prompt["cache_salt"] = f"prorsa-w{self.weight_version}"
         try:
-            stream = self._engine().generate(
-                {"prompt_token_ids": list(prompt_token_ids)}, params, request_id
-            )
+            stream = self._engine().generate(prompt, params, request_id)
             async for out in stream:
                 collector.add(out)
                 final = out
@@ -269,7 +283,41 @@ class EngineServer(EngineControl):
         result = self._result(
             request_id, prompt_token_ids, collector.token_ids, final, started, first_token_s
         )
+        if result["kv_transfer_params"] and kv_params and kv_params.get("do_remote_decode"):
+            # Tag the handoff with the weights that computed it (checked by the decode leg).
+            result["kv_transfer_params"] = {
+                **result["kv_transfer_params"],
+                KV_WEIGHT_VERSION_KEY: self.weight_version,
+            }
         yield {"event": "done", **result, **collector.fields()}
+
+    async def _release_stale_kv(self, request_id: str, kv_params: dict[str, Any]) -> None:
+        try:
+            await self._engine().notify_kv_transfer_request_rejected(request_id, kv_params)
+        except Exception as exc:  # best effort: the prefill side frees it on its timeout
+            logger.info(
+                "engine %d: could not release stale KV of %s: %s", self.engine_id, request_id, exc
+            )
+
+    def _aborted(self, request_id: str, prompt_token_ids: list[int]) -> dict[str, Any]:
+        """The result of a request refused before it ran."""
+        return {
+            "request_id": request_id,
+            "engine_id": self.engine_id,
+            "prompt_tokens": len(prompt_token_ids),
+            "output_token_ids": [],
+            "finish_reason": "abort",
+            "kv_transfer_params": None,
+            "num_cached_tokens": 0,
+            "timings": {
+                "queue_s": None,
+                "prefill_s": None,
+                "decode_s": None,
+                "first_token_s": 0.0,
+                "total_s": 0.0,
+            },
+            **OutputCollector(None, None).fields(),
+        }
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise :class:`InputError` for a request this engine can never serve."""

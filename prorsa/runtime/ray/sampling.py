@@ -25,6 +25,10 @@ SAMPLING_KEYS: frozenset[str] = frozenset(
         "stop_token_ids",
         "logprobs",
         "prompt_logprobs",
+        "min_tokens",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
     }
 )
 

@@ -1,0 +1,72 @@
+"""A :class:`~prorsa.serve.service.RolloutService` as a Ray actor.
+
+Trainers built on Ray (verl, SkyRL's in-cluster mode) can hold a handle and call the
+service's coroutines remotely; the actor runs them concurrently on its event loop, so
+many sessions are served at once. Engines are started from inside the actor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prorsa.serve.config import ServeConfig
+
+
+class RolloutServiceActor:
+    """The actor body: :meth:`start` once, then the service's API by name."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        from prorsa.serve.service import RolloutService
+
+        self.service = RolloutService(config)
+
+    async def start(self) -> dict[str, Any]:
+        await self.service.start()
+        return self.service.status()
+
+    async def generate(
+        self, session_id: str | None, prompt_ids: list[int], sampling: dict[str, Any] | None = None,
+        routing: dict[str, Any] | None = None,
+    ) -> Any:  # fmt: skip
+        return await self.service.generate(session_id, prompt_ids, sampling, routing=routing)
+
+    async def end_session(self, session_id: str) -> bool:
+        return await self.service.end_session(session_id)
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self.service.pause(mode)
+
+    async def resume(self) -> None:
+        await self.service.resume()
+
+    async def update_weights_from_path(self, path: str, version: int | None = None) -> dict:
+        return await self.service.update_weights_from_path(path, version)
+
+    async def collective_rpc(
+        self, method: str, args: list | None = None, kwargs: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[int, list]:  # fmt: skip
+        return await self.service.collective_rpc(method, args or (), kwargs, timeout_s)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        return await self.service.sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return await self.service.wake_up(tags)
+
+    async def status(self) -> dict[str, Any]:
+        return self.service.status()
+
+    async def shutdown(self) -> None:
+        await self.service.shutdown()
+
+
+def rollout_service_actor(config: ServeConfig, **ray_options: Any) -> Any:
+    """Create (not start) the actor; ``ray.get(handle.start.remote())`` starts engines.
+
+    ``ray_options`` go to ``.options()`` (e.g. ``name``, ``num_cpus``).
+    """
+    import ray
+
+    cls = ray.remote(max_concurrency=1000, num_cpus=0)(RolloutServiceActor)
+    return cls.options(**ray_options).remote(config)

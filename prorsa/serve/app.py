@@ -1,0 +1,80 @@
+"""The HTTP face of a :class:`~prorsa.serve.service.RolloutService` (FastAPI).
+
+:func:`create_app` wires the data-plane routes (:mod:`.routes_tokens`,
+:mod:`.routes_openai`), the admin routes (:mod:`.routes_admin`, bearer-token protected),
+``/health`` and Prometheus ``/metrics`` around a service that is already started; the
+server (:mod:`.server`) owns the service's lifecycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from prorsa.serve.http_errors import install_handlers
+from prorsa.serve.metrics import CONTENT_TYPE, ServiceMetrics
+
+
+def create_app(service: Any) -> FastAPI:
+    """A FastAPI app over ``service`` (started; its config names the model and token)."""
+    from prorsa.serve import routes_admin, routes_openai, routes_tokens
+
+    app = FastAPI(title="prorsa rollout service", docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.state.admin_token = service.config.admin_token
+    app.state.model_names = _model_names(service.config)
+    app.state.metrics = service.metrics = ServiceMetrics(service)
+    install_handlers(app)
+    app.include_router(routes_tokens.router)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_admin.router)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        alive = service.live_engines() if service.router is not None else []
+        body = {"status": "ok" if alive else "no engines", "engines": len(alive)}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(_CountRequests, metrics=app.state.metrics)
+    return app
+
+
+def _model_names(config: Any) -> list[str]:
+    """Names a request's ``model`` may carry: the served name first, then the folder."""
+    from pathlib import Path
+
+    folder = Path(config.model).expanduser()
+    names = [config.model_name, config.model, str(folder.resolve())]
+    return list(dict.fromkeys(names))
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting responses by route template and status (cheap)."""
+
+    def __init__(self, app: Any, metrics: ServiceMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(path, str(status["code"])).inc()

@@ -1,0 +1,65 @@
+"""Hold legs back from the engines while their weights change.
+
+During a weight update no request may sit inside an engine: one queued there would run
+after the update, possibly on a prompt prefix or a KV handoff computed before it. The
+router re-routes legs on its own (after an abort, a failure, a switch), so the service
+cannot simply stop calling it; instead every engine client the router holds is wrapped in
+a :class:`BarrierClient`, and a new leg waits at the :class:`DispatchBarrier` until the
+update is over. Everything except starting a leg passes straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+
+class DispatchBarrier:
+    """Closed during a weight update; legs wait at it. One asyncio loop."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self.held = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def wait(self) -> None:
+        if self._open.is_set():
+            return
+        self.held += 1
+        try:
+            await self._open.wait()
+        finally:
+            self.held -= 1
+
+
+class BarrierClient:
+    """An engine client whose new legs wait at a :class:`DispatchBarrier`."""
+
+    def __init__(self, client: Any, barrier: DispatchBarrier) -> None:
+        self.inner = client
+        self.engine_id = client.engine_id
+        self.barrier = barrier
+
+    async def generate_stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        await self.barrier.wait()
+        async for item in self.inner.generate_stream(*args, **kwargs):
+            yield item
+
+    async def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        await self.barrier.wait()
+        return await self.inner.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Control calls (abort, pause, weights, health, ...) are never held back.
+        return getattr(self.inner, name)

@@ -1,0 +1,260 @@
+"""OpenAI-compatible routes: completions, chat completions, models, tokenize, detokenize.
+
+``/v1/completions`` takes token-id prompts (what AReaL's ``RemoteInfEngine`` sends, with
+``return_tokens_as_token_ids`` and ``logprobs``) or text; ``/v1/chat/completions`` renders
+messages with the model folder's chat template. Each request is one turn of the session
+named by ``X-Session-ID`` (a one-shot session without it). Logprob objects follow vLLM's
+OpenAI server, so clients written against vLLM parse them unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from prorsa.serve.http_errors import HTTPError, json_object
+from prorsa.serve.routes_tokens import check_model, session_id, token_ids
+from prorsa.serve.sampling import TEXT_ONLY_KEYS, Sampling, parse_sampling
+
+router = APIRouter()
+
+_SAMPLING_FIELDS = frozenset(Sampling.__dataclass_fields__) | {"n", "stop"}
+_COMPLETION_FIELDS = frozenset(
+    {"model", "prompt", "stream", "echo", "return_tokens_as_token_ids", "return_token_ids",
+     "session_id", "routing"}
+)  # fmt: skip
+_CHAT_FIELDS = frozenset(
+    {"model", "messages", "stream", "return_tokens_as_token_ids", "return_token_ids",
+     "session_id", "routing", "top_logprobs", "add_generation_prompt", "chat_template_kwargs",
+     "max_completion_tokens"}
+)  # fmt: skip
+#: Accepted and ignored: OpenAI bookkeeping, and vLLM options that change nothing here.
+_IGNORED = frozenset({"user", "cache_salt", "priority", "stream_options", "logit_bias", "suffix"})
+
+
+def _split(body: dict[str, Any], own: frozenset[str]) -> dict[str, Any]:
+    """The sampling fields of an OpenAI body; 400 for a field nobody knows."""
+    unknown = sorted(set(body) - own - _SAMPLING_FIELDS - TEXT_ONLY_KEYS - _IGNORED)
+    if unknown:
+        raise HTTPError(400, f"unknown field(s) {unknown}", param=unknown[0])
+    if body.get("stream"):
+        raise HTTPError(400, "streaming is not supported", param="stream")
+    return {k: v for k, v in body.items() if k in _SAMPLING_FIELDS or k in TEXT_ONLY_KEYS}
+
+
+def _tokenizer(request: Request) -> Any:
+    tokenizer = request.app.state.service.tokenizer
+    if tokenizer is None:
+        raise HTTPError(400, "this model folder has no tokenizer; send token ids")
+    return tokenizer
+
+
+def _token_text(request: Request, token: int, as_ids: bool) -> str:
+    if as_ids:
+        return f"token_id:{token}"
+    return _tokenizer(request).decode([token])
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> dict[str, Any]:
+    body = await json_object(request)
+    sampling_fields = _split(body, _COMPLETION_FIELDS)
+    check_model(request, body.get("model"))
+    if body.get("echo"):
+        raise HTTPError(400, "echo is not supported", param="echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompt = _tokenizer(request).encode(prompt)
+        if not prompt:
+            raise HTTPError(400, "prompt is empty", param="prompt")
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        if len(prompt) != 1:
+            raise HTTPError(
+                400, "one prompt per request (send a batch as separate requests)", param="prompt"
+            )
+        prompt = prompt[0]
+    prompt = token_ids(prompt, "prompt")
+    sampling = parse_sampling(sampling_fields, source="request")
+    service = request.app.state.service
+    result = await service.generate(
+        session_id(request, body), prompt, sampling, routing=body.get("routing")
+    )
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": _decode(request, result.output_token_ids),
+        "logprobs": _completion_logprobs(request, result, as_ids),
+        "finish_reason": result.finish_reason,
+        "stop_reason": None,
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = result.output_token_ids
+        choice["prompt_token_ids"] = prompt
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": request.app.state.model_names[0],
+        "choices": [choice],
+        "usage": _usage(result),
+        "prorsa": {"weight_version": result.weight_version, "path": result.path},
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> dict[str, Any]:
+    body = await json_object(request)
+    sampling_fields = _split(body, _CHAT_FIELDS)
+    check_model(request, body.get("model"))
+    if body.get("max_completion_tokens") is not None and "max_tokens" not in sampling_fields:
+        sampling_fields["max_tokens"] = body["max_completion_tokens"]
+    if sampling_fields.get("logprobs") is True:
+        sampling_fields["logprobs"] = body.get("top_logprobs") or 0
+    elif sampling_fields.get("logprobs") is False:
+        sampling_fields["logprobs"] = None
+    prompt = render_chat(request, body.get("messages"), body.get("add_generation_prompt", True))
+    sampling = parse_sampling(sampling_fields, source="request")
+    service = request.app.state.service
+    result = await service.generate(
+        session_id(request, body), prompt, sampling, routing=body.get("routing")
+    )
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": _decode(request, result.output_token_ids)},
+        "logprobs": _chat_logprobs(request, result, as_ids),
+        "finish_reason": result.finish_reason,
+        "stop_reason": None,
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = result.output_token_ids
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.app.state.model_names[0],
+        "choices": [choice],
+        "usage": _usage(result),
+        "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+        "prorsa": {"weight_version": result.weight_version, "path": result.path},
+    }
+
+
+def render_chat(request: Request, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` under the model's chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise HTTPError(400, f"messages[{i}] needs 'role' and 'content'", param="messages")
+    tokenizer = _tokenizer(request)
+    if not getattr(tokenizer, "chat_template", None):
+        raise HTTPError(400, "the model folder's tokenizer has no chat template", param="messages")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    service = request.app.state.service
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": request.app.state.model_names[0],
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "prorsa",
+                "root": service.config.model,
+                "max_model_len": service.config.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    body = await json_object(request)
+    check_model(request, body.get("model"))
+    if "messages" in body:
+        tokens = render_chat(request, body["messages"], body.get("add_generation_prompt", True))
+    elif isinstance(body.get("prompt"), str):
+        tokenizer = _tokenizer(request)
+        tokens = tokenizer.encode(
+            body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
+        )
+    else:
+        raise HTTPError(400, "tokenize needs a text 'prompt' or 'messages'", param="prompt")
+    return {
+        "count": len(tokens),
+        "max_model_len": request.app.state.service.config.max_model_len,
+        "tokens": list(tokens),
+        "token_strs": None,
+    }
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    body = await json_object(request)
+    check_model(request, body.get("model"))
+    tokens = token_ids(body.get("tokens"), "tokens")
+    return {"prompt": _decode(request, tokens)}
+
+
+def _decode(request: Request, tokens: list[int]) -> str:
+    tokenizer = request.app.state.service.tokenizer
+    return tokenizer.decode(tokens) if tokenizer is not None else ""
+
+
+def _completion_logprobs(request: Request, result: Any, as_ids: bool) -> dict[str, Any] | None:
+    if result.output_logprobs is None:
+        return None
+    tokens = [_token_text(request, t, as_ids) for t in result.output_token_ids]
+    tops = result.top_logprobs or [[] for _ in tokens]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(result.output_logprobs),
+        "top_logprobs": [
+            {_token_text(request, t, as_ids): lp for t, lp in top} if top else None for top in tops
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(request: Request, result: Any, as_ids: bool) -> dict[str, Any] | None:
+    if result.output_logprobs is None:
+        return None
+    tops = result.top_logprobs or [[] for _ in result.output_logprobs]
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(request, token, as_ids)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top]}
+            for t, lp, top in zip(
+                result.output_token_ids, result.output_logprobs, tops, strict=False
+            )
+        ]
+    }
+
+
+def _usage(result: Any) -> dict[str, int]:
+    completion = len(result.output_token_ids)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+    }

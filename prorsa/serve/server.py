@@ -1,0 +1,139 @@
+"""Run a rollout service over HTTP until SIGINT/SIGTERM, then stop engines and Ray cleanly.
+
+uvicorn's own signal handling re-raises the signal once the server has stopped, which
+would end the process before the engines are shut down; :class:`_Server` records the
+signal instead, so :func:`serve` can stop the service (engines, Ray, telemetry flush)
+and return. A second Ctrl-C forces the HTTP server down at once; the cleanup still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+from prorsa.errors import ConfigError
+from prorsa.serve.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before starting engines when the port is taken (engines take minutes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror}", hint="choose another --port"
+            ) from None
+
+
+def serve(
+    config: ServeConfig,
+    *,
+    on_ready: Callable[[Any], None] | None = None,
+    fleet: Any = None,
+) -> int:
+    """Start the service and its HTTP server; block until a signal; clean up.
+
+    Args:
+        config: the service to run.
+        on_ready: called with the started service once the HTTP server listens.
+        fleet: an already started engine fleet to adopt (left running).
+
+    Returns:
+        The signal number that stopped the server (0 if it stopped on its own).
+    """
+    config.validate()
+    check_port_free(config.host, config.port)
+    return asyncio.run(_serve(config, on_ready, fleet))
+
+
+async def _serve(config: ServeConfig, on_ready: Callable[[Any], None] | None, fleet: Any) -> int:
+    import uvicorn
+
+    from prorsa.serve.app import create_app
+    from prorsa.serve.service import RolloutService
+
+    service = RolloutService(config, fleet=fleet)
+    server: _Server | None = None
+    loop = asyncio.get_running_loop()
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        # Until uvicorn takes over, SIGTERM stops start-up like Ctrl-C (then cleans up).
+        loop.add_signal_handler(signal.SIGTERM, lambda: signal.raise_signal(signal.SIGINT))
+    try:
+        try:
+            await service.start()
+        finally:
+            if in_main:
+                loop.remove_signal_handler(signal.SIGTERM)
+        uv_config = uvicorn.Config(
+            create_app(service),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=30,
+        )
+        server = _Server(uv_config)
+        if on_ready is not None:
+            asyncio.get_running_loop().create_task(_when_started(server, on_ready, service))
+        await server.serve()
+    finally:
+        logger.info("shutting down the rollout service")
+        await service.shutdown()
+    return server.signal_number if server is not None else 0
+
+
+async def _when_started(server: Any, on_ready: Callable[[Any], None], service: Any) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    on_ready(service)
+
+
+class _Server:
+    """A uvicorn server that records SIGINT/SIGTERM instead of re-raising them."""
+
+    def __init__(self, config: Any) -> None:
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Generator[None, None, None]:
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                signals = (signal.SIGINT, signal.SIGTERM)
+                previous = {sig: signal.signal(sig, outer._on_signal) for sig in signals}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        self.server = Server(config)
+        self.signal_number = 0
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        if self.server.should_exit and sig == signal.SIGINT:
+            self.server.force_exit = True
+        self.signal_number = sig
+        self.server.should_exit = True
+
+    @property
+    def started(self) -> bool:
+        return self.server.started
+
+    async def serve(self) -> None:
+        await self.server.serve()

@@ -1,0 +1,710 @@
+"""A long-lived rollout service: engines, router, controller and telemetry behind one API.
+
+:class:`RolloutService` is what an RL trainer talks to, in process, as a Ray actor
+(:func:`~prorsa.serve.actor.rollout_service_actor`) or over HTTP (``prorsa serve``). It
+starts (or adopts) an :class:`~prorsa.runtime.ray.cluster.EngineFleet`, gives the engines
+the roles of the policy's first allocation, routes every turn through one
+:class:`~prorsa.runtime.ray.router.PDRouter`, and — for dynamic policies — runs the
+controller that switches roles as demand moves. Trainers name sessions; each is one
+trajectory in the telemetry (:mod:`prorsa.serve.sessions`).
+
+Control: ``pause``/``resume`` (vLLM's keep/abort/wait), ``sleep``/``wake_up``,
+``update_weights_from_path`` (the cross-role protocol of :mod:`prorsa.serve.weight_sync`),
+``collective_rpc`` for trainers that move weights themselves (wrapped in
+``begin_weight_update``/``finish_weight_update`` so nothing is served mixed), and role
+switches. The service is the only thing that starts role switches: its controller's
+actuator goes through :meth:`RolloutService.start_switch`, which refuses while weights
+change or engines sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.runtime.ray.engine_control import PAUSE_MODES
+from prorsa.runtime.ray.turns import TurnResult
+from prorsa.runtime.ray.weights import check_weight_dir
+from prorsa.serve.barrier import BarrierClient, DispatchBarrier
+from prorsa.serve.config import ServeConfig
+from prorsa.serve.gate import AdmissionGate
+from prorsa.serve.sampling import Sampling, ServeTurnRequest, parse_sampling
+from prorsa.serve.sessions import Sessions
+from prorsa.serve.weight_sync import WeightSync
+
+logger = logging.getLogger(__name__)
+
+ROUTING_KEYS = ("mode", "engine_id", "prefill_engine_id")
+SESSION_SWEEP_S = 5.0
+
+
+@dataclass
+class ServeTurnResult(TurnResult):
+    """A served turn: the router's result plus what a policy-gradient trainer needs."""
+
+    session_id: str = ""
+    prompt_tokens: int = 0
+    output_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    weight_version: int = 0
+    weight_versions: list[list[Any]] = field(default_factory=list)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+class RolloutService:
+    """Engines + router + controller + telemetry, long-lived.
+
+    Args:
+        config: what to run; validated in :meth:`start`.
+        fleet: an already started ``EngineFleet`` to adopt (left running on shutdown);
+            None starts one (and Ray, if needed) and stops it on :meth:`shutdown`.
+        policy: a policy object instead of ``config.policy``.
+        forecaster: a forecast source instead of ``config.forecaster``.
+
+    Use ``await RolloutService(config).start()``; every method runs on the event loop
+    that started it.
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        fleet: Any = None,
+        policy: Any = None,
+        forecaster: Any = None,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.policy = policy
+        self.forecaster = forecaster
+        self._owns_fleet = fleet is None
+        self._owns_ray = False
+        self.gate = AdmissionGate()
+        self.barrier = DispatchBarrier()
+        self.sync = WeightSync(self)
+        self.weight_version = 0
+        self.engines_paused_by_trainer = False
+        self.sleeping = False
+        self.router: Any = None
+        self.sessions: Sessions | None = None
+        self.controller: Any = None
+        self.actuator: Any = None
+        self.monitor: Any = None
+        self.recorder: Any = None
+        self.tokenizer: Any = None
+        self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
+        self._switch_holds: set[str] = set()
+        self._switches: set[asyncio.Task] = set()
+        self.switches_done = 0
+        self._external_update: Any = None
+        self._sweeper: asyncio.Task | None = None
+        self.started_s: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> RolloutService:
+        """Start engines (unless adopted), set roles, router, monitor and controller."""
+        from prorsa.runtime.cluster.startup import (
+            first_allocation,
+            idle_observation,
+            make_controller,
+        )
+        from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
+        from prorsa.runtime.ray.monitor import LoadMonitor
+        from prorsa.runtime.ray.pools import parse_role
+        from prorsa.runtime.ray.router import PDRouter, RouterConfig
+
+        config = self.config
+        config.validate()
+        started = time.perf_counter()
+        spec = _cluster_spec(config)
+        policy = self.policy or _make_policy(config)
+        policy.reset(spec, config.seed)
+        self.policy = policy
+        if self.forecaster is None and policy.needs_forecast:
+            if not config.forecaster:
+                raise ConfigError(
+                    f"policy {config.policy} needs a forecaster", hint="pass --forecaster NAME"
+                )
+            from prorsa.runtime.forecast_provider import make_provider
+
+            self.forecaster = make_provider(config.forecaster)
+        idle = idle_observation(
+            spec, engines_per_slot=1, kv_capacity_per_slot=0, total_trajectories=None
+        )
+        roles, _ = first_allocation(policy, spec, idle)
+        if self.fleet is None:
+            starting = asyncio.ensure_future(asyncio.to_thread(self._start_fleet, roles))
+            try:
+                self.fleet = await asyncio.shield(starting)
+            except asyncio.CancelledError:
+                # Interrupted while engines start: let them come up, then stop them, so
+                # no engine outlives the service.
+                self.fleet = await starting
+                raise
+        elif len(self.fleet.clients) != config.engines:
+            raise ConfigError(
+                f"the fleet has {len(self.fleet.clients)} engines; the config asks for "
+                f"{config.engines}"
+            )
+        pools = self.fleet.pools()
+        for engine in pools.engines():
+            engine.client = BarrierClient(engine.client, self.barrier)
+            pools.set_role(engine.engine_id, parse_role(roles[engine.engine_id]), at=0.0)
+        if config.telemetry_dir:
+            from prorsa.telemetry import Recorder
+
+            self.recorder = Recorder(config.telemetry_dir, run_id=config.run_id)
+        self.router = PDRouter(
+            pools,
+            RouterConfig(
+                local_prefill_threshold_tokens=config.local_prefill_threshold,
+                drain_timeout_s=config.drain_timeout_s,
+            ),
+            recorder=self.recorder,
+            run_id=config.run_id,
+        )
+        self.sessions = Sessions(self.router, self.router.now, config.session_idle_s)
+        self.monitor = LoadMonitor(pools, interval_s=config.monitor_interval_s)
+        self.monitor.start()
+        await self.monitor.poll_once()
+        self.actuator = RayActuator(
+            _SwitchGate(self.router, self),
+            spec,
+            drain_timeout_s=config.drain_timeout_s,
+            monitor=self.monitor,
+        )
+        self.controller = make_controller(
+            policy,
+            self.actuator,
+            AsyncioClock(),
+            interval_s=config.interval_s,
+            min_dwell_s=config.min_dwell_s,
+            forecaster=self.forecaster,
+            keep_forecasts=True,
+        )
+        if self.controller is not None:
+            self.controller.start()
+        self.tokenizer = _load_tokenizer(config.model)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_sessions())
+        self.started_s = time.perf_counter() - started
+        logger.info(
+            "rollout service ready in %.1f s: %d engines %s, policy %s",
+            self.started_s,
+            config.engines,
+            roles,
+            config.policy,
+        )
+        return self
+
+    def _start_fleet(self, roles: list[str]) -> Any:
+        """Start Ray (if needed) and the engines; blocking (run in a thread)."""
+        import tempfile
+
+        import ray
+
+        from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
+        from prorsa.runtime.ray.config import EngineConfig
+        from prorsa.runtime.ray.engine import _default_device
+
+        config = self.config
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        on_cpu = _default_device() == "cpu"
+        if not ray.is_initialized():
+            if config.ray_address:
+                ray.init(address=config.ray_address, log_to_driver=False)
+            else:
+                # Logical CPUs: several engines share a small machine's cores.
+                cpus = max(os.cpu_count() or 1, config.engines + 2) if on_cpu else None
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True
+        kv_dir = config.kv_storage_dir or tempfile.mkdtemp(prefix="prorsa-kv-")
+        engine = EngineConfig(
+            model=config.model,
+            dtype="float32" if on_cpu else "auto",
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            kv_cache_gib=config.kv_cache_gib if config.kv_cache_gib or not on_cpu else 0.25,
+            connector=config.connector,  # type: ignore[arg-type]
+            kv_storage_dir=kv_dir,
+            seed=config.seed,
+        )
+        try:
+            return EngineFleet.start(FleetSpec(engine, roles=roles))
+        except BaseException:
+            if self._owns_ray:
+                ray.shutdown()
+            raise
+
+    async def shutdown(self) -> None:
+        """Stop the controller, end sessions, flush telemetry, stop owned engines and Ray."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        if self.controller is not None:
+            self.controller.stop()
+        if self.actuator is not None:
+            await self.actuator.wait()
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self.sessions is not None:
+            self.sessions.finish_all()
+        if self.recorder is not None:
+            await self.recorder.aclose()
+            self.recorder = None
+        if self._owns_fleet and self.fleet is not None:
+            fleet, self.fleet = self.fleet, None
+            await asyncio.to_thread(fleet.shutdown)
+        if self._owns_ray:
+            import ray
+
+            await asyncio.to_thread(ray.shutdown)
+            self._owns_ray = False
+
+    # ------------------------------------------------------------------ data plane
+    async def generate(
+        self,
+        session_id: str | None,
+        prompt_ids: list[int],
+        sampling: Sampling | dict[str, Any] | None = None,
+        *,
+        routing: dict[str, Any] | None = None,
+        group_id: str = "",
+        task: str = "",
+    ) -> ServeTurnResult:
+        """Serve one turn of a session.
+
+        Args:
+            session_id: the trajectory this turn belongs to (sticky engines, telemetry);
+                None serves a one-shot session that ends with the turn.
+            prompt_ids: the full context (earlier turns, tool output, new prompt).
+            sampling: a :class:`Sampling` or a vLLM-style dict (checked).
+            routing: optional ``mode`` (auto | disaggregated | colocated), ``engine_id``
+                and ``prefill_engine_id`` pins (tests, debugging).
+            group_id: GRPO group (telemetry).
+            task: task name (telemetry).
+
+        Raises:
+            InputError: a malformed request (nothing dispatched; other sessions unaffected).
+            RoutingError: no engine could serve the turn.
+        """
+        sessions = self._sessions()
+        if not isinstance(sampling, Sampling):
+            sampling = parse_sampling(sampling)
+        routing = _routing(routing)
+        one_shot = session_id is None
+        session_id = sessions.anonymous_id() if one_shot else session_id
+        probe = ServeTurnRequest.build(session_id, prompt_ids, sampling, turn=0, **routing)
+        self.router.validate(probe)  # fail fast, before waiting at a closed gate
+        session = sessions.get_or_start(session_id, group_id=group_id, task=task)
+        try:
+            async with session.lock, self.gate.admitted():
+                turn = sessions.before_turn(session, len(prompt_ids))
+                request = ServeTurnRequest.build(
+                    session_id, prompt_ids, sampling, turn=turn, group_id=group_id,
+                    task=task, **routing,
+                )  # fmt: skip
+                result = await self.router.generate(request)
+                served = _served(result, session_id, len(prompt_ids))
+                sessions.after_turn(session, turn, len(prompt_ids) + len(result.output_token_ids))
+        finally:
+            if one_shot:
+                sessions.finish(session_id)
+        if self.metrics is not None:
+            self.metrics.observe_turn(served)
+        return served
+
+    async def end_session(self, session_id: str) -> bool:
+        """End a session (``traj_end``); False when it is unknown or already ended."""
+        return self._sessions().finish(session_id)
+
+    # ------------------------------------------------------------------ pause / sleep
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop serving: new turns wait at the gate until :meth:`resume`.
+
+        ``keep`` freezes turns in flight inside the engines (they go on after resume),
+        ``wait`` returns once they have finished, ``abort`` stops them at once — each is
+        served again after resume (from a fresh prefill), so none is lost.
+        """
+        if mode not in PAUSE_MODES:
+            raise InputError(
+                f"unknown pause mode {mode!r}", field="mode", hint=f"one of {PAUSE_MODES}"
+            )
+        await self.gate.close("paused")
+        if mode == "wait":
+            await self.gate.drained(None)
+        async with self.sync.lock:  # not in the middle of a weight update
+            self.engines_paused_by_trainer = True
+            if not self.sleeping:
+                await self.for_each_engine(lambda c: c.pause("keep" if mode == "wait" else mode))
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause` (engines asleep stay asleep until :meth:`wake_up`)."""
+        async with self.sync.lock:
+            if self.engines_paused_by_trainer and not self.sleeping:
+                await self.for_each_engine(lambda c: c.resume())
+            self.engines_paused_by_trainer = False
+        await self.gate.open("paused")
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict[int, Any]:
+        """Put every engine to sleep (see ``EngineServer.sleep`` for what is freed where);
+        new turns wait until :meth:`wake_up`; no role switch starts meanwhile."""
+        await self.gate.close("sleeping")
+        self.hold_switches("sleeping")
+        await self.wait_for_switches()
+        async with self.sync.lock:
+            self.sleeping = True
+            return await self.for_each_engine(lambda c: c.sleep(level, mode))
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake every engine; serving resumes once all are fully awake."""
+        async with self.sync.lock:
+            awake = await self.for_each_engine(lambda c: c.wake_up(tags))
+            if not all(awake.values()):
+                return False
+            self.sleeping = False
+            if self.engines_paused_by_trainer:  # the trainer's pause outlives the sleep
+                await self.for_each_engine(lambda c: c.pause("keep"))
+        self.release_switches("sleeping")
+        await self.gate.open("sleeping")
+        return True
+
+    async def reset_prefix_cache(self) -> dict[int, bool]:
+        """Drop every engine's prefix cache and the router's record of it."""
+        result = await self.for_each_engine(lambda c: c.reset_prefix_cache())
+        self.router.forget_caches()
+        return result
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights_from_path(
+        self, path: str, version: int | None = None
+    ) -> dict[str, Any]:
+        """Load a ``save_pretrained`` folder on every engine, whatever its role.
+
+        Args:
+            path: the folder, visible to every engine.
+            version: the new weight version (> the current one); None: current + 1.
+
+        Returns:
+            The sync summary: versions, whether turns drained or were re-served, per
+            stage seconds, engines updated and any that failed (taken out of service).
+        """
+        folder = str(check_weight_dir(path, self.config.model))
+        version = self._next_version(version)
+        async with self.sync.paused(self.config.sync_drain_timeout_s) as window:
+            results = await self.for_each_engine(
+                lambda c: c.update_weights_from_path(folder, version), tolerate=True
+            )
+            failed = self._retire_failed(results, "weight update")
+            self.router.forget_caches()
+            self.weight_version = version
+            window.detail.update(path=folder, failed=failed, reload_s=_reload_times(results))
+        if self.metrics is not None:
+            self.metrics.observe_sync(window.summary)
+        return window.summary
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """Quiesce for a trainer that pushes weights itself (``collective_rpc``, vLLM's
+        weight-transfer routes); end with :meth:`finish_weight_update`."""
+        if self._external_update is not None:
+            raise InputError("a weight update is already open", hint="finish it first")
+        manager = self.sync.paused(self.config.sync_drain_timeout_s)
+        window = await manager.__aenter__()
+        self._external_update = (manager, window)
+        return {"from_version": window.from_version, "engines": window.engines}
+
+    async def finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
+        """Stamp the new version, drop caches, resume (see :meth:`begin_weight_update`)."""
+        if self._external_update is None:
+            raise InputError("no weight update is open", hint="call begin_weight_update first")
+        manager, window = self._external_update
+        self._external_update = None
+        try:
+            version = self._next_version(version)
+            await self.for_each_engine(lambda c: c.set_weight_version(version))
+            await self.for_each_engine(lambda c: c.reset_prefix_cache())
+            self.router.forget_caches()
+            self.weight_version = version
+            window.detail.update(external=True)
+        finally:
+            await manager.__aexit__(None, None, None)
+        if self.metrics is not None:
+            self.metrics.observe_sync(window.summary)
+        return window.summary
+
+    @property
+    def weight_update_open(self) -> bool:
+        return self._external_update is not None
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[int, list[Any]]:
+        """Call ``method`` on every worker of every live engine; results per engine.
+
+        It changes nothing the service tracks: to move weights this way, wrap the calls
+        in :meth:`begin_weight_update` / :meth:`finish_weight_update`.
+        """
+        return await self.for_each_engine(
+            lambda c: c.collective_rpc(method, args, kwargs, timeout_s)
+        )
+
+    def _next_version(self, version: int | None) -> int:
+        if version is None:
+            return self.weight_version + 1
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InputError(f"version must be an integer, got {version!r}", field="version")
+        if version <= self.weight_version:
+            raise InputError(
+                f"weight version {version} is not above the current {self.weight_version}",
+                field="version",
+                hint="weight versions never go backwards",
+            )
+        return version
+
+    def _retire_failed(self, results: dict[int, Any], what: str) -> dict[int, str]:
+        """Take engines whose update failed out of service: they hold other weights."""
+        failed = {eid: repr(r) for eid, r in results.items() if isinstance(r, BaseException)}
+        for engine_id, error in failed.items():
+            logger.error("engine %d failed the %s and leaves service: %s", engine_id, what, error)
+            self.router.pools.mark_dead(engine_id)
+        if failed and len(failed) == len(results):
+            raise RuntimeError(f"{what} failed on every engine: {failed}")
+        return failed
+
+    # ------------------------------------------------------------------ role switches
+    def hold_switches(self, reason: str) -> None:
+        self._switch_holds.add(reason)
+
+    def release_switches(self, reason: str) -> None:
+        self._switch_holds.discard(reason)
+
+    def start_switch(
+        self, engine_id: int, role: Any, drain_timeout_s: float | None = None
+    ) -> asyncio.Task:
+        """Start a role switch unless weights change or engines sleep.
+
+        Raises:
+            ConfigError: switches are held (the caller retries later), or the router
+                refuses the switch.
+        """
+        if self._switch_holds:
+            raise ConfigError(
+                f"role switches are held ({', '.join(sorted(self._switch_holds))})",
+                hint="retry after the weight update or wake-up",
+            )
+        task = self.router.start_switch(engine_id, role, drain_timeout_s)
+        self._switches.add(task)
+        task.add_done_callback(self._switch_done)
+        return task
+
+    def _switch_done(self, task: asyncio.Task) -> None:
+        self._switches.discard(task)
+        if not task.cancelled() and task.exception() is None and not task.result().get("skipped"):
+            self.switches_done += 1
+
+    async def switch_role(
+        self, engine_id: int, role: str, drain_timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Switch one engine now (an operator's or a test's order) and wait for it."""
+        return await self.start_switch(engine_id, role, drain_timeout_s)
+
+    async def wait_for_switches(self) -> None:
+        if self._switches:
+            await asyncio.gather(*list(self._switches), return_exceptions=True)
+
+    # ------------------------------------------------------------------ engines
+    def live_engines(self) -> list[int]:
+        return [e.engine_id for e in self.router.pools.engines() if e.alive]
+
+    def client(self, engine_id: int) -> Any:
+        return self.router.pools.get(engine_id).client
+
+    async def for_each_engine(
+        self, call: Callable[[Any], Awaitable[Any]], *, tolerate: bool = False
+    ) -> dict[int, Any]:
+        """``call(client)`` on every live engine at once; results by engine id.
+
+        With ``tolerate`` an engine's exception is returned in its place; otherwise the
+        first one is raised (after every call has finished).
+        """
+        ids = self.live_engines()
+        answers = await asyncio.gather(
+            *(call(self.client(eid)) for eid in ids), return_exceptions=True
+        )
+        results = dict(zip(ids, answers, strict=True))
+        if not tolerate:
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    raise answer
+        return results
+
+    async def engine_requests(self) -> dict[int, list[str]]:
+        """Requests each live engine holds now (only engines holding any)."""
+        held = await self.for_each_engine(lambda c: c.in_flight(), tolerate=True)
+        return {eid: ids for eid, ids in held.items() if isinstance(ids, list) and ids}
+
+    def emit(self, kind: int, engine_id: int = -1, **detail: Any) -> None:
+        """Record a cluster event (e.g. ``weight_sync``) in the run's telemetry."""
+        self.router.telemetry.cluster(self.router.now(), kind, engine_id, **detail)
+
+    # ------------------------------------------------------------------ state
+    def status(self) -> dict[str, Any]:
+        """What an operator (and ``/metrics``) wants to know, cheaply."""
+        pools = self.router.pools
+        counts, tokens = self.router.trajectory_states()
+        return {
+            "model": self.config.model_name,
+            "weight_version": self.weight_version,
+            "roles": {eid: role.value for eid, role in pools.roles().items()},
+            "engines_per_role": pools.counts(),
+            "sessions": len(self._sessions()),
+            "sessions_started": self._sessions().started_total,
+            "in_flight": self.gate.in_flight,
+            "waiting": self.gate.waiting,
+            "held_legs": self.barrier.held,
+            "gate_closed": self.gate.reasons,
+            "paused": self.engines_paused_by_trainer,
+            "sleeping": self.sleeping,
+            "weight_sync": self.sync.window is not None,
+            "switches_running": len(self._switches),
+            "switches_done": self.switches_done,
+            "trajectory_states": counts,
+            "trajectory_tokens": tokens,
+            "policy": self.config.policy,
+        }
+
+    def latest_forecast(self) -> Any:
+        """The controller's most recent forecast (None without one)."""
+        if self.controller is None or not self.controller.decisions:
+            return None
+        return self.controller.decisions[-1].forecast
+
+    def _sessions(self) -> Sessions:
+        if self.sessions is None:
+            raise ConfigError("the rollout service is not started", hint="await start() first")
+        return self.sessions
+
+    async def _sweep_sessions(self) -> None:
+        while True:
+            await asyncio.sleep(min(SESSION_SWEEP_S, self.config.session_idle_s))
+            try:
+                self._sessions().expire()
+            except Exception:  # never let the sweeper die silently
+                logger.exception("session sweep failed")
+
+
+class _SwitchGate:
+    """The router as the controller's actuator sees it, with switches through the service."""
+
+    def __init__(self, router: Any, service: RolloutService) -> None:
+        self._router = router
+        self._service = service
+
+    def start_switch(
+        self, engine_id: int, role: Any, drain_timeout_s: float | None = None
+    ) -> asyncio.Task:
+        return self._service.start_switch(engine_id, role, drain_timeout_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._router, name)
+
+
+def _served(result: TurnResult, session_id: str, prompt_tokens: int) -> ServeTurnResult:
+    """The router's result with logprobs, weight version and TTFT/TPOT from the legs."""
+    decode = result.legs.get("decode", {})
+    prefill = result.legs.get("prefill")
+    versions = {decode.get("weight_version")}
+    if prefill is not None:
+        versions.add(prefill.get("weight_version"))
+    if len(versions) != 1 or None in versions:
+        # Engines stamp every token; this would mean a turn saw two sets of weights.
+        logger.error("turn %s/%d saw weight versions %s", session_id, result.turn, versions)
+    version = decode.get("weight_version")
+    timings = decode.get("timings", {})
+    ttft = timings.get("first_token_s")
+    if prefill is not None and ttft is not None:
+        ttft += prefill.get("timings", {}).get("total_s") or 0.0
+    n_out = len(result.output_token_ids)
+    decode_s = timings.get("decode_s")
+    if decode_s is None and timings.get("total_s") is not None and ttft is not None:
+        decode_s = max(0.0, timings["total_s"] - timings["first_token_s"])
+    prompt_logprobs = (prefill or decode).get("prompt_logprobs")
+    return ServeTurnResult(
+        **{name: getattr(result, name) for name in TurnResult.__dataclass_fields__},
+        session_id=session_id,
+        prompt_tokens=prompt_tokens,
+        output_logprobs=decode.get("output_logprobs"),
+        top_logprobs=decode.get("top_logprobs"),
+        prompt_logprobs=prompt_logprobs,
+        prompt_top_logprobs=(prefill or decode).get("prompt_top_logprobs"),
+        weight_version=int(version) if version is not None else -1,
+        weight_versions=decode.get("weight_versions") or [],
+        ttft_s=ttft,
+        tpot_s=decode_s / (n_out - 1) if decode_s is not None and n_out > 1 else None,
+    )
+
+
+def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:
+    routing = dict(routing or {})
+    unknown = sorted(set(routing) - set(ROUTING_KEYS))
+    if unknown:
+        raise InputError(
+            f"unknown routing key(s) {unknown}", field="routing", hint=f"one of {ROUTING_KEYS}"
+        )
+    for key in ("engine_id", "prefill_engine_id"):
+        value = routing.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise InputError(f"{key} must be an integer engine id", field=key)
+    return {k: v for k, v in routing.items() if v is not None}
+
+
+def _reload_times(results: dict[int, Any]) -> dict[int, float]:
+    return {
+        eid: round(r["reload_s"], 6)
+        for eid, r in results.items()
+        if isinstance(r, dict) and "reload_s" in r
+    }
+
+
+def _cluster_spec(config: ServeConfig) -> Any:
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
+    from prorsa.runtime.ray.cpu_profile import CPU_PROFILE
+
+    cluster = ClusterConfig(
+        profile=config.profile or CPU_PROFILE,
+        num_slots=config.engines,
+        switch_latency_s=config.switch_latency_s,
+    )
+    return cluster_spec(cluster, load_profiles(cluster), config.min_dwell_s)
+
+
+def _make_policy(config: ServeConfig) -> Any:
+    from prorsa.policy import make_policy
+
+    return make_policy(config.policy, **config.policy_params)
+
+
+def _load_tokenizer(model: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception as exc:  # token-in/token-out routes work without one
+        logger.warning("no tokenizer in %s (%s): text routes are off", model, exc)
+        return None

@@ -1,0 +1,143 @@
+"""Trainer sessions as trajectories: numbered turns and the lifecycle events between them.
+
+A trainer names a session (SkyRL's and prime-rl's ``X-Session-ID``, verl's request id) and
+sends one turn at a time. Each session is one trajectory in the telemetry: ``traj_start``
+at its first turn; after each turn ``tool_start`` (the trainer is running its tool or
+environment) and ``tool_end`` when the next turn arrives; ``traj_end`` on
+``finish_session`` or after ``idle_s`` without a turn. The router emits the stages in
+between, so forecasters see a served run exactly as they see a simulated one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorsa.errors import InputError
+from prorsa.telemetry.schema import EventKind as K
+
+logger = logging.getLogger(__name__)
+
+#: Session ids longer than this are refused (they become telemetry keys).
+MAX_SESSION_ID_CHARS = 256
+
+
+@dataclass(eq=False)
+class Session:
+    """One trajectory of a trainer."""
+
+    session_id: str
+    group_id: str = ""
+    task: str = ""
+    turns: int = 0  # turns dispatched so far (the next turn's index)
+    context_tokens: int = 0
+    in_tool: bool = False
+    last_s: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Sessions:
+    """Live sessions of one service; emits their agent-side events through the router.
+
+    Args:
+        router: exposes ``trajectory_event(kind, trajectory_id, turn, ...)``.
+        clock: seconds (the router's clock, so events stay in order).
+        idle_s: a session with no turn for this long is ended by :meth:`expire`.
+    """
+
+    def __init__(self, router: Any, clock: Callable[[], float], idle_s: float) -> None:
+        self.router = router
+        self.clock = clock
+        self.idle_s = idle_s
+        self._live: dict[str, Session] = {}
+        self._anonymous = itertools.count()
+        self.started_total = 0
+        self.finished_total = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._live
+
+    def anonymous_id(self) -> str:
+        """A fresh id for a one-shot request that named no session."""
+        return f"anon-{next(self._anonymous)}"
+
+    def get_or_start(self, session_id: str, *, group_id: str = "", task: str = "") -> Session:
+        """The live session, started (``traj_start``) if new."""
+        if not isinstance(session_id, str) or not session_id:
+            raise InputError("session id must be a non-empty string", field="session_id")
+        if len(session_id) > MAX_SESSION_ID_CHARS:
+            raise InputError(
+                f"session id has {len(session_id)} characters; at most {MAX_SESSION_ID_CHARS}",
+                field="session_id",
+            )
+        session = self._live.get(session_id)
+        if session is None:
+            session = Session(session_id, group_id=group_id, task=task, last_s=self.clock())
+            self._live[session_id] = session
+            self.started_total += 1
+            self.router.trajectory_event(K.TRAJ_START, session_id, 0, group_id=group_id, task=task)
+        return session
+
+    def before_turn(self, session: Session, context_tokens: int) -> int:
+        """Close the gap since the last turn (``tool_end``); returns this turn's index."""
+        if session.in_tool:
+            self._event(session, K.TOOL_END, session.turns - 1)
+            session.in_tool = False
+        session.context_tokens = context_tokens
+        session.last_s = self.clock()
+        turn = session.turns
+        session.turns += 1
+        return turn
+
+    def after_turn(self, session: Session, turn: int, context_tokens: int) -> None:
+        """The turn is done; the trainer has the floor (``tool_start``)."""
+        session.context_tokens = context_tokens
+        session.last_s = self.clock()
+        if session.session_id in self._live:
+            self._event(session, K.TOOL_START, turn)
+            session.in_tool = True
+
+    def finish(self, session_id: str) -> bool:
+        """End a session (``traj_end``); False when it is not live."""
+        session = self._live.pop(session_id, None)
+        if session is None:
+            return False
+        if session.in_tool:
+            self._event(session, K.TOOL_END, session.turns - 1)
+        self._event(session, K.TRAJ_END, max(0, session.turns - 1))
+        self.finished_total += 1
+        return True
+
+    def expire(self) -> list[str]:
+        """End sessions idle for longer than ``idle_s`` (not those mid-turn)."""
+        now = self.clock()
+        stale = [
+            s.session_id
+            for s in self._live.values()
+            if now - s.last_s > self.idle_s and not s.lock.locked()
+        ]
+        for session_id in stale:
+            logger.info("session %s idle for over %.0f s: ended", session_id, self.idle_s)
+            self.finish(session_id)
+        return stale
+
+    def finish_all(self) -> None:
+        for session_id in list(self._live):
+            self.finish(session_id)
+
+    def _event(self, session: Session, kind: K, turn: int) -> None:
+        self.router.trajectory_event(
+            kind,
+            session.session_id,
+            turn,
+            group_id=session.group_id,
+            task=session.task,
+            context_tokens=session.context_tokens,
+        )

@@ -1,0 +1,161 @@
+"""Weight updates across prefill, decode and colocated engines, with nothing served mixed.
+
+No trainer's protocol covers disaggregated engines: a turn's prompt KV may be computed on
+one engine and decoded on another, and a prefix cache may hold KV of earlier weights. The
+protocol here (:meth:`WeightSync.quiesce`, then the update, then :meth:`WeightSync.release`):
+
+1. close admission: new turns wait at the service's gate;
+2. hold role switches (the controller's orders are skipped meanwhile) and wait for those
+   already running, so no engine changes role mid-update;
+3. let the turns in flight finish under the old weights (engines paused by the trainer
+   are resumed for it), for up to ``drain_timeout_s``;
+4. close the dispatch barrier: no leg can enter an engine any more; if turns are still
+   in flight, abort their legs — the router serves each again, from a fresh prefill, once
+   the barrier opens (nothing is lost);
+5. wait until no engine holds a request, then pause them all;
+6. (the caller) load the weights on every engine whatever its role, stamp the version,
+   drop prefix caches and connector state, forget the router's cache residency;
+7. resume the engines (unless the trainer paused them), open the barrier, allow
+   switches, open admission, and record ``weight_sync`` events (start and end).
+
+Two engine-side guards close the remaining gaps: requests are salted by weight version
+in the prefix cache, and a decode leg refuses KV handed off under other weights (see
+``EngineServer.generate_stream``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prorsa.telemetry.columns import KIND_CODE
+
+if TYPE_CHECKING:
+    from prorsa.serve.service import RolloutService
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SYNC = KIND_CODE["weight_sync"]
+ENGINE_IDLE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class SyncWindow:
+    """What :meth:`WeightSync.quiesce` found and did."""
+
+    started: float
+    from_version: int
+    drained: bool = True
+    aborted_turns: int = 0
+    engines: list[int] = field(default_factory=list)
+    stages_s: dict[str, float] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)  # the caller's, for the end event
+    summary: dict[str, Any] = field(default_factory=dict)  # filled on release
+
+
+class WeightSync:
+    """Runs the protocol on one service's gate, barrier, router and engines."""
+
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+        self.lock = asyncio.Lock()  # one update at a time
+        self.window: SyncWindow | None = None
+
+    @contextlib.asynccontextmanager
+    async def paused(self, drain_timeout_s: float) -> AsyncIterator[SyncWindow]:
+        """One update: engines paused and empty inside the block, released after it
+        (whatever happens inside); one at a time."""
+        async with self.lock:
+            window = SyncWindow(
+                started=time.perf_counter(), from_version=self.service.weight_version
+            )
+            self.window = window
+            try:
+                await self.quiesce(window, drain_timeout_s)
+                yield window
+            finally:
+                window.summary = await self.release(window)
+
+    async def quiesce(self, window: SyncWindow, drain_timeout_s: float) -> None:
+        """Steps 1-5; the engines are paused and empty on return."""
+        svc = self.service
+        svc.emit(WEIGHT_SYNC, stage="start", from_version=svc.weight_version)
+        await svc.gate.close("weight_sync")
+        svc.hold_switches("weight_sync")
+        with _timed(window, "switches"):
+            await svc.wait_for_switches()
+        if svc.engines_paused_by_trainer and not svc.sleeping:
+            await svc.for_each_engine(lambda c: c.resume())  # let frozen turns finish
+        with _timed(window, "drain"):
+            window.drained = svc.sleeping and svc.gate.in_flight == 0
+            if not svc.sleeping:
+                window.drained = await svc.gate.drained(drain_timeout_s)
+        svc.barrier.close()
+        with _timed(window, "pause"):
+            if window.drained:
+                await svc.for_each_engine(lambda c: c.pause("keep"))
+            else:
+                window.aborted_turns = svc.gate.in_flight
+                logger.warning(
+                    "weight sync: %d turns still running after %.1f s; aborted, they are "
+                    "served again under the new weights",
+                    window.aborted_turns,
+                    drain_timeout_s,
+                )
+                await svc.for_each_engine(lambda c: c.pause("abort"))
+            await self._wait_engines_empty()
+        window.engines = sorted(svc.live_engines())
+
+    async def release(self, window: SyncWindow) -> dict[str, Any]:
+        """Step 7; returns the sync's summary (also the ``weight_sync`` end event's detail)."""
+        svc = self.service
+        try:
+            if not svc.engines_paused_by_trainer and not svc.sleeping:
+                await svc.for_each_engine(lambda c: c.resume())
+        finally:
+            svc.barrier.open()
+            svc.release_switches("weight_sync")
+            await svc.gate.open("weight_sync")
+            self.window = None
+        summary = {
+            "from_version": window.from_version,
+            "version": svc.weight_version,
+            "drained": window.drained,
+            "aborted_turns": window.aborted_turns,
+            "engines": window.engines,
+            "stages_s": window.stages_s,
+            "total_s": round(time.perf_counter() - window.started, 6),
+            **window.detail,
+        }
+        svc.emit(WEIGHT_SYNC, stage="end", **summary)
+        return summary
+
+    async def _wait_engines_empty(self) -> None:
+        """Until no engine holds a request (aborted legs leave within a step or two)."""
+        svc = self.service
+        deadline = time.monotonic() + ENGINE_IDLE_TIMEOUT_S
+        while True:
+            busy = await svc.engine_requests()
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engines still hold requests after abort: {busy}")
+            for engine_id, request_ids in busy.items():
+                await svc.client(engine_id).abort(request_ids)
+            await asyncio.sleep(0.01)
+
+
+class _timed:
+    def __init__(self, window: SyncWindow, stage: str) -> None:
+        self.window, self.stage = window, stage
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.window.stages_s[self.stage] = round(time.perf_counter() - self.t0, 6)
