@@ -7,7 +7,12 @@ from dataclasses import dataclass, field, fields
 from prorsa.errors import ConfigError
 from prorsa.runtime.cluster.switching import SWITCH_MODES
 
-REUSE_MODES = ("reprefill", "pull")
+#: How a prefill engine reuses a trajectory's earlier context it does not cache itself:
+#: ``reprefill`` recomputes it (stock vLLM + NIXL: KV moves prefill -> decode only),
+#: ``pull`` copies it from the trajectory's decode engine (needs a decode -> prefill
+#: connector stock vLLM lacks), ``kv-store`` reads it from a host-DRAM KV store.
+REUSE_MODES = ("reprefill", "pull", "kv-store")
+KV_STORE_SCOPES = ("node", "cluster")
 
 
 def _help(text: str, **kw: object) -> dict:
@@ -57,7 +62,21 @@ class ClusterConfig:
         **_help("transfers out of one engine share its link (FIFO)"), default=True
     )
     reuse_mode: str = field(
-        **_help("multi-turn reuse on the prefill side: reprefill | pull"), default="pull"
+        **_help(
+            "earlier context a prefill engine lacks: reprefill (stock vLLM + NIXL) | "
+            "pull (copy from the decode engine; non-stock) | kv-store (host-DRAM KV store)"
+        ),
+        default="reprefill",
+    )
+    kv_store_gbytes_per_node: float = field(
+        **_help("kv-store: host DRAM per node given to the KV store, GB"), default=1000.0
+    )
+    kv_store_bandwidth_gbytes_per_s: float = field(
+        **_help("kv-store: read bandwidth from the store into one engine, GB/s"), default=50.0
+    )
+    kv_store_scope: str = field(
+        **_help("kv-store: node (per-node pools, LMCache-style) | cluster (one shared pool)"),
+        default="node",
     )
     local_prefill_threshold: int = field(
         **_help("prefill turns with fewer new tokens on their decode engine"), default=0
@@ -86,6 +105,10 @@ class ClusterConfig:
                 raise ConfigError(f"role_tp[{role}]={tp} must be >= 1 and divide {self.slot_gpus}")
         if self.reuse_mode not in REUSE_MODES:
             raise ConfigError(f"reuse_mode must be one of {REUSE_MODES}")
+        if self.kv_store_scope not in KV_STORE_SCOPES:
+            raise ConfigError(f"kv_store_scope must be one of {KV_STORE_SCOPES}")
+        if self.kv_store_gbytes_per_node <= 0 or self.kv_store_bandwidth_gbytes_per_s <= 0:
+            raise ConfigError("kv_store_gbytes_per_node and its bandwidth must be > 0")
         if self.switch_mode not in SWITCH_MODES:
             raise ConfigError(f"switch_mode must be one of {SWITCH_MODES}")
         for name in (

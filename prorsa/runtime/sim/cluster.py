@@ -27,6 +27,7 @@ from prorsa.runtime.cluster.routing import (
 from prorsa.runtime.cluster.telemetry import ClusterTelemetry
 from prorsa.runtime.sim.core import PRIORITY_ARRIVAL, PRIORITY_COMPLETE, Environment
 from prorsa.runtime.sim.engine import SimEngine
+from prorsa.runtime.sim.kv_store import KvStore
 from prorsa.runtime.sim.links import KvLinks
 from prorsa.runtime.sim.request import SimTurn, TrajState
 from prorsa.runtime.sim.switcher import SlotSwitcher
@@ -69,7 +70,16 @@ class SimCluster:
         self.states = TrajectoryStates()
         self.truth = LiveSpecs()  # the oracle's ground-truth port
         self.tally = RunTally()
-        self.links = KvLinks(config, {tp: p.kv_bytes_per_token for tp, p in profiles.items()})
+        kv_bytes = {tp: p.kv_bytes_per_token for tp, p in profiles.items()}
+        self.links = KvLinks(config, kv_bytes)
+        self.kv_store: KvStore | None = None
+        if config.reuse_mode == "kv-store":
+            per_token = kv_bytes[min(kv_bytes)]
+            capacity = int(config.kv_store_gbytes_per_node * 1e9 / per_token)
+            self.kv_store = KvStore(capacity, config.kv_store_scope)
+            self.store_links = KvLinks(
+                config, kv_bytes, bandwidth_gbytes_per_s=config.kv_store_bandwidth_gbytes_per_s
+            )
         self.switcher = SlotSwitcher(self)
         self.placement = DecodePlacement()
         self.local_prefill_threshold = config.local_prefill_threshold
@@ -195,19 +205,39 @@ class SimCluster:
         req.prefill_engine = prefill
         traj.prefill_engine = prefill
         cached = prefill.cache.peek(key)
-        on_decode = min(on_decode, req.context - 1)
-        if self.config.reuse_mode == "pull" and on_decode > cached:
-            # The decode engine holds the whole previous context (its last output included):
-            # copying the part the prefill engine lacks is far cheaper than recomputing it,
-            # and the prefill engine then only computes the new tokens.
-            _, end = self.links.book(decode.engine_id, on_decode - cached, decode.tp, self.env.now)
-            req.prefill_left = req.context - on_decode
-            self.env.schedule(
-                end, self._pull_done, req, prefill, on_decode, priority=PRIORITY_ARRIVAL
-            )
-            return
+        mode = self.config.reuse_mode
+        if mode == "pull":
+            on_decode = min(on_decode, req.context - 1)
+            if on_decode > cached:
+                # The decode engine holds the whole previous context (its last output
+                # included): copying the part the prefill engine lacks is far cheaper than
+                # recomputing it, and the prefill engine then only computes the new tokens.
+                self._read_context(req, prefill, on_decode, cached, self.links, decode)
+                return
+        elif mode == "kv-store":
+            prior = min(req.context - appended, req.context - 1)
+            if prior > cached:
+                found = self.kv_store.lookup(prefill.engine_id, key, prior)
+                if found > cached:
+                    self._read_context(req, prefill, found, cached, self.store_links, prefill)
+                    return
         req.prefill_left = req.context - cached
         self._send_prefill(req, prefill)
+
+    def _read_context(
+        self,
+        req: SimTurn,
+        prefill: SimEngine,
+        tokens: int,
+        cached: int,
+        links: KvLinks,
+        over: SimEngine,
+    ) -> None:
+        """Copy context tokens ``cached..tokens`` into ``prefill`` over ``over``'s link, then
+        prefill the rest there."""
+        _, end = links.book(over.engine_id, tokens - cached, over.tp, self.env.now)
+        req.prefill_left = req.context - tokens
+        self.env.schedule(end, self._pull_done, req, prefill, tokens, priority=PRIORITY_ARRIVAL)
 
     def _send_prefill(self, req: SimTurn, engine: SimEngine) -> None:
         """Hand a prefill leg to ``engine`` after the per-request front-end overhead."""
@@ -377,6 +407,9 @@ class SimCluster:
         )
         tally.turns_done += 1
         tally.decode_tokens += req.output
+        store = self.kv_store
+        if store is not None:
+            store.write(engine.engine_id, traj.traj_key, req.context + req.output)
         tally.tpot_s.append((now - req.first_decode_s) / req.output)
         traj.prev_context = req.context
         traj.prev_output = req.output
@@ -399,6 +432,8 @@ class SimCluster:
         traj.decode_engine = None
         del self.live[spec.trajectory_id]
         self.truth.remove(spec.trajectory_id)
+        if store is not None:
+            store.drop(traj.traj_key)
         if self.on_trajectory_done is not None:
             self.on_trajectory_done(traj)
 

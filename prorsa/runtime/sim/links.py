@@ -10,22 +10,30 @@ from prorsa.runtime.cluster.config import ClusterConfig
 
 
 class KvLinks:
-    """When each engine's outgoing link is free, and how long a copy takes."""
+    """When each engine's link is free, and how long a copy takes.
 
-    __slots__ = ("_free_at", "config", "kv_bytes_by_tp")
+    Engine-to-engine links by default; ``bandwidth_gbytes_per_s`` overrides the
+    configured bandwidth (the host-DRAM KV store's links into each engine).
+    """
 
-    def __init__(self, config: ClusterConfig, kv_bytes_by_tp: dict[int, float]) -> None:
+    __slots__ = ("_free_at", "base_s", "bytes_per_s", "config", "kv_bytes_by_tp")
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        kv_bytes_by_tp: dict[int, float],
+        bandwidth_gbytes_per_s: float | None = None,
+    ) -> None:
         self.config = config
         self.kv_bytes_by_tp = kv_bytes_by_tp
+        self.base_s = config.transfer_base_s
+        self.bytes_per_s = (bandwidth_gbytes_per_s or config.transfer_bandwidth_gbytes_per_s) * 1e9
         self._free_at: dict[int, float] = {}
 
     def transfer_s(self, tokens: int, tp: int) -> float:
         """Seconds to copy ``tokens`` of KV cached by an engine of TP ``tp``."""
-        cfg = self.config
         per_token = self.kv_bytes_by_tp.get(tp, self.kv_bytes_by_tp[min(self.kv_bytes_by_tp)])
-        return cfg.transfer_base_s + tokens * per_token / (
-            cfg.transfer_bandwidth_gbytes_per_s * 1e9
-        )
+        return self.base_s + tokens * per_token / self.bytes_per_s
 
     def book(self, source_id: int, tokens: int, tp: int, now_s: float) -> tuple[float, float]:
         """Book a copy of ``tokens`` out of engine ``source_id``; returns (start, end) times."""

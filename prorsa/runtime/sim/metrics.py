@@ -83,7 +83,12 @@ def compute_metrics(
         "ttft_s_p99": _pct(tally.ttft_s, 99),
         "tpot_s_p50": _pct(tally.tpot_s, 50),
         "tpot_s_p99": _pct(tally.tpot_s, 99),
+        "reuse_mode": cluster.config.reuse_mode,
     }
+    store = cluster.kv_store
+    if store is not None:
+        metrics["kv_store_hit_rate"] = store.hit_rate
+        metrics["kv_store_hit_tokens"] = store.hit_tokens
     if driver.mode == "sync":
         metrics["makespan_s"] = float(sum(driver.step_makespans_s))
         metrics["step_makespans_s"] = list(driver.step_makespans_s)
