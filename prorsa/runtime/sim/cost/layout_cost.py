@@ -161,11 +161,14 @@ class LayoutCost:
 
     # ---- decode ----------------------------------------------------------------------
     def _moe_part_s(self, total_tokens: float, max_rank_tokens: float, prefill: bool) -> float:
-        moe = self._moe(total_tokens)
+        return self._moe(total_tokens) + self._exchange_s(total_tokens, max_rank_tokens, prefill)
+
+    def _exchange_s(self, total_tokens: float, max_rank_tokens: float, prefill: bool) -> float:
+        """Moving MoE tokens between DP ranks: all-gather + reduce-scatter, or DeepEP."""
         if self._alltoall:
             a2a = self._a2a_prefill if prefill else self._a2a_decode
-            return moe + a2a(max_rank_tokens)
-        return moe + self._gather(total_tokens)
+            return a2a(max_rank_tokens)
+        return self._gather(total_tokens)
 
     def _decode_fixed_s(self, b: int) -> float:
         """Everything in a full-graph decode step of ``b`` (padded) sequences per rank
@@ -280,6 +283,8 @@ class LayoutCost:
                     mode="full",
                     padded=True,
                     moe_tokens=dp * b_max,
+                    moe_s=self._moe(dp * b_max),
+                    exchange_s=self._exchange_s(dp * b_max, b_max, prefill=False),
                     device_s=step - self.sched_cpu_s if step else 0.0,
                     graph_loss_s=0.0,
                     sched_cpu_s=self.sched_cpu_s if step else 0.0,
@@ -327,6 +332,8 @@ class LayoutCost:
                 mode=mode,
                 padded=pad,
                 moe_tokens=total,
+                moe_s=self._moe(total),
+                exchange_s=self._exchange_s(total, t_max, prefill=True),
                 slowest_rank_s=rank_max,
                 moe_and_comm_s=moe,
                 device_s=device,
