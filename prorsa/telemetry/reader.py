@@ -71,7 +71,8 @@ class RecoveryReport:
 
     @property
     def clean(self) -> bool:
-        return not self.damaged and self.lost_records == 0
+        """Nothing damaged, nothing lost, nothing odd (such as a repeated frame)."""
+        return not self.damaged and not self.losses and self.lost_records == 0
 
     def describe(self) -> str:
         if self.clean:
@@ -79,7 +80,7 @@ class RecoveryReport:
         lost = "an unknown number of" if self.lost_records is None else str(self.lost_records)
         return (
             f"{self.records} records recovered from {self.segments} segment(s); "
-            f"{lost} record(s) lost: " + "; ".join(self.losses)
+            f"{lost} record(s) lost; " + "; ".join(self.losses)
         )
 
 
@@ -127,14 +128,12 @@ def read_telemetry(
             source=str(path),
             hint=_NOT_TELEMETRY_HINT,
         )
-    tables: list[pa.Table] = []
     for seg in reads:
         report.segments += 1
-        report.records += seg.records
-        tables += [_conformed(t, seg.path) for t in seg.tables]
         if seg.damage:
             report.damaged.append(seg)
-    _account(reads, counts, report, whole_directory=path.is_dir())
+    tables = _account(reads, counts, report, whole_directory=path.is_dir())
+    report.records = sum(t.num_rows for t in tables)
     if not report.clean:
         logger.warning("telemetry %s: %s", path, report.describe())
     table = pa.concat_tables(tables) if tables else ARROW_SCHEMA.empty_table()
@@ -216,9 +215,11 @@ def _account(
     report: RecoveryReport,
     *,
     whole_directory: bool,
-) -> None:
+) -> list[pa.Table]:
     """Fill ``report.lost_records`` and ``report.losses`` from frame sequence numbers,
-    damaged frame headers and the sessions' accepted counts."""
+    damaged frame headers and the sessions' accepted counts; return the frames' tables
+    to keep (a frame repeating records already read, e.g. a copied block, is dropped)."""
+    kept: list[pa.Table] = []
     lost: int | None = 0
     # Per session: records accounted for so far (the next expected first record).
     expected: dict[int, int] = {}
@@ -229,17 +230,21 @@ def _account(
         name = Path(seg.path).name
         index = segment_index(Path(seg.path))
         if seg.version == 1:
+            kept += [_conformed(t, seg.path) for t in seg.tables]
             for damage in seg.damage:
                 lost = _add(lost, damage.records)
                 report.losses.append(_damage_line(name, damage))
             continue
         if index is not None and (index in counts or index in expected):
             session = index
+        frames = {
+            info.offset: table for info, table in zip(seg.frame_info, seg.tables, strict=True)
+        }
         events = sorted(
             [(info.offset, "frame", info) for info in seg.frame_info]
             + [(d.offset, "damage", d) for d in seg.damage]
         )
-        for _, what, item in events:
+        for offset, what, item in events:
             if what == "damage":
                 if item.records == 0 and item.bytes and "file header" in item.problem:
                     report.losses.append(f"{name}: {item.problem} (no records in it)")
@@ -249,6 +254,18 @@ def _account(
                 continue
             session = item.session
             start = expected.get(session, 0)
+            table = frames[offset]
+            end = item.first_record + item.records
+            if item.first_record < start:
+                repeated = min(end, start) - item.first_record
+                report.losses.append(
+                    f"{name}: frame at byte {offset} repeats records {item.first_record}-"
+                    f"{item.first_record + repeated - 1} of session {session} already read "
+                    "(ignored; no records lost)"
+                )
+                table = table.slice(repeated)
+            if table.num_rows:
+                kept.append(_conformed(table, seg.path))
             if item.first_record > start:
                 gap = item.first_record - start
                 lost = _add(lost, gap)
@@ -263,7 +280,7 @@ def _account(
             else:
                 for n, d in tail_damage.pop(session, []):
                     report.losses.append(_damage_line(n, d, records=False) + ": no records lost")
-            expected[session] = max(start, item.first_record + item.records)
+            expected[session] = max(start, end)
     sessions = set(expected) | (set(counts) if whole_directory else set())
     for session in sorted(sessions):
         written = expected.get(session, 0)
@@ -294,6 +311,7 @@ def _account(
             lost = _add(lost, item.records)
             report.losses.append(_damage_line(name, item))
     report.lost_records = lost
+    return kept
 
 
 def _add(total: int | None, records: int | None) -> int | None:
