@@ -32,7 +32,10 @@ _CHAT_FIELDS = frozenset(
      "max_completion_tokens"}
 )  # fmt: skip
 #: Accepted and ignored: OpenAI bookkeeping, and vLLM options that change nothing here.
-_IGNORED = frozenset({"user", "cache_salt", "priority", "stream_options", "logit_bias", "suffix"})
+_IGNORED = frozenset(
+    {"user", "cache_salt", "priority", "stream_options", "logit_bias", "suffix",
+     "use_beam_search", "best_of"}
+)  # fmt: skip
 
 
 def _split(body: dict[str, Any], own: frozenset[str]) -> dict[str, Any]:
@@ -42,6 +45,10 @@ def _split(body: dict[str, Any], own: frozenset[str]) -> dict[str, Any]:
         raise HTTPError(400, f"unknown field(s) {unknown}", param=unknown[0])
     if body.get("stream"):
         raise HTTPError(400, "streaming is not supported", param="stream")
+    if body.get("use_beam_search") or body.get("best_of", 1) not in (1, None):
+        raise HTTPError(400, "beam search is not supported", param="use_beam_search")
+    if body.get("logit_bias"):
+        raise HTTPError(400, "logit_bias is not supported", param="logit_bias")
     return {k: v for k, v in body.items() if k in _SAMPLING_FIELDS or k in TEXT_ONLY_KEYS}
 
 

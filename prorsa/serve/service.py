@@ -22,43 +22,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.runtime.ray.engine_control import PAUSE_MODES
-from prorsa.runtime.ray.turns import TurnResult
 from prorsa.runtime.ray.weights import check_weight_dir
 from prorsa.serve.barrier import BarrierClient, DispatchBarrier
 from prorsa.serve.config import ServeConfig
 from prorsa.serve.gate import AdmissionGate
+from prorsa.serve.results import ServeTurnResult, served_result
 from prorsa.serve.sampling import Sampling, ServeTurnRequest, parse_sampling
 from prorsa.serve.sessions import Sessions
+from prorsa.serve.startup import cluster_spec_for, load_tokenizer, make_policy_for, start_fleet
 from prorsa.serve.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
 ROUTING_KEYS = ("mode", "engine_id", "prefill_engine_id")
 SESSION_SWEEP_S = 5.0
-
-
-@dataclass
-class ServeTurnResult(TurnResult):
-    """A served turn: the router's result plus what a policy-gradient trainer needs."""
-
-    session_id: str = ""
-    prompt_tokens: int = 0
-    output_logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    weight_version: int = 0
-    weight_versions: list[list[Any]] = field(default_factory=list)
-    ttft_s: float | None = None
-    tpot_s: float | None = None
 
 
 class RolloutService:
@@ -126,8 +109,8 @@ class RolloutService:
         config = self.config
         config.validate()
         started = time.perf_counter()
-        spec = _cluster_spec(config)
-        policy = self.policy or _make_policy(config)
+        spec = cluster_spec_for(config)
+        policy = self.policy or make_policy_for(config)
         policy.reset(spec, config.seed)
         self.policy = policy
         if self.forecaster is None and policy.needs_forecast:
@@ -143,13 +126,13 @@ class RolloutService:
         )
         roles, _ = first_allocation(policy, spec, idle)
         if self.fleet is None:
-            starting = asyncio.ensure_future(asyncio.to_thread(self._start_fleet, roles))
+            starting = asyncio.ensure_future(asyncio.to_thread(start_fleet, config, roles))
             try:
-                self.fleet = await asyncio.shield(starting)
+                self.fleet, self._owns_ray = await asyncio.shield(starting)
             except asyncio.CancelledError:
                 # Interrupted while engines start: let them come up, then stop them, so
                 # no engine outlives the service.
-                self.fleet = await starting
+                self.fleet, self._owns_ray = await starting
                 raise
         elif len(self.fleet.clients) != config.engines:
             raise ConfigError(
@@ -194,7 +177,7 @@ class RolloutService:
         )
         if self.controller is not None:
             self.controller.start()
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_sessions())
         self.started_s = time.perf_counter() - started
         logger.info(
@@ -205,45 +188,6 @@ class RolloutService:
             config.policy,
         )
         return self
-
-    def _start_fleet(self, roles: list[str]) -> Any:
-        """Start Ray (if needed) and the engines; blocking (run in a thread)."""
-        import tempfile
-
-        import ray
-
-        from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
-        from prorsa.runtime.ray.config import EngineConfig
-        from prorsa.runtime.ray.engine import _default_device
-
-        config = self.config
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        on_cpu = _default_device() == "cpu"
-        if not ray.is_initialized():
-            if config.ray_address:
-                ray.init(address=config.ray_address, log_to_driver=False)
-            else:
-                # Logical CPUs: several engines share a small machine's cores.
-                cpus = max(os.cpu_count() or 1, config.engines + 2) if on_cpu else None
-                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-            self._owns_ray = True
-        kv_dir = config.kv_storage_dir or tempfile.mkdtemp(prefix="prorsa-kv-")
-        engine = EngineConfig(
-            model=config.model,
-            dtype="float32" if on_cpu else "auto",
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            kv_cache_gib=config.kv_cache_gib if config.kv_cache_gib or not on_cpu else 0.25,
-            connector=config.connector,  # type: ignore[arg-type]
-            kv_storage_dir=kv_dir,
-            seed=config.seed,
-        )
-        try:
-            return EngineFleet.start(FleetSpec(engine, roles=roles))
-        except BaseException:
-            if self._owns_ray:
-                ray.shutdown()
-            raise
 
     async def shutdown(self) -> None:
         """Stop the controller, end sessions, flush telemetry, stop owned engines and Ray."""
@@ -316,7 +260,7 @@ class RolloutService:
                     task=task, **routing,
                 )  # fmt: skip
                 result = await self.router.generate(request)
-                served = _served(result, session_id, len(prompt_ids))
+                served = served_result(result, session_id, len(prompt_ids))
                 sessions.after_turn(session, turn, len(prompt_ids) + len(result.output_token_ids))
         finally:
             if one_shot:
@@ -624,41 +568,6 @@ class _SwitchGate:
         return getattr(self._router, name)
 
 
-def _served(result: TurnResult, session_id: str, prompt_tokens: int) -> ServeTurnResult:
-    """The router's result with logprobs, weight version and TTFT/TPOT from the legs."""
-    decode = result.legs.get("decode", {})
-    prefill = result.legs.get("prefill")
-    versions = {decode.get("weight_version")}
-    if prefill is not None:
-        versions.add(prefill.get("weight_version"))
-    if len(versions) != 1 or None in versions:
-        # Engines stamp every token; this would mean a turn saw two sets of weights.
-        logger.error("turn %s/%d saw weight versions %s", session_id, result.turn, versions)
-    version = decode.get("weight_version")
-    timings = decode.get("timings", {})
-    ttft = timings.get("first_token_s")
-    if prefill is not None and ttft is not None:
-        ttft += prefill.get("timings", {}).get("total_s") or 0.0
-    n_out = len(result.output_token_ids)
-    decode_s = timings.get("decode_s")
-    if decode_s is None and timings.get("total_s") is not None and ttft is not None:
-        decode_s = max(0.0, timings["total_s"] - timings["first_token_s"])
-    prompt_logprobs = (prefill or decode).get("prompt_logprobs")
-    return ServeTurnResult(
-        **{name: getattr(result, name) for name in TurnResult.__dataclass_fields__},
-        session_id=session_id,
-        prompt_tokens=prompt_tokens,
-        output_logprobs=decode.get("output_logprobs"),
-        top_logprobs=decode.get("top_logprobs"),
-        prompt_logprobs=prompt_logprobs,
-        prompt_top_logprobs=(prefill or decode).get("prompt_top_logprobs"),
-        weight_version=int(version) if version is not None else -1,
-        weight_versions=decode.get("weight_versions") or [],
-        ttft_s=ttft,
-        tpot_s=decode_s / (n_out - 1) if decode_s is not None and n_out > 1 else None,
-    )
-
-
 def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:
     routing = dict(routing or {})
     unknown = sorted(set(routing) - set(ROUTING_KEYS))
@@ -679,32 +588,3 @@ def _reload_times(results: dict[int, Any]) -> dict[int, float]:
         for eid, r in results.items()
         if isinstance(r, dict) and "reload_s" in r
     }
-
-
-def _cluster_spec(config: ServeConfig) -> Any:
-    from prorsa.runtime.cluster.config import ClusterConfig
-    from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
-    from prorsa.runtime.ray.cpu_profile import CPU_PROFILE
-
-    cluster = ClusterConfig(
-        profile=config.profile or CPU_PROFILE,
-        num_slots=config.engines,
-        switch_latency_s=config.switch_latency_s,
-    )
-    return cluster_spec(cluster, load_profiles(cluster), config.min_dwell_s)
-
-
-def _make_policy(config: ServeConfig) -> Any:
-    from prorsa.policy import make_policy
-
-    return make_policy(config.policy, **config.policy_params)
-
-
-def _load_tokenizer(model: str) -> Any:
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except Exception as exc:  # token-in/token-out routes work without one
-        logger.warning("no tokenizer in %s (%s): text routes are off", model, exc)
-        return None

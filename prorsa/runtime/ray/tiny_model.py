@@ -20,6 +20,14 @@ PAD_TOKEN = "<pad>"
 UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 
+#: A plain chat template (role, colon, content), so chat endpoints can render messages.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<s>' + message['role'] + ': ' + message['content'] + '</s>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant: ' }}{% endif %}"
+)
+
 # A few lines of agent-like text: enough merges for a vocabulary of a few hundred tokens.
 _CORPUS = (
     "The agent reads the repository, runs the tests, and edits the failing function.",
@@ -128,6 +136,7 @@ def make_tiny_model(
         unk_token=UNK_TOKEN,
         model_max_length=spec.max_position_embeddings,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

@@ -1,0 +1,68 @@
+"""What a served turn returns: the router's result plus logprobs, weight version, TTFT/TPOT.
+
+The router's :class:`~prorsa.runtime.ray.turns.TurnResult` keeps each leg's raw engine
+result; :func:`served_result` lifts out what a policy-gradient trainer needs — the
+sampled tokens' logprobs (from the decode leg), prompt logprobs (from the leg that ran
+the prompt), the weight version vLLM stamped on every output token — and the timings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorsa.runtime.ray.turns import TurnResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeTurnResult(TurnResult):
+    """A served turn: the router's result plus what a policy-gradient trainer needs."""
+
+    session_id: str = ""
+    prompt_tokens: int = 0
+    output_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    weight_version: int = 0
+    weight_versions: list[list[Any]] = field(default_factory=list)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+def served_result(result: TurnResult, session_id: str, prompt_tokens: int) -> ServeTurnResult:
+    """The router's result with logprobs, weight version and TTFT/TPOT from the legs."""
+    decode = result.legs.get("decode", {})
+    prefill = result.legs.get("prefill")
+    versions = {decode.get("weight_version")}
+    if prefill is not None:
+        versions.add(prefill.get("weight_version"))
+    if len(versions) != 1 or None in versions:
+        # Engines stamp every token; this would mean a turn saw two sets of weights.
+        logger.error("turn %s/%d saw weight versions %s", session_id, result.turn, versions)
+    version = decode.get("weight_version")
+    timings = decode.get("timings", {})
+    ttft = timings.get("first_token_s")
+    if prefill is not None and ttft is not None:
+        ttft += prefill.get("timings", {}).get("total_s") or 0.0
+    n_out = len(result.output_token_ids)
+    decode_s = timings.get("decode_s")
+    if decode_s is None and timings.get("total_s") is not None and ttft is not None:
+        decode_s = max(0.0, timings["total_s"] - timings["first_token_s"])
+    prompt_logprobs = (prefill or decode).get("prompt_logprobs")
+    return ServeTurnResult(
+        **{name: getattr(result, name) for name in TurnResult.__dataclass_fields__},
+        session_id=session_id,
+        prompt_tokens=prompt_tokens,
+        output_logprobs=decode.get("output_logprobs"),
+        top_logprobs=decode.get("top_logprobs"),
+        prompt_logprobs=prompt_logprobs,
+        prompt_top_logprobs=(prefill or decode).get("prompt_top_logprobs"),
+        weight_version=int(version) if version is not None else -1,
+        weight_versions=decode.get("weight_versions") or [],
+        ttft_s=ttft,
+        tpot_s=decode_s / (n_out - 1) if decode_s is not None and n_out > 1 else None,
+    )
