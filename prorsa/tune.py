@@ -274,7 +274,6 @@ def run_trials(spec: _WorkerSpec, on_trial: Callable[[], None] | None = None) ->
 
     from prorsa.experiments.cells import run_cell
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = _load(spec)
     policy_cls = POLICIES.get(spec.policy)
     ran = 0
@@ -320,6 +319,7 @@ def run_trials(spec: _WorkerSpec, on_trial: Callable[[], None] | None = None) ->
 
 def _remote_run_trials(spec: _WorkerSpec) -> int:
     """Ray task body (module-level so it pickles by reference)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a worker's INFO lines go nowhere
     return run_trials(spec)
 
 

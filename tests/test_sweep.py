@@ -126,6 +126,12 @@ def test_project_errors_from_workers_keep_their_message(ray_local):
     assert info.value.hint and "compare" in info.value.hint
 
 
+def test_process_pool_backend_gives_the_same_results():
+    cells = [_cell(s) for s in range(3)]
+    pooled = run_sweep(cells, workers=2, backend="process")
+    assert [r["objective"] for r in pooled] == [r["objective"] for r in run_sweep(cells, workers=1)]
+
+
 def test_compare_resumes_from_its_cells_file(tmp_path):
     cfg = CompareConfig(
         workloads=[("search", None)],

@@ -192,6 +192,7 @@ def demo_cmd(
         profile="h200-qwen2.5-7b-tp1",
         trajectories=1024,
         max_in_flight=512,
+        cells_path=out / "cells.jsonl",
     )
     console.print(
         "[bold]prorsa demo[/]: mixed + swe on 32 simulated H200s (Qwen2.5-7B), sync and async"

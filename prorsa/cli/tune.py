@@ -79,6 +79,10 @@ def tune_cmd(
         address=address,
     )
     cfg.validate()
+    import optuna
+
+    # The progress bar and the summary say what Optuna's per-trial INFO lines would.
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = study or default_study_name(cfg)
     check_output(out / name, kind="dir", inputs=[trace])
     with Progress(

@@ -161,7 +161,11 @@ def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | No
             for p in searched
         ]
         results.update(zip(searched, counter.map(sweep, cells), strict=True))
-        cells = {"run": sweep.ran, "reused": sweep.reused, "path": str(cfg.cells_path)}
+        cells = {
+            "run": sweep.ran,
+            "reused": sweep.reused,
+            "path": str(cfg.cells_path) if cfg.cells_path else None,
+        }
         if sweep.reused:
             logger.info("%d cells reused from %s", sweep.reused, cfg.cells_path)
     runs = [results[p] for p in plan]
