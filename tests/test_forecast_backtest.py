@@ -27,8 +27,10 @@ def test_tidy_frame_and_oracle_upper_bound(telemetry):
         "horizon_s",
         "actual",
         "forecast",
+        "q0.1",
         "q0.5",
         "q0.9",
+        "fallback",
     ]
     cutoffs = frame["cutoff"].nunique()
     assert len(frame) == cutoffs * len(TARGETS) * 2
@@ -50,8 +52,10 @@ def test_scores_by_hand():
             "horizon_s": 5.0,
             "actual": [10.0, 0.0, 30.0],
             "forecast": [12.0, 1.0, 20.0],
+            "q0.1": [5.0, np.nan, 20.0],
             "q0.5": [10.0, 0.0, 25.0],
             "q0.9": [20.0, 5.0, 28.0],
+            "fallback": [False, True, False],
         }
     )
     row = score(frame).iloc[0]
@@ -61,6 +65,10 @@ def test_scores_by_hand():
     assert row["pinball_0.9"] == pytest.approx((0.1 * 10 + 0.1 * 5 + 0.9 * 2) / 3)
     assert row["pinball_0.5"] == pytest.approx((0 + 0 + 0.5 * 5) / 3)
     assert row["coverage_0.9"] == pytest.approx(2 / 3)
+    # A tick without the quantile (a drift fallback) is left out of its scores.
+    assert row["coverage_0.1"] == pytest.approx(0.0)
+    assert row["pinball_0.1"] == pytest.approx((0.1 * 5 + 0.1 * 10) / 2)
+    assert row["fallback_share"] == pytest.approx(1 / 3)
     assert pinball(np.array([1.0]), np.array([1.0]), 0.9) == 0
 
 

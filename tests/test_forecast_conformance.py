@@ -8,7 +8,7 @@ import pytest
 
 from prorsa.errors import ConfigError, NotFittedError
 from prorsa.forecast import FORECASTERS, TARGETS, build_dataset, load_forecaster, make_forecaster
-from prorsa.forecast.types import Forecast
+from prorsa.forecast.types import QUANTILES, Forecast
 from prorsa.registry import Registry
 from tests.sim_helpers import random_specs, run
 
@@ -74,7 +74,9 @@ def test_forecaster_conformance(name, data, tmp_path):
     with pytest.raises(NotFittedError):
         fresh.update([], 1.0)
 
-    model = make()
+    # Quantiles and save/load are checked on the model itself; the drift fallback (the
+    # tiny training set makes any new run look out of range) has its own test.
+    model = make().set_drift_check(False)
     assert model.fit(train) is model
     assert all(
         k.endswith("_")
@@ -90,11 +92,11 @@ def test_forecaster_conformance(name, data, tmp_path):
             assert values.shape == (len(HORIZONS),)
             assert np.isfinite(values).all() and (values >= 0).all()
         if fc.quantiles:
-            assert set(fc.quantiles) == {0.5, 0.9}
+            assert set(fc.quantiles) == set(QUANTILES)
             for target in TARGETS:
-                lo, hi = fc.quantiles[0.5][target], fc.quantiles[0.9][target]
-                assert lo.shape == hi.shape == (len(HORIZONS),)
-                assert (lo >= 0).all() and (lo <= hi).all()
+                lo, mid, hi = (fc.quantiles[q][target] for q in QUANTILES)
+                assert lo.shape == mid.shape == hi.shape == (len(HORIZONS),)
+                assert (lo >= 0).all() and (lo <= mid).all() and (mid <= hi).all()
         elif model.provides_quantiles and name != "lightgbm-trajectory":
             pytest.fail(f"{name} promises quantiles but gave none")
     # Any subset of the fitted horizons; nothing else.
@@ -109,12 +111,12 @@ def test_forecaster_conformance(name, data, tmp_path):
     # Save / load round trip: identical predictions on the same stream.
     folder = model.save(tmp_path / name)
     assert (folder / "manifest.json").exists()
-    loaded = load_forecaster(folder)
+    loaded = load_forecaster(folder).set_drift_check(False)
     assert type(loaded) is type(model) and loaded.get_params() == model.get_params()
     np.testing.assert_array_equal(_as_array(_stream(loaded, events)), _as_array(forecasts))
 
     # Same seed, same model, same forecasts.
-    again = make().fit(train)
+    again = make().set_drift_check(False).fit(train)
     np.testing.assert_array_equal(_as_array(_stream(again, events)), _as_array(forecasts))
 
 

@@ -74,6 +74,7 @@ def assert_same(a: LifecycleTracker, b: LifecycleTracker) -> None:
     assert a.cum_prefill == b.cum_prefill and a.out_completed == b.out_completed
     assert a.decode_rate == b.decode_rate and a.ttft_s == b.ttft_s
     assert a.first_time == b.first_time and a.last_event_time == b.last_event_time
+    assert a.engines == b.engines
     assert sorted(a.pending) == sorted(b.pending)
     assert a._freed_later == b._freed_later
     for key in a.history:
@@ -123,7 +124,7 @@ def test_vectorised_equals_per_event_with_preemptions():
 
     # A small KV cache preempts decodes: turns are re-queued (same turn, no new tokens)
     # and decode segments are closed by the re-queue.
-    specs = random_specs(40, seed=3, turns=(1, 7))
+    specs = random_specs(80, seed=3, turns=(1, 7))
     table = run(specs, "static", slots=2, prof=profile(kv_capacity_tokens=3000)).telemetry
     kinds = table.column("kind").to_pylist()
     turns = [
@@ -166,7 +167,7 @@ def random_rows(seed: int, trajectories: int = 30, events: int = 600) -> list[tu
                 f"task{i % 3}",
                 int(turn[i]),
                 kind,
-                -1,
+                int(rng.integers(-1, 8)),
                 int(rng.integers(0, 5000)),
                 int(rng.integers(0, 300)),
                 0,

@@ -38,7 +38,7 @@ def test_specs_equal_the_turn_table_reference_on_shipped_traces(path):
 def test_specs_and_arrivals_of_a_simulated_run_with_preemptions():
     from tests.sim_helpers import profile
 
-    specs = random_specs(30, seed=4, turns=(1, 6))
+    specs = random_specs(80, seed=3, turns=(1, 7))
     table = run(specs, "static", slots=2, prof=profile(kv_capacity_tokens=3000)).telemetry
     replay = arrivals_from_trace(table, task="replayed")
     ref = _from_turn_frame(turn_table(table), "replayed")

@@ -236,7 +236,8 @@ def backtest_cmd(
     table_out = Table(
         title=f"{forecaster.name}: rolling-origin backtest ({results['cutoff'].nunique()} cutoffs)"
     )
-    for col in ("target", "horizon_s", "wape", "mae", "pinball_0.5", "pinball_0.9", "coverage_0.9"):
+    columns = ("target", "horizon_s", "wape", "mae", "pinball_0.5", "coverage_0.1", "coverage_0.9")
+    for col in columns:
         table_out.add_column(col, justify="right" if col != "target" else "left")
 
     def cell(value: float, fmt: str) -> str:
@@ -249,7 +250,7 @@ def backtest_cmd(
             cell(r["wape"], ".3f"),
             cell(r["mae"], ",.1f"),
             cell(r["pinball_0.5"], ",.1f"),
-            cell(r["pinball_0.9"], ",.1f"),
+            cell(r["coverage_0.1"], ".2f"),
             cell(r["coverage_0.9"], ".2f"),
         )
     console.print(table_out)

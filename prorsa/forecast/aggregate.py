@@ -15,13 +15,19 @@ import numpy as np
 
 from prorsa.forecast import lgbm
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, register
+from prorsa.forecast.conformal import conformal_offset, held_out_runs
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import aggregate_feature_names
 from prorsa.forecast.model_folder import model_file, state_field
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
 #: (key suffix, LightGBM objective, quantile level)
-LOSSES = (("mean", "regression", None), ("q0.5", "quantile", 0.5), ("q0.9", "quantile", 0.9))
+LOSSES = (
+    ("mean", "regression", None),
+    ("q0.1", "quantile", 0.1),
+    ("q0.5", "quantile", 0.5),
+    ("q0.9", "quantile", 0.9),
+)
 
 
 def stack_horizons(x: np.ndarray, horizons: Sequence[float]) -> np.ndarray:
@@ -36,6 +42,96 @@ def subsample(n: int, max_rows: int, seed: int) -> np.ndarray:
     if n <= max_rows:
         return np.arange(n)
     return np.sort(np.random.default_rng(seed).choice(n, max_rows, replace=False))
+
+
+def fit_target_models(
+    xs: np.ndarray,
+    ys: np.ndarray,
+    run_of_row: np.ndarray,
+    horizon_of_row: np.ndarray,
+    horizons: Sequence[float],
+    train,
+    seed: int,
+    *,
+    init: np.ndarray | None = None,
+    prefix: str = "",
+    held_out_fraction: float = 0.2,
+) -> tuple[dict[str, object], dict[str, dict[str, list[float]]]]:
+    """One booster per target and loss of :data:`LOSSES`, quantiles split-conformal.
+
+    ``ys`` [rows, targets]; ``train(x, y, objective, alpha, init_score)`` fits one
+    booster; ``init`` [rows, targets] is an offset the trees correct. The mean model
+    learns from every run; the quantile models from all but a seeded fifth of the runs,
+    on which each quantile's conformal shift per target and horizon is measured (see
+    :mod:`prorsa.forecast.conformal`). Returns (boosters keyed ``{prefix}{target}:{loss}``,
+    shifts ``{level: {target: [per horizon]}}``).
+    """
+    held = held_out_runs(sorted(set(run_of_row.tolist())), held_out_fraction, seed)
+    is_cal = np.isin(run_of_row, list(held)) if held else np.zeros(len(xs), bool)
+    fit_rows = ~is_cal
+    boosters: dict[str, object] = {}
+    shifts: dict[str, dict[str, list[float]]] = {}
+    for i, target in enumerate(TARGETS):
+        offset = init[:, i] if init is not None else None
+        for key, objective, alpha in LOSSES:
+            rows = slice(None) if alpha is None else fit_rows
+            booster = train(
+                xs[rows], ys[rows, i], objective, alpha, None if offset is None else offset[rows]
+            )
+            boosters[f"{prefix}{target}:{key}"] = booster
+            if alpha is None:
+                continue
+            per_h = [0.0] * len(horizons)
+            if is_cal.any():
+                pred = lgbm.predict(booster, xs[is_cal])
+                if offset is not None:
+                    pred = pred + offset[is_cal]
+                for j, h in enumerate(horizons):
+                    at = np.isclose(horizon_of_row[is_cal], h)
+                    per_h[j] = conformal_offset(ys[is_cal, i][at], pred[at], alpha)
+            shifts.setdefault(f"{alpha:g}", {})[target] = per_h
+    return boosters, shifts
+
+
+def conformal_shift(
+    shifts: dict,
+    alpha: float | None,
+    target: str,
+    fitted: Sequence[float],
+    horizons: Sequence[float],
+) -> np.ndarray | float:
+    """The conformal shift of quantile ``alpha`` at ``horizons`` (0 for the mean)."""
+    if alpha is None or not shifts:
+        return 0.0
+    table = shifts.get(f"{alpha:g}", {}).get(target)
+    if table is None:
+        return 0.0
+    return np.array([table[list(fitted).index(h)] for h in horizons])
+
+
+def read_conformal(state: dict, path: Path, n_horizons: int) -> dict:
+    """The ``conformal`` shifts of a saved model, checked (absent in older folders: none)."""
+    from prorsa.errors import InputError
+    from prorsa.forecast.model_folder import MANIFEST
+
+    shifts = state.get("conformal", {})
+    ok = isinstance(shifts, dict) and all(
+        isinstance(per_target, dict)
+        and all(
+            isinstance(v, list)
+            and len(v) == n_horizons
+            and all(isinstance(x, int | float) and np.isfinite(x) for x in v)
+            for v in per_target.values()
+        )
+        for per_target in shifts.values()
+    )
+    if not ok:
+        raise InputError(
+            "must map quantile levels to per-target lists, one shift per horizon",
+            source=str(path / MANIFEST),
+            field="state.conformal",
+        )
+    return shifts
 
 
 @register("lightgbm-aggregate")
@@ -70,24 +166,28 @@ class LightGBMAggregateForecaster(Forecaster):
         x = data.ticks[data.feature_names].to_numpy(float)
         xs = stack_horizons(x, self.horizons_)
         y = self._targets_matrix(data.ticks, self.horizons_)  # rows x targets x horizons
+        ys = np.stack([y[:, i, :].T.reshape(-1) for i in range(len(TARGETS))], axis=1)
+        runs = np.tile(data.ticks["run_id"].to_numpy(), len(self.horizons_))
         keep = subsample(len(xs), self.max_rows, self.seed)
         names = [*data.feature_names, "horizon_s"]
-        self.boosters_ = {}
-        for i, target in enumerate(TARGETS):
-            yt = y[:, i, :].T.reshape(-1)  # horizon-major, like stack_horizons
-            for key, objective, alpha in LOSSES:
-                self.boosters_[f"{target}:{key}"] = lgbm.train(
-                    xs[keep],
-                    yt[keep],
-                    objective=objective,
-                    alpha=alpha,
-                    seed=self.seed,
-                    n_estimators=self.n_estimators,
-                    learning_rate=self.learning_rate,
-                    num_leaves=self.num_leaves,
-                    min_child_samples=self.min_child_samples,
-                    feature_names=names,
-                )
+
+        def train(xk, yk, objective, alpha, init):
+            return lgbm.train(
+                xk,
+                yk,
+                objective=objective,
+                alpha=alpha,
+                seed=self.seed,
+                n_estimators=self.n_estimators,
+                learning_rate=self.learning_rate,
+                num_leaves=self.num_leaves,
+                min_child_samples=self.min_child_samples,
+                feature_names=names,
+            )
+
+        self.boosters_, self.conformal_ = fit_target_models(
+            xs[keep], ys[keep], runs[keep], xs[keep, -1], self.horizons_, train, self.seed
+        )
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
         x = stack_horizons(self.current_features()[None, :], horizons)
@@ -97,6 +197,9 @@ class LightGBMAggregateForecaster(Forecaster):
         for target in TARGETS:
             for key, _, alpha in LOSSES:
                 raw = lgbm.predict(self.boosters_[f"{target}:{key}"], x)
+                raw = raw + conformal_shift(
+                    self.conformal_, alpha, target, self.horizons_, horizons
+                )
                 values = np.array(
                     [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
                 )
@@ -107,7 +210,10 @@ class LightGBMAggregateForecaster(Forecaster):
         return point, quantiles
 
     def _get_state(self, path: Path) -> dict:
-        return {"boosters": lgbm.save_boosters(self.boosters_, path / "boosters.json.gz")}
+        return {
+            "boosters": lgbm.save_boosters(self.boosters_, path / "boosters.json.gz"),
+            "conformal": self.conformal_,
+        }
 
     def _set_state(self, state: dict, path: Path) -> None:
         name = state_field(state, "boosters", str, source=path)
@@ -115,6 +221,7 @@ class LightGBMAggregateForecaster(Forecaster):
         self.boosters_ = lgbm.load_boosters(
             model_file(path, name, field="state.boosters"), required
         )
+        self.conformal_ = read_conformal(state, path, len(self.horizons_))
         width = len(aggregate_feature_names(self.lags_, self.tasks_)) + 1
         for booster in self.boosters_.values():
             lgbm.check_width(booster, width, source=str(path / state["boosters"]))

@@ -4,7 +4,7 @@ Each tick of each run is a forecast origin (``cutoff``). The forecaster is not r
 is fed the run's events up to the cutoff through ``update`` exactly as the online provider
 feeds it, and its forecast is compared with the targets computed from the telemetry. The
 result is one tidy frame (statsforecast style): ``model, run_id, cutoff, target,
-horizon_s, actual, forecast, q0.5, q0.9``; :func:`score` reduces it to WAPE, MAE and
+horizon_s, actual, forecast, q0.1, q0.5, q0.9, fallback``; :func:`score` reduces it to WAPE, MAE and
 pinball losses per target and horizon.
 """
 
@@ -23,7 +23,7 @@ from prorsa.forecast.base import Forecaster
 from prorsa.forecast.events import as_batch, slice_batch
 from prorsa.forecast.targets import event_frame, run_targets, tick_times
 from prorsa.forecast.tracker import rows_of
-from prorsa.forecast.types import TARGETS, check_horizons, target_column
+from prorsa.forecast.types import QUANTILES, TARGETS, check_horizons, target_column
 
 
 def backtest(
@@ -60,7 +60,9 @@ def backtest(
         batch = as_batch(run)
         ends = np.searchsorted(batch.time, ticks, side="right")
         shape = (len(ticks), len(TARGETS), len(hs))
-        point, q50, q90 = np.empty(shape), np.full(shape, np.nan), np.full(shape, np.nan)
+        point = np.empty(shape)
+        bands = {q: np.full(shape, np.nan) for q in QUANTILES}
+        fallback = np.zeros(len(ticks), bool)
         start = 0
         for i, (t, end) in enumerate(zip(ticks, ends, strict=True)):
             events = rows[start:end] if rows is not None else slice_batch(batch, start, end)
@@ -69,41 +71,45 @@ def backtest(
             began = _time.perf_counter()
             fc = forecaster.predict(hs)
             latencies.append(_time.perf_counter() - began)
+            fallback[i] = bool(fc.fallback)
             for k, target in enumerate(TARGETS):
                 point[i, k] = fc.point[target]
-                if fc.quantiles:
-                    q50[i, k] = fc.quantiles[0.5][target]
-                    q90[i, k] = fc.quantiles[0.9][target]
+                for q, table in fc.quantiles.items():
+                    if q in bands:
+                        bands[q][i, k] = table[target]
         truth = np.stack(
             [np.column_stack([actual[target_column(t, h)] for h in hs]) for t in TARGETS], axis=1
         )
-        frames.append(_tidy(str(run_id), ticks, hs, truth, point, q50, q90))
+        frames.append(_tidy(str(run_id), ticks, hs, truth, point, bands, fallback))
         if progress is not None:
             progress(done, len(runs))
-    out = pd.concat(frames, ignore_index=True) if frames else _tidy("", [], hs, *([None] * 4))
+    out = (
+        pd.concat(frames, ignore_index=True) if frames else _tidy("", [], hs, None, None, {}, None)
+    )
     out.insert(0, "model", model or forecaster.name)
     out.attrs["predict_s"] = latencies
     return out
 
 
-def _tidy(run_id, ticks, hs, truth, point, q50, q90) -> pd.DataFrame:
+def _tidy(run_id, ticks, hs, truth, point, bands, fallback) -> pd.DataFrame:
     n = len(ticks)
+    quantile_cols = [f"q{q:g}" for q in QUANTILES]
     if n == 0:
-        cols = ["run_id", "cutoff", "target", "horizon_s", "actual", "forecast", "q0.5", "q0.9"]
-        return pd.DataFrame({c: [] for c in cols})
+        cols = ["run_id", "cutoff", "target", "horizon_s", "actual", "forecast", *quantile_cols]
+        return pd.DataFrame({c: [] for c in [*cols, "fallback"]})
     nt, nh = len(TARGETS), len(hs)
-    return pd.DataFrame(
-        {
-            "run_id": run_id,
-            "cutoff": np.repeat(np.asarray(ticks, float), nt * nh),
-            "target": np.tile(np.repeat(np.array(TARGETS), nh), n),
-            "horizon_s": np.tile(np.asarray(hs, float), n * nt),
-            "actual": truth.reshape(-1),
-            "forecast": point.reshape(-1),
-            "q0.5": q50.reshape(-1),
-            "q0.9": q90.reshape(-1),
-        }
-    )
+    frame = {
+        "run_id": run_id,
+        "cutoff": np.repeat(np.asarray(ticks, float), nt * nh),
+        "target": np.tile(np.repeat(np.array(TARGETS), nh), n),
+        "horizon_s": np.tile(np.asarray(hs, float), n * nt),
+        "actual": truth.reshape(-1),
+        "forecast": point.reshape(-1),
+    }
+    for q, col in zip(QUANTILES, quantile_cols, strict=True):
+        frame[col] = bands[q].reshape(-1)
+    frame["fallback"] = np.repeat(fallback, nt * nh)
+    return pd.DataFrame(frame)
 
 
 def pinball(y: np.ndarray, q: np.ndarray, level: float) -> float:
@@ -113,32 +119,39 @@ def pinball(y: np.ndarray, q: np.ndarray, level: float) -> float:
 
 
 def score(results: pd.DataFrame) -> pd.DataFrame:
-    """WAPE, MAE and pinball losses per (model, target, horizon_s).
+    """WAPE, MAE, pinball losses and coverage per (model, target, horizon_s).
 
-    WAPE = sum |actual - forecast| / sum |actual|. The p50 pinball uses ``q0.5`` where the
-    model gives quantiles and the point forecast otherwise; p90 is NaN without quantiles.
+    WAPE = sum |actual - forecast| / sum |actual|. Pinball loss and coverage (share of
+    outcomes at or below) of each quantile level are over the ticks that have that
+    quantile (NaN for forecasters without quantiles); the p50 pinball falls back on the
+    point forecast. ``fallback_share``: ticks forecast by the drift fallback.
     """
     rows = []
     for (model, target, h), g in results.groupby(["model", "target", "horizon_s"], sort=False):
         y = g["actual"].to_numpy(float)
         f = g["forecast"].to_numpy(float)
-        q50 = g["q0.5"].to_numpy(float)
-        q90 = g["q0.9"].to_numpy(float)
-        has_q = bool(np.isfinite(q50).all()) and len(q50) > 0
         total = float(np.abs(y).sum())
-        rows.append(
-            {
-                "model": model,
-                "target": target,
-                "horizon_s": h,
-                "wape": float(np.abs(y - f).sum() / total) if total > 0 else np.nan,
-                "mae": float(np.mean(np.abs(y - f))),
-                "pinball_0.5": pinball(y, q50 if has_q else f, 0.5),
-                "pinball_0.9": pinball(y, q90, 0.9) if has_q else np.nan,
-                "coverage_0.9": float(np.mean(y <= q90)) if has_q else np.nan,
-                "n": len(g),
-            }
-        )
+        row = {
+            "model": model,
+            "target": target,
+            "horizon_s": h,
+            "wape": float(np.abs(y - f).sum() / total) if total > 0 else np.nan,
+            "mae": float(np.mean(np.abs(y - f))) if len(y) else np.nan,
+        }
+        for level in QUANTILES:
+            col = f"q{level:g}"
+            q = g[col].to_numpy(float) if col in g.columns else np.full(len(y), np.nan)
+            ok = np.isfinite(q)
+            if level == 0.5 and not ok.any():
+                q, ok = f, np.ones(len(y), bool)
+            row[f"pinball_{level:g}"] = pinball(y[ok], q[ok], level) if ok.any() else np.nan
+            row[f"coverage_{level:g}"] = (
+                float(np.mean(y[ok] <= q[ok])) if ok.any() and col in g.columns else np.nan
+            )
+        if "fallback" in g.columns:
+            row["fallback_share"] = float(np.mean(g["fallback"].to_numpy(bool)))
+        row["n"] = len(g)
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -150,7 +163,7 @@ def plot_backtest(
     max_runs: int = 4,
 ) -> list[Path]:
     """One PNG per (model, run): forecast vs actual over time for every target at one
-    horizon, with the p50-p90 band where given. Returns the files written."""
+    horizon, with the p10-p90 band where given. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,11 +186,11 @@ def plot_backtest(
                 if np.isfinite(g["q0.9"]).any():
                     ax.fill_between(
                         g["cutoff"],
-                        g["q0.5"],
+                        g["q0.1"],
                         g["q0.9"],
                         color="tab:blue",
                         alpha=0.2,
-                        label="p50-p90",
+                        label="p10-p90",
                     )
                 ax.set_ylabel(target.replace("_", " "), fontsize=8)
             axes[0].legend(loc="upper right", fontsize=8)

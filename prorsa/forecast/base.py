@@ -31,7 +31,12 @@ import pandas as pd
 from prorsa.errors import ConfigError, InputError, NotFittedError, ProrsaError
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.events import Events
-from prorsa.forecast.features import aggregate_features
+from prorsa.forecast.fallback import FALLBACK, last_value_point
+from prorsa.forecast.features import (
+    DRIFT_FEATURES,
+    aggregate_feature_names,
+    aggregate_features,
+)
 from prorsa.forecast.model_folder import MANIFEST, read_manifest
 from prorsa.forecast.tracker import LifecycleTracker
 from prorsa.forecast.types import (
@@ -128,6 +133,9 @@ class Forecaster(ABC):
             self.data_hash_ = data.data_hash()
         self.horizons_ = horizons
         self.metrics_: dict[str, float] = {}
+        self.feature_ranges_ = (
+            feature_ranges(data.ticks) if data is not None and self.requires_data else {}
+        )
         self._fit(data)
         self.fitted_ = True
         self.reset()
@@ -154,6 +162,7 @@ class Forecaster(ABC):
         self._check_fitted()
         self.tracker_ = self.make_tracker()
         self._ticks = 0
+        self._fallback_ticks = 0
         self._reset_stream()
         return self
 
@@ -199,15 +208,77 @@ class Forecaster(ABC):
                 f"horizon(s) {unknown} not fitted; '{self.name}' was fitted for "
                 f"{list(self.horizons_)}"
             )
+        drift = self.drifting_features()
+        if drift:
+            return self._fallback(hs, drift)
         point, quantiles = self._predict(hs)
         point = {t: np.maximum(np.asarray(point[t], float), 0.0) for t in TARGETS}
         fixed: Quantiles = {}
-        if quantiles:
-            lo = {t: np.maximum(np.asarray(quantiles[0.5][t], float), 0.0) for t in TARGETS}
-            hi = {t: np.maximum(np.asarray(quantiles[0.9][t], float), lo[t]) for t in TARGETS}
-            fixed = {0.5: lo, 0.9: hi}
+        below: dict[str, np.ndarray] | None = None
+        for level in sorted(quantiles):  # non-negative and non-decreasing in the level
+            values = {t: np.maximum(np.asarray(quantiles[level][t], float), 0.0) for t in TARGETS}
+            if below is not None:
+                values = {t: np.maximum(values[t], below[t]) for t in TARGETS}
+            fixed[level] = below = values
         return Forecast(
-            time_s=float(self.tracker_.time_s), horizons_s=hs, point=point, quantiles=fixed
+            time_s=float(self.tracker_.time_s),
+            horizons_s=hs,
+            point=point,
+            quantiles=fixed,
+            fallback_ticks=self._fallback_ticks,
+        )
+
+    # ----------------------------------------------------------------- drift
+    # Whether ``predict`` falls back to a baseline when the live features leave the
+    # training range: a run-time setting, not a parameter (it changes nothing learned).
+    _check_drift: bool = True
+
+    def set_drift_check(self, enabled: bool) -> Forecaster:
+        """Turn the drift fallback on (the default) or off; returns self."""
+        self._check_drift = bool(enabled)
+        return self
+
+    def drifting_features(self) -> tuple[str, ...]:
+        """Features now outside the range seen in training (empty for baselines).
+
+        The range is the training data's 0.1-99.9th percentiles widened by a tenth of its
+        width on each side, so that only a regime the model never saw trips it.
+        """
+        ranges = getattr(self, "feature_ranges_", None)
+        if not ranges or not self._check_drift:
+            return ()
+        index = getattr(self, "_drift_index", None)
+        if index is None:
+            names = aggregate_feature_names(self.lags_, self.tasks_)
+            index = self._drift_index = {n: names.index(n) for n in ranges if n in names}
+        features = self.current_features()
+        out = []
+        for name, (lo, hi) in ranges.items():
+            value = features[index[name]] if name in index else float("nan")
+            margin = 0.1 * (hi - lo) + 1e-9
+            if np.isfinite(value) and (value < lo - margin or value > hi + margin):
+                out.append(name)
+        return tuple(out)
+
+    def _fallback(self, hs: tuple[float, ...], drift: tuple[str, ...]) -> Forecast:
+        self._fallback_ticks += 1
+        if self._fallback_ticks == 1:
+            logger.warning(
+                "%s: live features %s outside the training range at t=%.1f s; forecasting "
+                "with %s while they stay out",
+                self.name,
+                ", ".join(drift),
+                self.tracker_.time_s,
+                FALLBACK,
+            )
+        point = last_value_point(self.tracker_, hs)
+        return Forecast(
+            time_s=float(self.tracker_.time_s),
+            horizons_s=hs,
+            point={t: np.maximum(point[t], 0.0) for t in TARGETS},
+            fallback=FALLBACK,
+            drift=drift,
+            fallback_ticks=self._fallback_ticks,
         )
 
     @abstractmethod
@@ -232,6 +303,7 @@ class Forecaster(ABC):
                 "lags": list(self.lags_),
                 "tasks": list(self.tasks_),
                 "tick_s": self.tick_s_,
+                "feature_ranges": getattr(self, "feature_ranges_", {}),
             },
             "data_hash": self.data_hash_,
             "metrics": self.metrics_,
@@ -267,6 +339,19 @@ class Forecaster(ABC):
                 y = ticks[target_column(target, h)].to_numpy(float)
                 out[:, i, j] = normalise(y, target, h, scale)
         return out
+
+
+def feature_ranges(ticks: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """0.1th and 99.9th percentiles of the drift-checked features in training ticks."""
+    out = {}
+    for name in DRIFT_FEATURES:
+        if name in ticks.columns:
+            values = ticks[name].to_numpy(float)
+            values = values[np.isfinite(values)]
+            if len(values):
+                lo, hi = np.quantile(values, [0.001, 0.999])
+                out[name] = (float(lo), float(hi))
+    return out
 
 
 def normalise(values: np.ndarray, target: str, h: float, scale: np.ndarray | float) -> np.ndarray:
@@ -341,6 +426,7 @@ def load_forecaster(path: str | os.PathLike[str]) -> Forecaster:
     model.lags_ = tuple(float(h) for h in fitted["lags"])
     model.tasks_ = tuple(fitted["tasks"])
     model.tick_s_ = float(fitted["tick_s"])
+    model.feature_ranges_ = {k: tuple(v) for k, v in fitted.get("feature_ranges", {}).items()}
     model.data_hash_ = manifest.get("data_hash")
     model.metrics_ = manifest.get("metrics", {})
     model.manifest_ = manifest

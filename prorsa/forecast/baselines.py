@@ -15,15 +15,9 @@ import numpy as np
 
 from prorsa.forecast.base import Forecaster, Point, Quantiles, register
 from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.fallback import SERIES, last_value_point
 from prorsa.forecast.types import DEFAULT_HORIZONS, SUM_TARGETS, TARGETS, target_column
 
-# Tracker history key of each target's series; sums are read as growth per second.
-SERIES = {
-    "prefill_tokens": "cum_prefill",
-    "decode_tokens": "cum_decode",
-    "decode_sequences": "decodes",
-    "decode_kv_tokens": "kv",
-}
 # The same series in a dataset: lag features over one tick, times the run's scale.
 _LAG_PREFIX = {
     "prefill_tokens": "lag_prefill_rate_",
@@ -93,15 +87,7 @@ class LastValueForecaster(Forecaster):
         pass
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
-        tr = self.tracker_
-        point = {}
-        for target in TARGETS:
-            key = SERIES[target]
-            if target in SUM_TARGETS:
-                point[target] = np.array([tr.observed_sum(key, h) * h for h in horizons])
-            else:
-                point[target] = np.array([tr.observed_mean(key, h) for h in horizons])
-        return point, {}
+        return last_value_point(self.tracker_, horizons), {}
 
 
 _HALFLIVES_S = (1.0, 2.0, 5.0, 10.0, 20.0, 60.0)

@@ -177,13 +177,16 @@ def build_dataset(
     snapshot_every: int = 2,
     tasks: Sequence[str] | None = None,
     max_tasks: int = 8,
+    max_snapshot_rows: int = 60_000,
     progress: Callable[[int, int], None] | None = None,
 ) -> ForecastDataset:
     """Replay telemetry (one or more event tables, each with one or more runs) into a dataset.
 
     Run ids must be unique across the tables. ``tasks`` fixes the task vocabulary (default:
-    the ``max_tasks`` tasks with the most trajectories). ``progress(done, total)`` is
-    called after each run.
+    the ``max_tasks`` tasks with the most trajectories). Snapshots are taken every
+    ``snapshot_every``-th tick, or more sparsely in a run whose live trajectories would
+    give more than about ``max_snapshot_rows`` of them (a busy run must not crowd out the
+    others in the calibration data). ``progress(done, total)`` is called after each run.
     """
     horizons = check_horizons(horizons)
     if tick_s <= 0:
@@ -209,7 +212,8 @@ def build_dataset(
     for done, (run_id, run) in enumerate(runs, 1):
         ticks = tick_times(run, tick_s)
         if len(ticks):
-            t, s, u = _replay_run(pipeline, str(run_id), run, ticks, horizons, snapshot_every)
+            every = snapshot_stride(run, tick_s, snapshot_every, max_snapshot_rows)
+            t, s, u = _replay_run(pipeline, str(run_id), run, ticks, horizons, every)
             tick_frames.append(t)
             snap_frames.append(s)
             turn_frames.append(u)
@@ -222,6 +226,7 @@ def build_dataset(
         "horizons": list(horizons),
         "tick_s": tick_s,
         "snapshot_every": snapshot_every,
+        "max_snapshot_rows": max_snapshot_rows,
         "tasks": list(pipeline.tasks_),
         "feature_names": pipeline.feature_names_,
         "sources": sources,
@@ -232,6 +237,15 @@ def build_dataset(
         pd.concat(turn_frames, ignore_index=True),
         meta,
     )
+
+
+def snapshot_stride(run: pd.DataFrame, tick_s: float, every: int, max_rows: int) -> int:
+    """Snapshot every n-th tick: ``every``, or sparser so that about ``max_rows`` rows of
+    live trajectories result (live-ticks estimated from each trajectory's first and last
+    event)."""
+    span = run.groupby("trajectory_id", sort=False)["time"].agg(["min", "max"])
+    live_ticks = float(((span["max"] - span["min"]) / tick_s).sum())
+    return max(every, int(np.ceil(live_ticks / max(max_rows, 1))))
 
 
 def _replay_run(

@@ -20,6 +20,27 @@ from prorsa.forecast.events import as_batch, slice_batch
 from prorsa.forecast.tracker import IN_TOOL, PREFILLING, QUEUED, LifecycleTracker
 from prorsa.forecast.types import DEFAULT_HORIZONS, check_horizons
 
+#: Load per engine (one model replica; its GPUs serve it together): what sets the queueing
+#: regime, and what lets one model serve clusters of any size. NaN while no engine is known
+#: (imported traces without engine ids).
+PER_ENGINE_FEATURES = (
+    "live_per_engine",
+    "queued_per_engine",
+    "decoding_per_engine",
+    "backlog_ktokens_per_engine",
+    "kv_ktokens_per_engine",
+)
+
+
+#: Features whose training range a learned forecaster checks live (see
+#: ``Forecaster.drifting_features``): the load regime, decode speed, queueing and context.
+DRIFT_FEATURES = (
+    *PER_ENGINE_FEATURES,
+    "decode_rate_per_seq",
+    "ttft_s",
+    "mean_context_ktokens",
+)
+
 
 def aggregate_feature_names(lags_s: Sequence[float], tasks: Sequence[str]) -> list[str]:
     """Names of :func:`aggregate_features`, in order."""
@@ -58,6 +79,7 @@ def aggregate_feature_names(lags_s: Sequence[float], tasks: Sequence[str]) -> li
         "tool_elapsed_mean_s",
         "decode_elapsed_mean_s",
         "decoded_mean_tokens",
+        *PER_ENGINE_FEATURES,
     ]
     names += [f"task_{t}" for t in tasks] + ["task_other"]
     return names
@@ -114,6 +136,14 @@ def aggregate_features(tracker: LifecycleTracker) -> np.ndarray:
         _mean(snap["tool_elapsed"][in_tool]),
         _mean(snap["decode_elapsed"][is_open]),
         _mean(snap["decoded"][is_open]),
+    ]
+    engines = float(tracker.engines) if tracker.engines > 0 else float("nan")
+    values += [
+        live / engines,
+        counts[QUEUED] / engines,
+        is_open.sum() / engines,
+        snap["turn_new"][waiting].sum() / engines / 1000.0,
+        kv[is_open].sum() / engines / 1000.0,
     ]
     mix = np.bincount(snap["task"], minlength=len(tracker.tasks) + 1)[: len(tracker.tasks) + 1]
     values += list(mix / max(live, 1))

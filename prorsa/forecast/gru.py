@@ -22,6 +22,9 @@ from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import aggregate_feature_names
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
+# Output heads: the point forecast, then one per quantile level (pinball loss).
+_HEADS = 1 + len(QUANTILES)
+
 
 def _torch():
     try:
@@ -54,11 +57,11 @@ def _build(torch, n_in: int, hidden: int, n_out: int):
         def __init__(self) -> None:
             super().__init__()
             self.gru = torch.nn.GRU(n_in, hidden, batch_first=True)
-            self.head = torch.nn.Linear(hidden, 3 * n_out)
+            self.head = torch.nn.Linear(hidden, _HEADS * n_out)
 
         def forward(self, x):
             _, h = self.gru(x)
-            return self.head(h[-1]).view(-1, 3, n_out)
+            return self.head(h[-1]).view(-1, _HEADS, n_out)
 
     return Net()
 
@@ -125,7 +128,7 @@ class GRUForecaster(Forecaster):
             gen = torch.Generator().manual_seed(self.seed)
             xp, yt = torch.from_numpy(padded), torch.from_numpy(target)
             steps = torch.arange(self.window)
-            levels = torch.tensor([0.5, 0.9]).view(1, 2, 1)
+            levels = torch.tensor(QUANTILES).view(1, len(QUANTILES), 1)
             for _ in range(self.epochs):
                 perm = torch.randperm(len(start), generator=gen)
                 for b in range(0, len(perm), self.batch_size):
@@ -169,13 +172,13 @@ class GRUForecaster(Forecaster):
         hist = np.asarray(self._history)
         seq[self.window - len(hist) :] = hist
         with torch.inference_mode():
-            out = net(torch.from_numpy(seq[None])).numpy()[0]  # 3 x (targets * horizons)
+            out = net(torch.from_numpy(seq[None])).numpy()[0]  # heads x (targets * horizons)
         out = out * self.y_std_ + self.y_mean_
-        out = out.reshape(3, len(TARGETS), len(self.horizons_))
+        out = out.reshape(_HEADS, len(TARGETS), len(self.horizons_))
         scale = float(max(self.tracker_.peak_live, 1))
         cols = [self.horizons_.index(h) for h in horizons]
         tables = []
-        for k in range(3):
+        for k in range(_HEADS):
             tables.append(
                 {
                     t: np.array(
@@ -184,7 +187,7 @@ class GRUForecaster(Forecaster):
                     for i, t in enumerate(TARGETS)
                 }
             )
-        return tables[0], {QUANTILES[0]: tables[1], QUANTILES[1]: tables[2]}
+        return tables[0], dict(zip(QUANTILES, tables[1:], strict=True))
 
     def _get_state(self, path: Path) -> dict:
         arrays = {f"w:{k}": v for k, v in self.weights_.items()}

@@ -64,6 +64,7 @@ def apply_batch(tracker: LifecycleTracker, batch: EventBatch) -> None:
     if tracker.first_time is None:
         tracker.first_time = float(times[pos[0]])
     tracker.last_event_time = float(times[pos[-1]])
+    tracker.engines = max(tracker.engines, int(batch.engine_id[pos].max()) + 1)
     while True:
         split = _rebirth(batch.key[pos], batch.kind[pos])
         if split is None:

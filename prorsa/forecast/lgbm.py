@@ -38,10 +38,14 @@ def train(
     categorical: list[int] | None = None,
     feature_names: list[str] | None = None,
     init_score: np.ndarray | None = None,
+    valid: tuple[np.ndarray, np.ndarray] | None = None,
+    early_stopping_rounds: int = 15,
 ):
     """Train one booster deterministically on one thread (the machine is shared).
 
     ``init_score`` is an offset the trees correct (add it back after ``predict``).
+    ``valid`` (x, y): stop adding trees once the loss there has not improved for
+    ``early_stopping_rounds``; the booster's ``best_iteration`` says how many helped.
     """
     lgb = lightgbm()
     params = {
@@ -68,7 +72,18 @@ def train(
         init_score=init_score,
         free_raw_data=True,
     )
-    return lgb.train(params, data, num_boost_round=n_estimators)
+    if valid is None:
+        return lgb.train(params, data, num_boost_round=n_estimators)
+    check = lgb.Dataset(
+        valid[0], valid[1], reference=data, categorical_feature=categorical or "auto"
+    )
+    return lgb.train(
+        params,
+        data,
+        num_boost_round=n_estimators,
+        valid_sets=[check],
+        callbacks=[lgb.early_stopping(early_stopping_rounds, verbose=False)],
+    )
 
 
 def predict(booster, x: np.ndarray) -> np.ndarray:

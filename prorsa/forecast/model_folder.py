@@ -86,6 +86,19 @@ def read_manifest(path: Path) -> dict[str, Any]:
             field="fitted.tick_s",
             hint=_HINT,
         )
+    ranges = fitted.get("feature_ranges", {})
+    _expect(ranges, dict, src, "fitted.feature_ranges", "an object")
+    for name, bounds in ranges.items():
+        if (
+            not isinstance(bounds, list)
+            or len(bounds) != 2
+            or not all(isinstance(b, int | float) and math.isfinite(b) for b in bounds)
+        ):
+            raise InputError(
+                f"must be [low, high], got {bounds!r}",
+                source=src,
+                field=f"fitted.feature_ranges.{name}",
+            )
     _expect(manifest.get("state", {}), dict, src, "state", "an object")
     _expect(manifest.get("metrics", {}), dict, src, "metrics", "an object")
     data_hash = manifest.get("data_hash")

@@ -61,7 +61,7 @@ EVENT_FEATURES: tuple[str, ...] = (
     "turn_rel",
 )
 _NAN = float("nan")
-_TIME, _TRAJ, _GROUP, _TASK, _TURN, _KIND, _CTX, _NEW, _OUT = (
+_TIME, _TRAJ, _GROUP, _TASK, _TURN, _KIND, _ENG, _CTX, _NEW, _OUT = (
     FIELDS.index(f)
     for f in (
         "time",
@@ -70,6 +70,7 @@ _TIME, _TRAJ, _GROUP, _TASK, _TURN, _KIND, _CTX, _NEW, _OUT = (
         "task",
         "turn",
         "kind",
+        "engine_id",
         "context_tokens",
         "new_tokens",
         "output_tokens",
@@ -192,6 +193,9 @@ class LifecycleTracker:
         self.event_rows: list[tuple] = []
         self.history: dict[str, list[float]] = {k: [] for k in _HISTORY}
         self.peak_live = 0
+        #: Engines seen so far (highest engine id in the events + 1): the cluster's size as
+        #: the events show it, for per-engine load features (0 until an engine is named).
+        self.engines = 0
         self.time_s: float | None = None
         self.snapshot: dict[str, np.ndarray] = {}
 
@@ -417,6 +421,8 @@ class LifecycleTracker:
             if self.first_time is None:
                 self.first_time = t
             self.last_event_time = t
+            if row[_ENG] >= self.engines:
+                self.engines = row[_ENG] + 1
             tid = row[_TRAJ]
             slot = slots.get(tid)
             if slot is None:

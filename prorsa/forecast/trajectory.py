@@ -30,11 +30,17 @@ import pandas as pd
 
 from prorsa.errors import InputError
 from prorsa.forecast import lgbm
-from prorsa.forecast.aggregate import LOSSES, subsample
+from prorsa.forecast.aggregate import (
+    LOSSES,
+    conformal_shift,
+    fit_target_models,
+    read_conformal,
+    subsample,
+)
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
 from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
 from prorsa.forecast.dataset import ForecastDataset
-from prorsa.forecast.features import aggregate_feature_names
+from prorsa.forecast.features import PER_ENGINE_FEATURES, aggregate_feature_names
 from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
@@ -68,6 +74,7 @@ CALIBRATION_FEATURES = (
     "time_s",
     "decode_rate_per_seq",
     "ttft_s",
+    *PER_ENGINE_FEATURES,
 )
 
 
@@ -111,7 +118,17 @@ class LightGBMTrajectoryForecaster(Forecaster):
 
     # ------------------------------------------------------------------- fit
     def _train(
-        self, x, y, objective, *, alpha=None, names=None, calibration=False, init_score=None
+        self,
+        x,
+        y,
+        objective,
+        *,
+        alpha=None,
+        names=None,
+        calibration=False,
+        init_score=None,
+        valid=None,
+        n_estimators=None,
     ):
         # Calibration fits a few noisy targets per tick: slower learning, bigger leaves.
         return lgbm.train(
@@ -120,13 +137,15 @@ class LightGBMTrajectoryForecaster(Forecaster):
             objective=objective,
             alpha=alpha,
             seed=self.seed,
-            n_estimators=self.calibration_estimators if calibration else self.n_estimators,
+            n_estimators=n_estimators
+            or (self.calibration_estimators if calibration else self.n_estimators),
             learning_rate=self.learning_rate / 2 if calibration else self.learning_rate,
             num_leaves=self.num_leaves,
             min_child_samples=self.min_child_samples * (5 if calibration else 1),
             categorical=None if calibration else [0],
             feature_names=names or list(EVENT_FEATURES),
             init_score=init_score,
+            valid=valid,
         )
 
     def _fit(self, data: ForecastDataset | None) -> None:
@@ -166,14 +185,24 @@ class LightGBMTrajectoryForecaster(Forecaster):
                 oof[:, j] = const
                 self.spread_[name] = [1.0] * n_tasks
                 continue
+            # Out-of-fold predictions, with early stopping on the held-out fold: the final
+            # model gets as many trees as helped there (fewer trees: cheaper every tick).
+            best = []
             for k in sorted(set(fold_of_run.values())):
                 train = idx[fold[idx] != k] if n_folds > 1 else idx
                 if len(train) < 2:
                     continue
-                model = self._train(x[train], transform(label[train]), objective)
+                check = idx[fold[idx] == k] if n_folds > 1 else idx[:0]
+                valid = None
+                if len(check) >= 20:
+                    valid = (x[check], transform(label[check]))
+                model = self._train(x[train], transform(label[train]), objective, valid=valid)
+                if valid is not None:
+                    best.append(max(int(model.best_iteration), 1))
                 test = np.flatnonzero(fold == k) if n_folds > 1 else np.arange(len(turns))
                 oof[test, j] = lgbm.predict(model, x[test])
-            self.boosters_[name] = self._train(x[idx], y, objective)
+            trees = max(10, round(float(np.mean(best)))) if best else self.n_estimators
+            self.boosters_[name] = self._train(x[idx], y, objective, n_estimators=trees)
             self.default_[name] = float(np.mean(y))
             if objective == "regression":
                 self.spread_[name] = _spread_by_task(y - oof[idx, j], task[idx], n_tasks)
@@ -218,20 +247,27 @@ class LightGBMTrajectoryForecaster(Forecaster):
         keep = subsample(len(xs), self.max_rows, self.seed)
         names = [*self.calibration_features_, *BOTTOM_UP_FEATURES, *LAG_FEATURES, "horizon_s"]
         n_feats = len(self.calibration_features_)
-        for i, target in enumerate(TARGETS):
-            yt = y[:, i, :].T.reshape(-1)
-            # The trees correct the bottom-up sum (an offset), rather than replace it.
-            offset = xs[keep, n_feats + i]
-            for suffix, objective, alpha in LOSSES:
-                self.boosters_[f"cal:{target}:{suffix}"] = self._train(
-                    xs[keep],
-                    yt[keep],
-                    objective,
-                    alpha=alpha,
-                    names=names,
-                    calibration=True,
-                    init_score=offset,
-                )
+        ys = np.stack([y[:, i, :].T.reshape(-1) for i in range(len(TARGETS))], axis=1)
+        runs = np.tile(sub["run_id"].to_numpy(), len(self.horizons_))
+
+        def train(xk, yk, objective, alpha, init):
+            return self._train(
+                xk, yk, objective, alpha=alpha, names=names, calibration=True, init_score=init
+            )
+
+        # The trees correct the bottom-up sum (an offset), rather than replace it.
+        boosters, self.conformal_ = fit_target_models(
+            xs[keep],
+            ys[keep],
+            runs[keep],
+            xs[keep, -1],
+            self.horizons_,
+            train,
+            self.seed,
+            init=xs[keep, n_feats : n_feats + len(TARGETS)],
+            prefix="cal:",
+        )
+        self.boosters_.update(boosters)
 
     def _calibration_rows(
         self, feats: np.ndarray, sums: np.ndarray, scale: np.ndarray, horizons: Sequence[float]
@@ -329,6 +365,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
         for i, target in enumerate(TARGETS):
             for suffix, _, alpha in LOSSES:
                 raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x) + x[:, n_feats + i]
+                raw = raw + conformal_shift(
+                    self.conformal_, alpha, target, self.horizons_, horizons
+                )
                 values = np.array(
                     [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
                 )
@@ -345,6 +384,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             "spread": self.spread_,
             "default": self.default_,
             "calibration_features": getattr(self, "calibration_features_", []),
+            "conformal": getattr(self, "conformal_", {}),
         }
 
     def _set_state(self, state: dict, path: Path) -> None:
@@ -378,6 +418,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.spread_ = {k: [float(x) for x in v] for k, v in spread.items()}
         self.default_ = {k: float(v) for k, v in default.items()}
         self.calibration_features_ = list(features)
+        self.conformal_ = read_conformal(state, path, len(self.horizons_))
         self._cal_index = None
         turn_width = len(EVENT_FEATURES)
         cal_width = (

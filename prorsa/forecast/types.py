@@ -14,8 +14,8 @@ TARGETS = ("prefill_tokens", "decode_tokens", "decode_sequences", "decode_kv_tok
 #: Targets that are sums over (t, t+h]; the others are time averages over it.
 SUM_TARGETS = ("prefill_tokens", "decode_tokens")
 DEFAULT_HORIZONS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
-#: Quantile levels the probabilistic forecasters provide.
-QUANTILES: tuple[float, ...] = (0.5, 0.9)
+#: Quantile levels the probabilistic forecasters provide (P10, P50, P90).
+QUANTILES: tuple[float, ...] = (0.1, 0.5, 0.9)
 
 
 def check_horizons(horizons: object, *, name: str = "horizons") -> tuple[float, ...]:
@@ -45,14 +45,22 @@ class Forecast:
 
     Targets (per horizon h): ``prefill_tokens`` arriving in (t, t+h], ``decode_tokens``
     generated in (t, t+h], ``decode_sequences`` and ``decode_kv_tokens`` averaged over it.
-    ``quantiles`` maps a level (0.5, 0.9) to the same layout as ``point``; empty when the
-    forecaster gives point forecasts only.
+    ``quantiles`` maps a level (0.1, 0.5, 0.9) to the same layout as ``point``, calibrated
+    so that about that share of outcomes falls below; empty when the forecaster gives point
+    forecasts only (or fell back to a baseline).
+
+    ``fallback`` names the baseline that produced this forecast instead of the model when
+    the live features left the model's training range (``drift`` lists those features);
+    ``fallback_ticks`` counts such ticks in the run so far.
     """
 
     time_s: float
     horizons_s: tuple[float, ...]
     point: dict[str, np.ndarray]
     quantiles: dict[float, dict[str, np.ndarray]] = field(default_factory=dict)
+    fallback: str = ""
+    drift: tuple[str, ...] = ()
+    fallback_ticks: int = 0
 
     def at(self, target: str, horizon_s: float, quantile: float | None = None) -> float:
         try:

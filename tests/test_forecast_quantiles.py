@@ -1,0 +1,113 @@
+"""Calibrated quantiles (split conformal) and the drift fallback of learned forecasters."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prorsa.forecast import build_dataset, lgbm, make_forecaster
+from prorsa.forecast.aggregate import LOSSES, fit_target_models
+from prorsa.forecast.conformal import conformal_offset, coverage, held_out_runs
+from prorsa.forecast.fallback import FALLBACK
+from prorsa.forecast.features import DRIFT_FEATURES
+from prorsa.forecast.types import TARGETS
+from tests.sim_helpers import random_specs, run
+
+
+def test_conformal_offset_by_hand():
+    actual = np.arange(1.0, 11.0)
+    zeros = np.zeros(10)
+    # n = 10: the 0.9 shift is the ceil(11 * 0.9) = 10th smallest score, the 0.1 shift
+    # the floor(11 * 0.1) = 1st (rounded outward: at least the nominal coverage).
+    assert conformal_offset(actual, zeros, 0.9) == 10.0
+    assert conformal_offset(actual, zeros, 0.1) == 1.0
+    assert conformal_offset(actual, zeros + np.nan, 0.9) == 0.0
+    assert coverage(actual, actual - 0.5) == 0.0 and coverage(actual, actual) == 1.0
+
+
+def test_held_out_runs_are_seeded_and_never_all():
+    runs = [f"r{i}" for i in range(10)]
+    assert held_out_runs(runs, 0.2, 3) == held_out_runs(runs, 0.2, 3)
+    assert len(held_out_runs(runs, 0.2, 3)) == 2
+    assert len(held_out_runs(["a", "b"], 0.9, 0)) == 1
+    assert held_out_runs(["a"], 0.2, 0) == set()
+
+
+def test_split_conformal_quantiles_cover_new_data():
+    # y = x + skewed noise; quantile trees alone are over-confident on new data, the
+    # conformal shifts measured on held-out runs bring coverage to the nominal level.
+    rng = np.random.default_rng(0)
+
+    def sample(n: int):
+        x = rng.uniform(0, 10, (n, 2))
+        noise = rng.gamma(2.0, 1.0, n) * (1 + x[:, 1] / 5)
+        return x, x[:, 0] + noise
+
+    x, y = sample(6000)
+    xs = np.column_stack([x, np.full(len(x), 5.0)])  # last column: the horizon
+    ys = np.repeat(y[:, None], len(TARGETS), axis=1)
+    runs = np.repeat([f"r{i}" for i in range(12)], 500)
+
+    def train(xk, yk, objective, alpha, init):
+        return lgbm.train(
+            xk,
+            yk,
+            objective=objective,
+            alpha=alpha,
+            seed=0,
+            n_estimators=60,
+            learning_rate=0.1,
+            num_leaves=31,
+            min_child_samples=5,
+        )
+
+    boosters, shifts = fit_target_models(xs, ys, runs, xs[:, -1], (5.0,), train, seed=1)
+    assert set(boosters) == {f"{t}:{k}" for t in TARGETS for k, _, _ in LOSSES}
+    x_new, y_new = sample(4000)
+    x_new = np.column_stack([x_new, np.full(len(x_new), 5.0)])
+    target = TARGETS[0]
+    for level in (0.1, 0.5, 0.9):
+        raw = lgbm.predict(boosters[f"{target}:q{level:g}"], x_new)
+        shifted = raw + shifts[f"{level:g}"][target][0]
+        assert coverage(y_new, shifted) == pytest.approx(level, abs=0.04), level
+
+
+def _telemetry(slots: int, n: int, seed: int, run_id: str) -> pa.Table:
+    table = run(random_specs(n, seed=seed, turns=(2, 5)), "static", slots=slots).telemetry
+    ids = pa.array([run_id] * table.num_rows, pa.string())
+    field = pa.field("run_id", pa.string(), nullable=False)
+    return table.set_column(table.schema.get_field_index("run_id"), field, ids)
+
+
+def test_out_of_range_load_falls_back_to_last_value(caplog):
+    # Trained on 4 engines with few trajectories each; run on 2 engines with many more.
+    train = build_dataset([_telemetry(4, 12, s, f"t{s}") for s in range(2)], horizons=[1, 5])
+    model = make_forecaster("lightgbm-aggregate", horizons=[1, 5], n_estimators=5).fit(train)
+    assert "live_per_engine" in model.feature_ranges_
+    heavy = _telemetry(2, 80, 9, "heavy")
+    baseline = make_forecaster("last-value", horizons=[1, 5]).fit(None)
+    model.reset()
+    baseline.reset()
+    fallbacks, seen = 0, set()
+    with caplog.at_level(logging.WARNING, logger="prorsa.forecast.base"):
+        for t in np.arange(1.0, 15.0):
+            events = heavy.filter(pa.compute.less_equal(heavy.column("time"), t))
+            events = events.filter(pa.compute.greater(events.column("time"), t - 1.0))
+            model.update(events, float(t))
+            baseline.update(events, float(t))
+            fc, ref = model.predict(), baseline.predict()
+            if fc.fallback:
+                fallbacks += 1
+                assert fc.fallback == FALLBACK and set(fc.drift) <= set(DRIFT_FEATURES)
+                seen.update(fc.drift)
+                assert fc.quantiles == {} and fc.fallback_ticks == fallbacks
+                for target in TARGETS:
+                    np.testing.assert_allclose(fc.point[target], ref.point[target])
+    assert fallbacks >= 5 and "live_per_engine" in seen
+    warnings = [r for r in caplog.records if "outside the training range" in r.message]
+    assert len(warnings) == 1  # logged once per run, counted on every forecast
+    model.set_drift_check(False)
+    assert not model.predict().fallback and model.predict().quantiles
