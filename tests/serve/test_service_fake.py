@@ -1,0 +1,238 @@
+"""The rollout service's protocol over fake engines: sessions, weight sync, pause, sleep.
+
+Fake engines stamp every token with their weight version and record any weight change
+while they hold a request, so "nothing served by mixed weights" is checked directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.telemetry.validation import validate_table
+from tests.serve.fakes import tokens_for
+from tests.serve.helpers import fake_service, weights_folder
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def single_version(result) -> int:
+    """The one version every output token of a turn came from (fails on a mix)."""
+    versions = {span[0] for span in result.weight_versions}
+    assert len(versions) == 1, result.weight_versions
+    assert result.weight_version == int(versions.pop())
+    return result.weight_version
+
+
+def test_turns_sessions_and_telemetry(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, _):
+            first = await svc.generate(
+                "s", PROMPT, {"max_tokens": 4, "temperature": 0, "logprobs": 0}
+            )
+            context = PROMPT + first.output_token_ids + [11, 12]
+            second = await svc.generate("s", context, {"max_tokens": 3, "temperature": 0})
+            ended = await svc.end_session("s")
+            again = await svc.end_session("s")
+            one_shot = await svc.generate(None, PROMPT, {"max_tokens": 2})
+            table = svc.router.telemetry.log.to_table()
+            return first, second, ended, again, one_shot, table, svc.status()
+
+    first, second, ended, again, one_shot, table, status = run(go())
+    assert first.output_token_ids == tokens_for(PROMPT, 4, 0)
+    assert first.output_logprobs == [-1.0] * 4 and first.path == "disaggregated"
+    assert (first.turn, second.turn) == (0, 1) and single_version(second) == 0
+    assert ended and not again and status["sessions"] == 0
+    validate_table(table)
+    kinds = [
+        k
+        for t, k in zip(table["trajectory_id"].to_pylist(), table["kind"].to_pylist(), strict=True)
+        if t == "s"
+    ]
+    assert kinds[0] == "traj_start" and kinds[-1] == "traj_end"
+    # A tool phase after every turn: the trainer holds the floor until the next turn (or
+    # finish_session), so the last turn is followed by one too.
+    assert kinds.count("tool_start") == kinds.count("tool_end") == 2
+    assert kinds.count("decode_end") == 2
+    anon = set(table["trajectory_id"].to_pylist()) - {"s", ""}
+    assert len(anon) == 1 and one_shot.session_id in anon  # one-shot sessions end at once
+
+
+def test_weight_update_drains_in_flight_turns_then_serves_new_weights(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            long = [
+                asyncio.ensure_future(
+                    svc.generate(f"long{i}", [*PROMPT, i], {"max_tokens": 60, "ignore_eos": True})
+                )
+                for i in range(4)
+            ]
+            await asyncio.sleep(0.03)
+            summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w1")))
+            done = await asyncio.gather(*long)
+            after = await svc.generate("next", PROMPT, {"max_tokens": 4})
+            return summary, done, after, fakes
+
+    summary, done, after, fakes = run(go())
+    assert summary["drained"] and summary["version"] == 1 and summary["aborted_turns"] == 0
+    assert [single_version(r) for r in done] == [0, 0, 0, 0]
+    assert all(len(r.output_token_ids) == 60 for r in done)
+    assert single_version(after) == 1 and after.output_token_ids == tokens_for(PROMPT, 4, 1)
+    assert all(f.version == 1 and not f.violations for f in fakes)
+
+
+@pytest.mark.parametrize("mode", ["auto", "disaggregated"])
+def test_turns_past_the_drain_timeout_are_served_again_under_new_weights(tmp_path, mode):
+    async def go():
+        async with fake_service(tmp_path, sync_drain_timeout_s=0.05) as (svc, fakes):
+            turns = [
+                asyncio.ensure_future(
+                    svc.generate(f"t{i}", [*PROMPT, i], {"max_tokens": 150}, routing={"mode": mode})
+                )
+                for i in range(5)
+            ]
+            await asyncio.sleep(0.03)
+            summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w1")))
+            return summary, await asyncio.gather(*turns), fakes
+
+    summary, results, fakes = run(go())
+    assert not summary["drained"] and summary["aborted_turns"] == 5
+    assert [single_version(r) for r in results] == [1] * 5  # none lost, none mixed
+    for i, r in enumerate(results):
+        assert r.output_token_ids == tokens_for([*PROMPT, i], 150, 1) and r.reroutes >= 1
+    assert all(not f.violations for f in fakes)
+
+
+def test_versions_never_go_backwards_and_bad_folders_are_refused(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, _):
+            w = str(weights_folder(tmp_path, "w"))
+            first = await svc.update_weights_from_path(w, 5)
+            errors = []
+            for bad in [(w, 5), (w, 3), (str(tmp_path / "missing"), None)]:
+                with pytest.raises(InputError) as info:
+                    await svc.update_weights_from_path(*bad)
+                errors.append(str(info.value))
+            second = await svc.update_weights_from_path(w)
+            return first, second, errors
+
+    first, second, errors = run(go())
+    assert (first["version"], second["version"]) == (5, 6)
+    assert "not above the current 5" in errors[0] and "not above" in errors[1]
+    assert "weight folder does not exist" in errors[2]
+
+
+def test_role_switches_are_held_during_a_weight_update(tmp_path):
+    async def go():
+        async with fake_service(tmp_path, step_s=0.005) as (svc, _):
+            long = asyncio.ensure_future(svc.generate("l", PROMPT, {"max_tokens": 40}))
+            await asyncio.sleep(0.02)
+            sync = asyncio.ensure_future(
+                svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
+            )
+            await asyncio.sleep(0.02)
+            with pytest.raises(ConfigError, match="held"):
+                svc.start_switch(2, "colocated")
+            refused = svc.actuator.switch(2, "colocated")  # the controller's path
+            await sync
+            await long
+            switched = await svc.switch_role(2, "colocated")
+            return refused, switched, svc.status()
+
+    refused, switched, status = run(go())
+    assert refused is False
+    assert switched["to"] == "colocated" and status["roles"][2] == "colocated"
+
+
+def test_pause_keep_holds_new_turns_until_resume(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.pause("keep")
+            waiting = asyncio.ensure_future(svc.generate("p", PROMPT, {"max_tokens": 3}))
+            await asyncio.sleep(0.1)
+            held = not waiting.done() and svc.gate.waiting == 1
+            paused = all(f.paused for f in fakes)
+            await svc.resume()
+            return held, paused, await waiting
+
+    held, paused, result = run(go())
+    assert held and paused and result.output_token_ids == tokens_for(PROMPT, 3, 0)
+
+
+def test_pause_abort_serves_the_aborted_turn_again_after_resume(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, _):
+            turn = asyncio.ensure_future(svc.generate("a", PROMPT, {"max_tokens": 80}))
+            await asyncio.sleep(0.03)
+            await svc.pause("abort")
+            await asyncio.sleep(0.05)
+            pending = not turn.done()
+            await svc.resume()
+            return pending, await turn
+
+    pending, result = run(go())
+    assert pending and result.reroutes >= 1
+    assert result.output_token_ids == tokens_for(PROMPT, 80, 0)
+
+
+def test_sleep_holds_turns_and_switches_until_wake_up(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.sleep(1)
+            turn = asyncio.ensure_future(svc.generate("z", PROMPT, {"max_tokens": 2}))
+            await asyncio.sleep(0.05)
+            asleep = not turn.done() and all(f.sleeping for f in fakes)
+            with pytest.raises(ConfigError, match="sleeping"):
+                svc.start_switch(2, "colocated")
+            awake = await svc.wake_up()
+            return asleep, awake, await turn
+
+    asleep, awake, result = run(go())
+    assert asleep and awake and len(result.output_token_ids) == 2
+
+
+def test_external_weight_update_window(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            opened = await svc.begin_weight_update()
+            rpc = await svc.collective_rpc("receive_weights", kwargs={"chunk": 0})
+            with pytest.raises(InputError, match="already open"):
+                await svc.begin_weight_update()
+            summary = await svc.finish_weight_update(7)
+            after = await svc.generate("e", PROMPT, {"max_tokens": 2})
+            return opened, rpc, summary, after, fakes
+
+    opened, rpc, summary, after, fakes = run(go())
+    assert opened["from_version"] == 0 and summary["version"] == 7 and summary["external"]
+    assert set(rpc) == {0, 1, 2} and all(f.rpc_calls == ["receive_weights"] for f in fakes)
+    assert single_version(after) == 7
+
+
+def test_bad_requests_fail_before_dispatch(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, _fakes):
+            messages = []
+            for prompt, sampling, routing in [
+                (PROMPT, {"max_tokens": -1}, None),
+                (PROMPT, {"max_tokens": 2, "top_p": 0}, None),
+                (PROMPT, {"max_tokens": 2, "bogus": 1}, None),
+                ([], {"max_tokens": 2}, None),
+                ([600], {"max_tokens": 2}, None),
+                (PROMPT, {"max_tokens": 2}, {"engine": 1}),
+            ]:
+                with pytest.raises(InputError) as info:
+                    await svc.generate("bad", prompt, sampling, routing=routing)
+                messages.append(str(info.value))
+            return messages, svc.status()
+
+    messages, status = run(go())
+    assert "max_tokens must be >= 1" in messages[0] and "top_p" in messages[1]
+    assert "bogus" in messages[2] and "prompt is empty" in messages[3]
+    assert "[0, 512)" in messages[4] and "routing" in messages[5]
+    assert status["in_flight"] == 0
