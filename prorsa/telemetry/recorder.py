@@ -106,7 +106,7 @@ class Recorder:
         segment_max_bytes: int = 64 * 1024 * 1024,
         fsync: bool = False,
         validate: bool = True,
-        max_buffered_events: int = 1_000_000,
+        max_buffered_events: int = 500_000,
         buffer_timeout_s: float = 30.0,
     ) -> None:
         if not (isinstance(flush_interval_s, (int, float)) and 0 < flush_interval_s < _INF):
@@ -155,6 +155,7 @@ class Recorder:
         self._session = self._next_free_segment()
         self._segment_index = self._session
         self._counter = AcceptedCounter(self.directory / count_name(self._session))
+        self._count_view = self._counter.view
         self._file = None
         self._open_segment()
         self._thread = threading.Thread(
@@ -192,9 +193,9 @@ class Recorder:
             self._admit(1)
         code = KIND_CODE.get(kind) if type(kind) is str else None
         if (
-            not self.validate
-            or code is None
+            code is None
             or run_id is not None
+            or not self.validate
             or type(time) is not float
             or type(trajectory_id) is not str
             or type(group_id) is not str
@@ -206,13 +207,14 @@ class Recorder:
             or type(new_tokens) is not int
             or type(cached_tokens) is not int
             or type(output_tokens) is not int
-            or not 0.0 <= time < _INF
-            or not 0 <= turn <= INT32_MAX
-            or not -1 <= engine_id <= INT32_MAX
-            or not 0 <= context_tokens <= INT32_MAX
-            or not 0 <= new_tokens <= INT32_MAX
-            or not 0 <= cached_tokens <= INT32_MAX
-            or not 0 <= output_tokens <= INT32_MAX
+            # NaN fails both comparisons; the literal is the largest finite float.
+            or not 0.0 <= time <= 1.7976931348623157e308
+            # One test for all int32 ranges: a negative int, or one >= 2**31, has bits
+            # above bit 30 (engine_id may be -1, hence the + 1).
+            or (
+                turn | context_tokens | new_tokens | cached_tokens | output_tokens | (engine_id + 1)
+            )
+            >> 31
         ):
             # Anything unusual (another run, numpy numbers, an enum kind, a bad value)
             # takes the careful path, which normalises or names the bad field.
@@ -233,6 +235,43 @@ class Recorder:
             )
             self._accept_row(row)
             return
+        state = self._last.get(trajectory_id)
+        if (
+            state is not None
+            and code < _FIRST_CLUSTER_CODE
+            and time >= state[0]
+            and turn >= state[1]
+            and state[2] == group_id
+            and state[3] == task
+        ):
+            # The common case, inlined: a known trajectory's next event.
+            state[0] = time
+            state[1] = turn
+            lock = self._lock
+            lock.acquire()
+            try:
+                if state[5] == self._generation and self._gate >= 0:
+                    self._log.append(
+                        time,
+                        state[4],
+                        turn,
+                        code,
+                        engine_id,
+                        context_tokens,
+                        new_tokens,
+                        cached_tokens,
+                        output_tokens,
+                        detail,
+                    )
+                    accepted = self._accepted = self._accepted + 1
+                    self._count_view[0] = accepted
+                    unwritten = self._unwritten = self._unwritten + 1
+                    if unwritten >= self._wake_at:
+                        self._wake_at = unwritten + self.flush_batch
+                        self._wake.set()
+                    return
+            finally:
+                lock.release()
         self._accept(
             time,
             trajectory_id,
@@ -285,7 +324,7 @@ class Recorder:
             if states is not None:
                 self._last.update(states)
             self._accepted += n
-            self._counter.set(self._accepted)
+            self._count_view[0] = self._accepted
             self._unwritten += n
             if self._unwritten >= self._wake_at:
                 self._wake_at = self._unwritten + self.flush_batch
@@ -358,7 +397,7 @@ class Recorder:
                 detail,
             )
             accepted = self._accepted = self._accepted + 1
-            self._counter.set(accepted)
+            self._count_view[0] = accepted
             unwritten = self._unwritten = self._unwritten + 1
             if unwritten >= self._wake_at:
                 self._wake_at = unwritten + self.flush_batch
