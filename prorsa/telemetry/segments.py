@@ -79,8 +79,9 @@ def encode_frame(table: pa.Table, *, session: int = 0, first_record: int = 0) ->
 class AcceptedCounter:
     """The session's count of accepted events, in a small memory-mapped file.
 
-    ``set`` is one 8-byte store into the mapping, cheap enough for every event. Where a
-    file system cannot map files the count lives in memory only and is written on close.
+    ``view[0] = n`` is one 8-byte store into the mapping, cheap enough for every event.
+    Where a file system cannot map files the count lives in memory only and is written on
+    close.
     """
 
     def __init__(self, path: Path) -> None:
@@ -89,17 +90,14 @@ class AcceptedCounter:
         self._file = open(path, "r+b")  # noqa: SIM115 - mapped for the recorder's life
         try:
             self._map: mmap.mmap | None = mmap.mmap(self._file.fileno(), _COUNT.size)
-            self._view = memoryview(self._map)[len(COUNT_MAGIC) :].cast("Q")
+            self.view = memoryview(self._map)[len(COUNT_MAGIC) :].cast("Q")
         except (OSError, ValueError):
             self._map = None
-            self._view = memoryview(bytearray(8)).cast("Q")
-
-    def set(self, value: int) -> None:
-        self._view[0] = value
+            self.view = memoryview(bytearray(8)).cast("Q")
 
     def close(self) -> None:
-        value = self._view[0]
-        self._view.release()
+        value = self.view[0]
+        self.view.release()
         if self._map is not None:
             self._map.flush()
             self._map.close()
