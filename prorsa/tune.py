@@ -300,7 +300,9 @@ def run_trials(spec: _WorkerSpec, on_trial: Callable[[], None] | None = None) ->
             run = run_cell(cell)
             objective_sum += run["objective"]
             switches_sum += float(run["metrics"]["switches_completed"])
-            if len(spec.objectives) == 1:  # Optuna prunes single-objective studies only
+            # Optuna prunes single-objective studies only; after the last seed the value
+            # is known, and pruning it would throw a finished evaluation away.
+            if len(spec.objectives) == 1 and i < spec.seeds - 1:
                 trial.report(objective_sum / (i + 1), step=i)
                 if trial.should_prune():
                     raise optuna.TrialPruned()
