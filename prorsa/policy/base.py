@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prorsa.errors import ConfigError
 from prorsa.policy.types import (
@@ -33,18 +33,44 @@ class ClusterSpec:
     min_dwell_s: float
     # Data-parallel attention ranks of a colocated engine: its prefill stalls that many ranks.
     dp_attention_ranks: int = 1
-    # Extra switch latency when the two roles' tensor-parallel layouts differ.
+    # Extra switch latency when the two roles' parallel layouts differ.
     reshard_latency_s: float = 0.0
+    # Parallel layout per role (``tp1-dp8-ep8``); empty: each role's TP is its layout.
+    role_layouts: dict[str, str] = field(default_factory=dict)
+    # GPU-seconds of colocated capacity one prefill token costs, relative to a prefill
+    # engine's (every data-parallel rank stalls while one prefills); None: the ranks.
+    colocated_prefill_factor: float | None = None
+    # Decode tokens/s per GPU of colocated engines when their layout differs from decode's.
+    colocated_decode_tokens_per_s_per_gpu: float | None = None
 
     def switch_latency_between(self, old: str, new: str) -> float:
         """Seconds a slot serves nothing when moving from role ``old`` to ``new``."""
+        layouts = self.role_layouts or self.role_tp
         return switch_latency_s(
-            old, new, self.role_tp, base_s=self.switch_latency_s, reshard_s=self.reshard_latency_s
+            old, new, layouts, base_s=self.switch_latency_s, reshard_s=self.reshard_latency_s
         )
+
+    @property
+    def colocated_decode_ratio(self) -> float:
+        """Decode capacity of a colocated GPU relative to a decode GPU."""
+        tps = self.colocated_decode_tokens_per_s_per_gpu
+        return tps / self.decode_tokens_per_s_per_gpu if tps else 1.0
+
+    @property
+    def prefill_interference(self) -> float:
+        """How many times its own work a prefill costs on a colocated engine."""
+        if self.colocated_prefill_factor is not None:
+            return self.colocated_prefill_factor
+        return float(self.dp_attention_ranks)
 
     @property
     def total_gpus(self) -> int:
         return self.num_slots * self.slot_gpus
+
+
+#: ``start="auto"`` colocates unless a colocated prefill costs more than this many times
+#: its work (data-parallel attention ranks stalled behind it).
+AUTO_COLOCATE_MAX_INTERFERENCE = 1.5
 
 
 class Policy(ABC):
@@ -143,7 +169,7 @@ class ModeChoosingPolicy(SplitPolicy):
         """Resolve a ``start`` parameter: ``"auto"`` colocates unless the colocated engines
         use data-parallel attention, whose prefill stalls every rank."""
         if start == "auto":
-            return self.cluster_.dp_attention_ranks <= 1
+            return self.cluster_.prefill_interference <= AUTO_COLOCATE_MAX_INTERFERENCE
         return start == "colocated"
 
     def before_forecast(

@@ -123,9 +123,10 @@ def colocated_shortage(spec: ClusterSpec, need_p: float, need_d: float) -> float
     """Slots of demand left unserved with every slot colocated.
 
     Colocation pools capacity, but with data-parallel attention a prefill chunk holds every
-    rank of its engine, so prefill costs ``dp_attention_ranks`` times its work there.
+    rank of its engine, so prefill costs ``spec.prefill_interference`` times its work there.
     """
-    return max(need_p * spec.dp_attention_ranks + need_d - spec.num_slots, 0.0)
+    need_d = need_d / spec.colocated_decode_ratio
+    return max(need_p * spec.prefill_interference + need_d - spec.num_slots, 0.0)
 
 
 def choose_mode(

@@ -32,7 +32,7 @@ class PredictivePolicy(ModeChoosingPolicy):
     cache. Decode need counts those cached contexts (trajectories between turns) too.
 
     Colocation is part of the action space: with every slot colocated the cluster pools
-    its capacity (prefill costing ``dp_attention_ranks`` times its work under data-parallel
+    its capacity (prefill costing ``prefill_interference`` times its work under data-parallel
     attention), and the policy moves between colocation and a split when the same
     savings-versus-cost test says so (:func:`prorsa.policy.demand.choose_mode`).
 

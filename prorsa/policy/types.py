@@ -21,16 +21,16 @@ SWITCHING = "switching"
 def switch_latency_s(
     old_role: str,
     new_role: str,
-    role_tp: Mapping[str, int],
+    role_layouts: Mapping[str, object],
     *,
     base_s: float,
     reshard_s: float,
 ) -> float:
     """Seconds a unit serves nothing once drained when moving from ``old_role`` to
-    ``new_role``: ``base_s``, plus ``reshard_s`` when the two roles run different
-    tensor-parallel layouts (the engine restarts resharded). Policies price switches with
-    it and both runtimes apply it."""
-    reshard = role_tp.get(old_role, 1) != role_tp.get(new_role, 1)
+    ``new_role``: ``base_s``, plus ``reshard_s`` when the two roles run different parallel
+    layouts (``role_layouts``: layout name or TP degree per role; the engine restarts
+    resharded). Policies price switches with it and both runtimes apply it."""
+    reshard = role_layouts.get(old_role, 1) != role_layouts.get(new_role, 1)
     return base_s + (reshard_s if reshard else 0.0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 from prorsa.errors import ConfigError
@@ -12,6 +13,7 @@ from prorsa.runtime.cluster.switching import SWITCH_MODES
 #: ``pull`` copies it from the trajectory's decode engine (needs a decode -> prefill
 #: connector stock vLLM lacks), ``kv-store`` reads it from a host-DRAM KV store.
 REUSE_MODES = ("reprefill", "pull", "kv-store")
+ROLE_NAMES = ("prefill", "decode", "colocated")
 KV_STORE_SCOPES = ("node", "cluster")
 
 
@@ -48,8 +50,28 @@ class ClusterConfig:
     kv_capacity_tokens: int | None = field(
         **_help("KV tokens per engine (profile default)"), default=None
     )
+    layouts: dict[str, str] = field(
+        default_factory=dict,
+        metadata={
+            "help": "parallel layout per role from the model's layout tables, e.g. "
+            "decode=tp1-dp8-ep8 (`prorsa profile layouts`); engines are then priced per "
+            "data-parallel rank; unset roles run tp<role_tp>"
+        },
+    )
+    dp_semantics: str = field(
+        **_help("data-parallel attention semantics of layout engines: vllm | sglang"),
+        default="vllm",
+    )
+    moe_routing: str = field(
+        **_help("expert load of layout engines: balanced | power_law_1.01 | power_law_1.2"),
+        default="balanced",
+    )
     dp_attention_ranks: int = field(
-        **_help("data-parallel attention ranks per colocated engine (MoE)"), default=1
+        **_help(
+            "without layouts: data-parallel ranks of a colocated engine, from one TP "
+            "profile scaled per rank (a coarse shortcut; prefer layouts)"
+        ),
+        default=1,
     )
     request_overhead_s: float = field(
         **_help("front-end latency per request leg (router, RPC, API server)"), default=0.0
@@ -95,6 +117,29 @@ class ClusterConfig:
         **_help("a switch empties the engine's prefix cache"), default=True
     )
 
+    def __post_init__(self) -> None:
+        if self.layouts:
+            from prorsa.runtime.sim.cost.layout import Layout
+
+            # Engine GPUs per role follow the layouts (a slot is the largest engine).
+            tp = dict(self.role_tp)
+            for role, name in self.layouts.items():
+                if role in ROLE_NAMES:
+                    tp[role] = Layout.parse(name).gpus
+            self.role_tp = tp
+
+    @property
+    def role_layouts(self) -> dict[str, str]:
+        """Layout name per role (``tp<N>`` for roles the layouts leave to ``role_tp``);
+        two roles with different names need a reshard to switch between."""
+        return {r: self.layouts.get(r, f"tp{self.role_tp.get(r, 1)}") for r in ROLE_NAMES}
+
+    @property
+    def model_prefix(self) -> str:
+        """``h200-qwen3-30b-a3b`` of profile ``h200-qwen3-30b-a3b-tp1``: what layout
+        names are appended to."""
+        return re.sub(r"-tp\d+.*$", "", self.profile)
+
     def validate(self) -> None:
         if self.num_slots < 1:
             raise ConfigError("num_slots must be >= 1 (a cluster needs at least one engine)")
@@ -124,6 +169,20 @@ class ClusterConfig:
             raise ConfigError("transfer_bandwidth_gbytes_per_s must be > 0")
         if self.dp_attention_ranks < 1:
             raise ConfigError("dp_attention_ranks must be >= 1")
+        if self.layouts:
+            unknown = set(self.layouts) - set(ROLE_NAMES)
+            if unknown:
+                raise ConfigError(
+                    f"layouts: unknown role(s) {sorted(unknown)}",
+                    hint="give layouts for prefill, decode or colocated",
+                )
+            if self.dp_attention_ranks > 1:
+                raise ConfigError(
+                    "dp_attention_ranks is the shortcut for TP profiles; with layouts, "
+                    "give the colocated layout's data-parallel ranks (e.g. tp1-dp8-ep8)"
+                )
+        if self.dp_semantics not in ("vllm", "sglang"):
+            raise ConfigError("dp_semantics must be vllm or sglang")
         for name in ("max_batch", "max_step_tokens", "kv_capacity_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

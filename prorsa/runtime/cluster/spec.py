@@ -26,20 +26,32 @@ def profile_name_for_tp(name: str, tp: int) -> str:
     return re.sub(r"-tp\d+", f"-tp{tp}", name, count=1)
 
 
-def load_profiles(config: ClusterConfig) -> dict[int, object]:
-    """Cost profile per tensor-parallel degree used by any role."""
+def load_profiles(config: ClusterConfig) -> dict:
+    """Cost model per engine kind: a ``CostProfile`` per tensor-parallel degree used by any
+    role, or (with ``config.layouts``) a ``LayoutCost`` per role layout name."""
     from prorsa.runtime.sim.cost import get_profile
 
+    if config.layouts:
+        from prorsa.runtime.sim.cost.layout_registry import get_layout_cost
+
+        return {
+            name: get_layout_cost(
+                f"{config.model_prefix}-{name}",
+                semantics=config.dp_semantics,
+                routing=config.moe_routing,
+            )
+            for name in set(config.role_layouts.values())
+        }
     return {
         tp: get_profile(profile_name_for_tp(config.profile, tp))
         for tp in set(config.role_tp.values())
     }
 
 
-def cluster_spec(
-    config: ClusterConfig, profiles: dict[int, object], min_dwell_s: float
-) -> ClusterSpec:
+def cluster_spec(config: ClusterConfig, profiles: dict, min_dwell_s: float) -> ClusterSpec:
     """Static facts a policy may use, with throughput numbers from the cost profiles."""
+    if config.layouts:
+        return _layout_spec(config, profiles, min_dwell_s)
     p_tp, d_tp = config.role_tp["prefill"], config.role_tp["decode"]
     prefill_profile, decode_profile = profiles[p_tp], profiles[d_tp]
     chunk = THROUGHPUT_CHUNK_TOKENS
@@ -57,3 +69,54 @@ def cluster_spec(
         dp_attention_ranks=config.dp_attention_ranks,
         reshard_latency_s=config.reshard_latency_s,
     )
+
+
+def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> ClusterSpec:
+    """The spec of a cluster of layout engines: per-role throughput from the layout costs,
+    and what a colocated prefill costs the colocated layout's stalled ranks."""
+    layouts = config.role_layouts
+    prefill, decode, colocated = (costs[layouts[r]] for r in ("prefill", "decode", "colocated"))
+    chunk = THROUGHPUT_CHUNK_TOKENS
+    prefill_tps = prefill.prefill_tokens_per_s_per_gpu(min(chunk, prefill.max_step_tokens))
+    decode_tps = _decode_tps(decode)
+    colocated_tps = _decode_tps(colocated)
+    return ClusterSpec(
+        num_slots=config.num_slots,
+        slot_gpus=config.slot_gpus,
+        role_tp=dict(config.role_tp),
+        prefill_tokens_per_s_per_gpu=prefill_tps,
+        decode_tokens_per_s_per_gpu=decode_tps,
+        switch_latency_s=config.switch_latency_s,
+        min_dwell_s=min_dwell_s,
+        dp_attention_ranks=colocated.dp_ranks,
+        reshard_latency_s=config.reshard_latency_s,
+        role_layouts=dict(layouts),
+        colocated_prefill_factor=_prefill_interference(colocated, prefill_tps),
+        colocated_decode_tokens_per_s_per_gpu=colocated_tps,
+    )
+
+
+def _typical_decode(cost) -> tuple[int, int]:
+    """Half-full ranks of sequences at the quoted context (fewer if KV runs out)."""
+    batch = max(cost.max_batch // 2, 1)
+    context = min(THROUGHPUT_CONTEXT_TOKENS, cost.kv_capacity_tokens // batch)
+    return batch, max(context, 1)
+
+
+def _decode_tps(cost) -> float:
+    batch, context = _typical_decode(cost)
+    return cost.decode_tokens_per_s_per_gpu(batch, context)
+
+
+def _prefill_interference(colocated, prefill_tps_per_gpu: float) -> float:
+    """GPU-seconds of colocated capacity one prefill token costs (the step grows for
+    every rank while one prefills a chunk into its decoding batch), over what it costs a
+    prefill engine's GPU."""
+    batch, context = _typical_decode(colocated)
+    ranks = colocated.dp_ranks
+    chunk = min(THROUGHPUT_CHUNK_TOKENS, colocated.max_step_tokens - batch)
+    batches, ctxs = [batch] * ranks, [batch * context] * ranks
+    decode_s = colocated.decode_step_s(batches, ctxs)
+    mixed_s = colocated.step_s(batches, ctxs, [chunk] + [0] * (ranks - 1), [0] * ranks)
+    gpu_s_per_token = (mixed_s - decode_s) * colocated.gpus / chunk
+    return gpu_s_per_token * prefill_tps_per_gpu

@@ -53,11 +53,12 @@ class SwitchKind(StrEnum):
     RECONFIGURE = "reconfigure"  # stop, drain or migrate, reconfigure, serve
 
 
-def classify_switch(old_role: str, new_role: str, role_tp: Mapping[str, int]) -> SwitchKind:
-    """What moving a unit from ``old_role`` to ``new_role`` takes."""
+def classify_switch(old_role: str, new_role: str, role_layouts: Mapping[str, object]) -> SwitchKind:
+    """What moving a unit from ``old_role`` to ``new_role`` takes (``role_layouts``: the
+    parallel layout of each role, any comparable value)."""
     if old_role == new_role:
         return SwitchKind.NONE
-    same_layout = role_tp.get(old_role, 1) == role_tp.get(new_role, 1)
+    same_layout = role_layouts.get(old_role) == role_layouts.get(new_role)
     if old_role in DECODE_SIDE and new_role in DECODE_SIDE and same_layout:
         return SwitchKind.RELABEL
     return SwitchKind.RECONFIGURE

@@ -70,16 +70,9 @@ class SimCluster:
         self.states = TrajectoryStates()
         self.truth = LiveSpecs()  # the oracle's ground-truth port
         self.tally = RunTally()
-        kv_bytes = {tp: p.kv_bytes_per_token for tp, p in profiles.items()}
-        self.links = KvLinks(config, kv_bytes)
+        self.links = KvLinks(config)
         self.kv_store: KvStore | None = None
-        if config.reuse_mode == "kv-store":
-            per_token = kv_bytes[min(kv_bytes)]
-            capacity = int(config.kv_store_gbytes_per_node * 1e9 / per_token)
-            self.kv_store = KvStore(capacity, config.kv_store_scope)
-            self.store_links = KvLinks(
-                config, kv_bytes, bandwidth_gbytes_per_s=config.kv_store_bandwidth_gbytes_per_s
-            )
+        self.store_links: KvLinks | None = None
         self.switcher = SlotSwitcher(self)
         self.placement = DecodePlacement()
         self.local_prefill_threshold = config.local_prefill_threshold
@@ -105,6 +98,11 @@ class SimCluster:
         self.refresh_routing()
         if not self.decode_side:
             raise ConfigError("the allocation leaves no decode or colocated engine")
+        if config.reuse_mode == "kv-store":
+            per_token = max(e.kv_bytes_per_token for e in self.engines.values())
+            capacity = int(config.kv_store_gbytes_per_node * 1e9 / per_token)
+            self.kv_store = KvStore(capacity, config.kv_store_scope)
+            self.store_links = KvLinks(config, config.kv_store_bandwidth_gbytes_per_s)
 
     # ---------------------------------------------------------------- topology
     def adopt(self, engines: list[SimEngine]) -> None:
@@ -235,7 +233,7 @@ class SimCluster:
     ) -> None:
         """Copy context tokens ``cached..tokens`` into ``prefill`` over ``over``'s link, then
         prefill the rest there."""
-        _, end = links.book(over.engine_id, tokens - cached, over.tp, self.env.now)
+        _, end = links.book(over.engine_id, tokens - cached, over.kv_bytes_per_token, self.env.now)
         req.prefill_left = req.context - tokens
         self.env.schedule(end, self._pull_done, req, prefill, tokens, priority=PRIORITY_ARRIVAL)
 
@@ -344,7 +342,9 @@ class SimCluster:
     def start_transfer(self, req: SimTurn, decode: SimEngine, cached_on_decode: int) -> None:
         tokens = req.context - cached_on_decode
         source = req.prefill_engine
-        start, end = self.links.book(source.engine_id, tokens, source.tp, self.env.now)
+        start, end = self.links.book(
+            source.engine_id, tokens, source.kv_bytes_per_token, self.env.now
+        )
         self.env.schedule(
             start, self._transfer_start_event, req, decode, tokens, priority=PRIORITY_COMPLETE
         )
@@ -462,7 +462,9 @@ class SimCluster:
             self.placement.move(req.traj.decode_engine, target)
             req.decode_engine = req.traj.decode_engine = target
             if target.reserve_migrated(ctx):
-                _, end = self.links.book(engine.engine_id, ctx, engine.tp, self.env.now)
+                _, end = self.links.book(
+                    engine.engine_id, ctx, engine.kv_bytes_per_token, self.env.now
+                )
                 self.telemetry.turn(
                     self.env.now,
                     req.traj.key,

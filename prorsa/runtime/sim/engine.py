@@ -162,6 +162,7 @@ class SimEngine:
         "held_for_transfer",
         "incoming",
         "incoming_tokens",
+        "kv_bytes_per_token",
         "kv_capacity",
         "kv_used",
         "max_batch",
@@ -206,6 +207,7 @@ class SimEngine:
         self.tp = tp
         self.costs = costs
         self.kv_capacity = kv_capacity_tokens
+        self.kv_bytes_per_token = 0.0  # KV bytes one token moves between engines (set at build)
         self.max_batch = max_batch
         self.budget = max_step_tokens
         self.accepting = True  # false while draining for a role switch
@@ -342,25 +344,11 @@ class SimEngine:
             self._admit_prefills()
         batch = len(self.running)
         if self.prefill_active:
-            budget = max(self.budget - batch, 1)
-            costs = self.costs
-            chunks = []
-            prefill_s = 0.0
-            for req in self.prefill_active:
-                if budget <= 0:
-                    break
-                n = req.prefill_left if req.prefill_left < budget else budget
-                done_before = req.prefill_tokens - req.prefill_left
-                prefill_s += costs.chunk(n, req.cached + done_before)
-                chunks.append((req, n))
-                budget -= n
+            chunks = self._select_chunks()
+            for req, _ in chunks:
                 if req.prefill_left == req.prefill_tokens:
                     self.events.on_prefill_start(req, self)
-            if batch:
-                decode_s = costs.da + costs.db * batch + costs.dc * self.ctx_sum
-                duration = max(costs.mix + prefill_s + decode_s - costs.da, costs.floor)
-            else:
-                duration = costs.pa + prefill_s
+            duration = self._step_s(chunks)
             self.phase = STEP
             self.step_chunks = chunks
             self.step_started = now
@@ -387,10 +375,9 @@ class SimEngine:
             self.phase = EPOCH
             self.epoch_start = now
             self.epoch_k = k
-            self.epoch_batch = batch
-            self.epoch_ctx = self.ctx_sum
+            self.epoch_batch, self.epoch_ctx = self._epoch_shape()
             self.version += 1
-            end = now + self.costs.run_time(batch, self.ctx_sum, k)
+            end = now + self.costs.run_time(self.epoch_batch, self.epoch_ctx, k)
             self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
         else:
             self.phase = IDLE
@@ -401,11 +388,9 @@ class SimEngine:
             return
         now = self.env.now
         self.busy_s += now - self.step_started
-        batch = len(self.running)
-        if batch:
+        if self.running:
             self.steps += 1
-            self.ctx_sum += batch
-            self.kv_used += batch
+            self._grow(1)
         for req, n in self.step_chunks:
             req.prefill_left -= n
             self.queued_prefill_tokens -= n
@@ -425,14 +410,48 @@ class SimEngine:
         k = self.epoch_k
         self.busy_s += self.env.now - self.epoch_start
         self.steps += k
-        grown = k * self.epoch_batch
-        self.ctx_sum += grown
-        self.kv_used += grown
+        self._grow(k)
         self.phase = IDLE
         self.at_boundary = True
         self._complete_finished()
         self.at_boundary = False
         self._plan()
+
+    # ------------------------------------------------------- cost-model hooks
+    # A data-parallel engine (``DpSimEngine``) overrides these four to work per rank.
+    def _select_chunks(self) -> list[tuple[SimTurn, int]]:
+        """Prefill chunks of the next step: FCFS into the budget the decodes leave."""
+        budget = max(self.budget - len(self.running), 1)
+        chunks = []
+        for req in self.prefill_active:
+            if budget <= 0:
+                break
+            n = req.prefill_left if req.prefill_left < budget else budget
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def _step_s(self, chunks: list[tuple[SimTurn, int]]) -> float:
+        """Duration of a step decoding the running batch once and prefilling ``chunks``."""
+        costs = self.costs
+        prefill_s = 0.0
+        for req, n in chunks:
+            prefill_s += costs.chunk(n, req.cached + req.prefill_tokens - req.prefill_left)
+        batch = len(self.running)
+        if batch:
+            decode_s = costs.da + costs.db * batch + costs.dc * self.ctx_sum
+            return max(costs.mix + prefill_s + decode_s - costs.da, costs.floor)
+        return costs.pa + prefill_s
+
+    def _epoch_shape(self) -> tuple[int, int]:
+        """``(batch, context sum)`` that price the decode-only steps from now."""
+        return len(self.running), self.ctx_sum
+
+    def _grow(self, steps: int) -> None:
+        """Every running sequence decoded ``steps`` more tokens."""
+        grown = steps * len(self.running)
+        self.ctx_sum += grown
+        self.kv_used += grown
 
     # -------------------------------------------------------------- prefill side
     def _admit_prefills(self) -> None:

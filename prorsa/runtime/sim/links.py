@@ -16,28 +16,23 @@ class KvLinks:
     configured bandwidth (the host-DRAM KV store's links into each engine).
     """
 
-    __slots__ = ("_free_at", "base_s", "bytes_per_s", "config", "kv_bytes_by_tp")
+    __slots__ = ("_free_at", "base_s", "bytes_per_s", "config")
 
-    def __init__(
-        self,
-        config: ClusterConfig,
-        kv_bytes_by_tp: dict[int, float],
-        bandwidth_gbytes_per_s: float | None = None,
-    ) -> None:
+    def __init__(self, config: ClusterConfig, bandwidth_gbytes_per_s: float | None = None) -> None:
         self.config = config
-        self.kv_bytes_by_tp = kv_bytes_by_tp
         self.base_s = config.transfer_base_s
         self.bytes_per_s = (bandwidth_gbytes_per_s or config.transfer_bandwidth_gbytes_per_s) * 1e9
         self._free_at: dict[int, float] = {}
 
-    def transfer_s(self, tokens: int, tp: int) -> float:
-        """Seconds to copy ``tokens`` of KV cached by an engine of TP ``tp``."""
-        per_token = self.kv_bytes_by_tp.get(tp, self.kv_bytes_by_tp[min(self.kv_bytes_by_tp)])
-        return self.base_s + tokens * per_token / self.bytes_per_s
+    def transfer_s(self, tokens: int, kv_bytes_per_token: float) -> float:
+        """Seconds to copy ``tokens`` of KV of ``kv_bytes_per_token`` bytes each."""
+        return self.base_s + tokens * kv_bytes_per_token / self.bytes_per_s
 
-    def book(self, source_id: int, tokens: int, tp: int, now_s: float) -> tuple[float, float]:
+    def book(
+        self, source_id: int, tokens: int, kv_bytes_per_token: float, now_s: float
+    ) -> tuple[float, float]:
         """Book a copy of ``tokens`` out of engine ``source_id``; returns (start, end) times."""
-        seconds = self.transfer_s(tokens, tp)
+        seconds = self.transfer_s(tokens, kv_bytes_per_token)
         start = now_s
         if self.config.link_contention:
             start = max(now_s, self._free_at.get(source_id, 0.0))

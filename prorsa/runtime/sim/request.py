@@ -63,6 +63,7 @@ class SimTurn:
         "prefill_tokens",
         "pulled",
         "queued_s",
+        "rank",
         "recompute_tokens",
         "recomputing",
         "retries",
@@ -93,3 +94,4 @@ class SimTurn:
         self.recompute_tokens = 0
         self.recomputing = False
         self.retries = 0
+        self.rank = -1  # data-parallel rank on its engine (engines of several ranks)

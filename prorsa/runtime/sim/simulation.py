@@ -111,9 +111,10 @@ class Simulation:
         self.run_id = run_id
         self.record = record
         self.profiles = profiles or load_profiles(config)
-        missing = set(config.role_tp.values()) - set(self.profiles)
+        needed = config.role_layouts.values() if config.layouts else config.role_tp.values()
+        missing = set(needed) - set(self.profiles)
         if missing:
-            raise ConfigError(f"no cost profile for TP {sorted(missing)}")
+            raise ConfigError(f"no cost model for {sorted(missing)}")
         self.keep_forecasts = keep_forecasts
 
     def run(

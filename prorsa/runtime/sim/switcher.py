@@ -46,7 +46,7 @@ class SlotSwitcher:
         if slot.role == SWITCHING:
             logger.debug("slot %d is already switching; ignored", slot_id)
             return False
-        kind = classify_switch(slot.role, new_role, cfg.role_tp)
+        kind = classify_switch(slot.role, new_role, cfg.role_layouts)
         if kind is SwitchKind.NONE:
             return False
         now = self.env.now
@@ -136,7 +136,7 @@ class SlotSwitcher:
         latency = switch_latency_s(
             switch.from_role,
             switch.to_role,
-            cfg.role_tp,
+            cfg.role_layouts,
             base_s=cfg.switch_latency_s,
             reshard_s=cfg.reshard_latency_s,
         )
@@ -156,7 +156,8 @@ class SlotSwitcher:
         slot.history.append((now, slot.role))
         slot.engines = build_engines(slot, cfg, cluster.profiles, self.env, cluster)
         cluster.adopt(slot.engines)
-        same_layout = cfg.role_tp[switch.from_role] == cfg.role_tp[switch.to_role]
+        layouts = cfg.role_layouts
+        same_layout = layouts[switch.from_role] == layouts[switch.to_role]
         if same_layout and not cfg.switch_drops_prefix_cache:
             for new, prev in zip(slot.engines, old, strict=True):
                 new.cache = prev.cache

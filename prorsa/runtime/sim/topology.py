@@ -10,6 +10,7 @@ from __future__ import annotations
 from prorsa.errors import ConfigError
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.sim.core import Environment
+from prorsa.runtime.sim.dp_engine import DpSimEngine, LayoutStepCosts
 from prorsa.runtime.sim.engine import EngineEvents, SimEngine, StepCosts
 
 
@@ -46,6 +47,8 @@ def build_engines(
     events: EngineEvents,
 ) -> list[SimEngine]:
     """The engines ``slot`` hosts in its current role (fresh: empty caches, no work)."""
+    if config.layouts:
+        return _layout_engines(slot, config, profiles, env, events)
     tp = config.role_tp[slot.role]
     profile = profiles[tp]
     ranks = 1
@@ -60,7 +63,7 @@ def build_engines(
     kv = (config.kv_capacity_tokens or profile.kv_capacity_tokens) * ranks
     batch = (config.max_batch or profile.max_batch) * ranks
     budget = config.max_step_tokens or profile.max_step_tokens
-    return [
+    engines = [
         SimEngine(
             env,
             events,
@@ -75,3 +78,37 @@ def build_engines(
         )
         for i in range(slot.gpus // (tp * ranks))
     ]
+    for engine in engines:
+        engine.kv_bytes_per_token = profile.kv_bytes_per_token
+    return engines
+
+
+def _layout_engines(
+    slot: Slot,
+    config: ClusterConfig,
+    costs: dict[str, object],
+    env: Environment,
+    events: EngineEvents,
+) -> list[SimEngine]:
+    """Engines of the role's layout, priced per data-parallel rank."""
+    cost = costs[config.role_layouts[slot.role]]
+    step_costs = LayoutStepCosts(cost)
+    ranks = cost.dp_ranks
+    kv = (config.kv_capacity_tokens or cost.kv_capacity_tokens) * ranks
+    engines = [
+        DpSimEngine(
+            env,
+            events,
+            slot.slot_id * slot.gpus + i * cost.gpus,
+            slot.slot_id,
+            slot.role,
+            cost.gpus,
+            step_costs,
+            kv,
+        )
+        for i in range(slot.gpus // cost.gpus)
+    ]
+    for engine in engines:
+        # A sequence's KV lives on one rank, sharded over its tp GPUs.
+        engine.kv_bytes_per_token = cost.kv_bytes_per_token * cost.tp
+    return engines

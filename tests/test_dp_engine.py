@@ -1,0 +1,132 @@
+"""Engines of several data-parallel attention ranks, priced per rank by a LayoutCost."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from prorsa.errors import ConfigError
+from prorsa.policy import make_policy
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
+from prorsa.runtime.sim.drivers import ArrivalDriver, SyncDriver
+from prorsa.runtime.sim.simulation import Simulation
+from prorsa.telemetry.views import turn_table
+from prorsa.workload.spec import TrajectorySpec
+from tests.sim_helpers import random_specs
+from tests.test_sim_behaviour import FlipPolicy, _conservation
+
+MOE = "h200-qwen3-30b-a3b-tp1"
+DP8 = "tp1-dp8-ep8"
+
+
+def _config(**layouts):
+    lay = {"prefill": "tp1", "decode": DP8, "colocated": DP8, **layouts}
+    return ClusterConfig(profile=MOE, num_slots=2, layouts=lay, switch_latency_s=1.0)
+
+
+def _simulate(config, specs, policy="colocate", driver=None, **policy_kw):
+    sim = Simulation(
+        config, make_policy(policy, **policy_kw) if isinstance(policy, str) else policy,
+        driver or SyncDriver([specs]), min_dwell_s=0.0,
+    )  # fmt: skip
+    return sim.run(), sim
+
+
+def _single_turn(n: int, new: int, out: int) -> list[TrajectorySpec]:
+    return [
+        TrajectorySpec(f"t{i}", np.array([new]), np.array([out]), np.array([0.0])) for i in range(n)
+    ]
+
+
+def test_layouts_set_engine_gpus_and_are_validated():
+    config = _config()
+    assert config.role_tp == {"prefill": 1, "decode": 8, "colocated": 8}
+    assert config.slot_gpus == 8 and config.role_layouts["colocated"] == DP8
+    with pytest.raises(ConfigError, match="unknown role"):
+        ClusterConfig(profile=MOE, layouts={"janitor": "tp1"}).validate()
+    with pytest.raises(ConfigError, match="shortcut"):
+        ClusterConfig(profile=MOE, layouts={"decode": DP8}, dp_attention_ranks=8).validate()
+    with pytest.raises(ConfigError, match="not a layout name"):
+        ClusterConfig(profile=MOE, layouts={"decode": "dp8"})
+
+
+def test_balanced_decode_matches_the_per_step_layout_cost():
+    # 16 identical turns on one DP8 colocated engine: every rank prefills 2, then decodes 2.
+    config = _config()
+    config.num_slots = 1
+    specs = _single_turn(16, new=300, out=40)
+    result, sim = _simulate(config, specs)
+    cost = load_profiles(config)[DP8]
+    turns = turn_table(result.telemetry)
+    start = turns["decode_start"].max()
+    assert turns["decode_start"].min() == start  # one step prefilled everything
+    # Reference: 40 decode steps of 2 sequences per rank, context growing one per step.
+    steps = 0.0
+    for j in range(40):
+        steps += cost.decode_step_s([2] * 8, [2 * (300 + j)] * 8)
+    assert turns["decode_end"].max() - start == pytest.approx(steps, rel=1e-9)
+    engine = next(iter(sim.cluster.engines.values()))
+    assert engine.rank_batch == [0] * 8 and engine.rank_ctx == [0] * 8
+
+
+def _tpot(result, prefix: str) -> float:
+    turns = turn_table(result.telemetry)
+    return float(turns[turns["trajectory_id"].str.startswith(prefix)]["tpot_s"].mean())
+
+
+def test_a_prefill_on_one_rank_slows_every_rank():
+    # Eight long decodes, one per rank; then prefill arrivals land on some ranks only.
+    config = _config()
+    config.num_slots = 1
+    decodes = _single_turn(8, new=200, out=400)
+    quiet, _ = _simulate(config, decodes)
+    prefills = [
+        TrajectorySpec(f"p{i}", np.array([4000]), np.array([2]), np.array([0.0])) for i in range(6)
+    ]
+    arrivals = [0.0] * 8 + [0.5 + 0.2 * i for i in range(6)]
+    busy, _ = _simulate(
+        config, decodes + prefills, driver=ArrivalDriver(decodes + prefills, arrivals)
+    )
+    assert _tpot(busy, "t") > 1.05 * _tpot(quiet, "t")
+
+
+def test_sglang_semantics_stall_only_the_prefilling_ranks_and_lose_nothing():
+    specs = random_specs(60, seed=3, turns=(2, 5), group=1)
+    results = {}
+    for semantics in ("vllm", "sglang"):
+        config = _config()
+        config.dp_semantics = semantics
+        result, _ = _simulate(config, specs)
+        _conservation(result, specs)
+        results[semantics] = result
+    assert results["sglang"].metrics["makespan_s"] != results["vllm"].metrics["makespan_s"]
+
+
+def test_role_switches_with_layouts_reshard_or_relabel():
+    specs = random_specs(60, seed=5, turns=(2, 6), group=1)
+    config = _config()
+    config.num_slots = 4
+    config.reshard_latency_s = 3.0
+    result, _ = _simulate(config, specs, FlipPolicy(2.0))
+    _conservation(result, specs)
+    df = result.telemetry.to_pandas()
+    df["kind"] = df["kind"].astype(str)
+    ends = [json.loads(d) for d in df[df.kind == "role_switch_end"].detail]
+    assert ends, "the flip policy must switch"
+    # prefill (tp1) <-> decode (dp8) differ in layout: every such switch pays the reshard.
+    assert all(
+        d["total_s"] >= 1.0 + 3.0 for d in ends if {d["from"], d["to"]} == {"prefill", "decode"}
+    )
+
+
+def test_spec_prices_colocated_prefill_interference_from_the_layout():
+    moe = cluster_spec(_config(), load_profiles(_config()), 10.0)
+    assert moe.dp_attention_ranks == 8 and moe.role_layouts["colocated"] == DP8
+    assert moe.prefill_interference > 2.0  # the stalled ranks pay for one rank's prefill
+    dense_cfg = ClusterConfig(profile="h200-qwen2.5-7b-tp1", layouts={"colocated": "tp1"})
+    dense = cluster_spec(dense_cfg, load_profiles(dense_cfg), 10.0)
+    assert 0.5 < dense.prefill_interference < 1.5
+    assert dense.colocated_decode_ratio == pytest.approx(1.0)
