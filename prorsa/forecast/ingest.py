@@ -80,15 +80,27 @@ def _rebirth(key: np.ndarray, kind: np.ndarray) -> int | None:
     ends = np.flatnonzero(kind == _END_K)
     if not len(ends):
         return None
+    # Only the events of trajectories that end here can come after an end.
+    ending = np.zeros(int(key.max()) + 1, bool)
+    ending[key[ends]] = True
+    cand = np.flatnonzero(ending[key])
+    if len(cand) == len(ends):
+        return None  # each ending trajectory's only event here is its end
     end_keys, first = np.unique(key[ends], return_index=True)
     first_end = ends[first]
-    at = np.searchsorted(end_keys, key)
-    at = np.minimum(at, len(end_keys) - 1)
-    has_end = end_keys[at] == key
-    after = has_end & (np.arange(len(key)) > first_end[at])
+    at = np.searchsorted(end_keys, key[cand])
+    after = cand > first_end[at]
     if not after.any():
         return None
-    return int(np.argmax(after))
+    return int(cand[np.argmax(after)])
+
+
+def stable_order(keys: np.ndarray) -> np.ndarray:
+    """``argsort(keys, kind="stable")``; through 16-bit keys (a radix sort, ~15x faster)
+    when the non-negative keys fit."""
+    if len(keys) and keys.min() >= 0 and keys.max() < 65536:
+        keys = keys.astype(np.uint16)
+    return np.argsort(keys, kind="stable")
 
 
 class _Pass:
@@ -313,11 +325,11 @@ class _Pass:
         tr = self.tr
         if self.ended:
             at = np.concatenate([e[0] for e in self.ended])
-            tr.release_slots(np.concatenate([e[1] for e in self.ended])[np.argsort(at)])
+            tr.release_slots(np.concatenate([e[1] for e in self.ended])[stable_order(at)])
         for ring, items in ((tr.rate, self.rate), (tr.ttft, self.ttft)):
             if items:
                 at = np.concatenate([i[0] for i in items])
-                order = np.argsort(at, kind="stable")
+                order = stable_order(at)
                 ring.add_many(
                     np.concatenate([i[1] for i in items])[order],
                     np.concatenate([i[2] for i in items])[order],
@@ -325,7 +337,7 @@ class _Pass:
         freeze = None
         if self.freeze:
             at = np.concatenate([f[0] for f in self.freeze])
-            order = np.argsort(at, kind="stable")
+            order = stable_order(at)
             freeze = (
                 at[order],
                 np.concatenate([f[1] for f in self.freeze])[order],
@@ -340,7 +352,7 @@ class _Pass:
                 stats = self._group_stats_at(
                     freeze[0], tr.group[freeze[1]], c_pos, c_group, c_values
                 )
-            order = np.argsort(c_pos, kind="stable")
+            order = stable_order(c_pos)
             tr.add_group_stats(c_group[order], c_values[order])
         elif freeze is not None:
             stats = _prior_stats(tr, tr.group[freeze[1]])
@@ -417,7 +429,7 @@ def _round_groups(slot: np.ndarray, kind: np.ndarray) -> list[tuple[np.ndarray, 
     the slot's own earlier events have touched it.
     """
     n = len(slot)
-    order = np.argsort(slot, kind="stable")
+    order = stable_order(slot)
     s_sorted = slot[order]
     starts = np.ones(n, bool)
     starts[1:] = s_sorted[1:] != s_sorted[:-1]
@@ -425,7 +437,7 @@ def _round_groups(slot: np.ndarray, kind: np.ndarray) -> list[tuple[np.ndarray, 
     rank = np.empty(n, np.int64)
     rank[order] = np.arange(n) - np.repeat(first, np.diff(np.append(first, n)))
     group = rank * _N_KINDS + kind
-    by_group = np.argsort(group, kind="stable")  # stable: event order within a group
+    by_group = stable_order(group)  # stable: event order within a group
     g_sorted = group[by_group]
     cuts = np.flatnonzero(g_sorted[1:] != g_sorted[:-1]) + 1
     bounds = [0, *cuts.tolist(), n]

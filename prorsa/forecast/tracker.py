@@ -389,11 +389,12 @@ class LifecycleTracker:
         """Add ``values`` [events, GROUP_STATS] to the groups' statistics, in event order."""
         from prorsa.forecast.ingest import GROUP_STATS
 
+        n = len(self._group)
         for j, name in enumerate(GROUP_STATS):
             column = values[:, j]
-            nonzero = column != 0.0
-            if nonzero.any():
-                np.add.at(getattr(self, name), groups[nonzero], column[nonzero])
+            if column.any():
+                # bincount adds in event order within each group (like one by one).
+                getattr(self, name)[:n] += np.bincount(groups, weights=column, minlength=n)[:n]
 
     # ------------------------------------------------------------------ events
     def update(self, events: Events) -> None:
