@@ -1,0 +1,161 @@
+"""verl through prorsa: an ``agent_loop_manager_class`` whose LLM client is a prorsa server.
+
+verl's agent loops call ``llm_client.generate(request_id, prompt_ids=..., sampling_params=
+...) -> TokenOutput`` (``request_id`` is stable per trajectory: verl's sticky session).
+:class:`ProrsaLLMClient` implements that call against ``prorsa serve``'s
+``/inference/v1/generate``, with the request id as ``X-Session-ID``, so every turn goes
+through prorsa's router and its prefill/decode engines. Set::
+
+    actor_rollout_ref.rollout.agent.agent_loop_manager_class=prorsa.integrations.verl.ProrsaAgentLoopManager
+    +actor_rollout_ref.rollout.custom.prorsa_url=http://HOST:PORT
+
+``ProrsaAgentLoopManager`` is verl's own ``AgentLoopManager`` with only the client swapped
+(built on first use, so this module imports without verl). verl keeps its own weight sync
+(its checkpoint engine updates the replicas it manages); point prorsa's engines at the
+same weights with ``POST /update_weights {"weight_dir"}`` after each save, or let verl
+own the engines and use prorsa for routing only when it gains per-engine endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorsa.errors import ConfigError
+
+URL_ENV = "PRORSA_URL"
+#: verl sampling keys prorsa takes as they are.
+_PASS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "ignore_eos",
+    "stop_token_ids", "max_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
+
+
+@dataclass
+class TokenOutputLike:
+    """verl's ``TokenOutput`` fields, for use without verl installed."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None = None
+    routed_experts: Any = None
+    stop_reason: str | None = None
+    num_preempted: int | None = None
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
+def verl_sampling(sampling_params: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
+    """verl's sampling dict as prorsa's: ``logprobs`` is a flag there, a count here."""
+    out = {k: sampling_params[k] for k in _PASS if sampling_params.get(k) is not None}
+    out.setdefault("max_tokens", sampling_params.get("max_new_tokens") or default_max_tokens)
+    if sampling_params.get("logprobs"):
+        out["logprobs"] = 0
+    unknown = set(sampling_params) - set(_PASS) - {"logprobs", "max_new_tokens", "extra_args"}
+    if unknown:
+        raise ConfigError(f"verl sampling keys prorsa does not take: {sorted(unknown)}")
+    return out
+
+
+class ProrsaLLMClient:
+    """verl's ``LLMServerClient.generate`` over HTTP to a prorsa server (picklable)."""
+
+    def __init__(self, url: str, *, max_tokens: int = 512, timeout_s: float = 3600.0) -> None:
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self._clients: dict[int, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_clients": {}}
+
+    def _http(self) -> Any:
+        import httpx
+
+        loop_id = id(asyncio.get_running_loop())
+        client = self._clients.get(loop_id)
+        if client is None:
+            client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s)
+            self._clients[loop_id] = client
+        return client
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One turn; returns verl's ``TokenOutput`` (or :class:`TokenOutputLike`)."""
+        if image_data is not None or video_data is not None or audio_data is not None:
+            raise ConfigError("prorsa serves text models: no image, video or audio inputs")
+        body = {
+            "token_ids": list(prompt_ids),
+            "sampling_params": verl_sampling(sampling_params, self.max_tokens),
+        }
+        response = await self._http().post(
+            "/inference/v1/generate", json=body, headers={"X-Session-ID": str(request_id)}
+        )
+        if response.status_code >= 400:
+            raise RuntimeError(f"prorsa {response.status_code}: {response.text[:500]}")
+        data = response.json()
+        choice = data["choices"][0]
+        content = (choice.get("logprobs") or {}).get("content")
+        finish = choice.get("finish_reason")
+        return _token_output(
+            token_ids=choice["token_ids"],
+            log_probs=[entry["logprob"] for entry in content] if content else None,
+            stop_reason="aborted" if finish == "abort" else "completed",
+            num_preempted=0,
+            extra_fields={"weight_version": data.get("prorsa", {}).get("weight_version")},
+        )
+
+    async def finish(self, request_id: str) -> None:
+        """End the trajectory's session (telemetry ``traj_end``); optional."""
+        await self._http().post("/finish_session", params={"session_id": str(request_id)})
+
+
+def _token_output(**fields: Any) -> Any:
+    try:
+        from verl.workers.rollout.replica import TokenOutput
+    except ImportError:
+        return TokenOutputLike(**fields)
+    return TokenOutput(**fields)
+
+
+def prorsa_url(config: Any) -> str:
+    """The server verl should use: ``rollout.custom.prorsa_url`` or ``$PRORSA_URL``."""
+    custom = config.actor_rollout_ref.rollout.get("custom") or {}
+    url = custom.get("prorsa_url") or os.environ.get(URL_ENV)
+    if not url:
+        raise ConfigError(
+            "no prorsa server for verl",
+            hint=f"set +actor_rollout_ref.rollout.custom.prorsa_url=http://HOST:PORT or ${URL_ENV}",
+        )
+    return url
+
+
+def _manager_class() -> type:
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+    class ProrsaAgentLoopManager(AgentLoopManager):
+        """verl's agent loop manager with prorsa as the LLM client."""
+
+        def __init__(self, config: Any, llm_client: Any = None, *args: Any, **kwargs: Any):
+            rollout = config.actor_rollout_ref.rollout
+            client = ProrsaLLMClient(prorsa_url(config), max_tokens=rollout.response_length)
+            super().__init__(config, client, *args, **kwargs)
+
+    return ProrsaAgentLoopManager
+
+
+def __getattr__(name: str) -> Any:
+    # verl loads the class by its dotted name; build it on first use so this module
+    # imports without verl.
+    if name == "ProrsaAgentLoopManager":
+        return _manager_class()
+    raise AttributeError(name)

@@ -1,0 +1,271 @@
+"""HTTP routes over fake engines, driven with the payloads SkyRL, prime-rl and AReaL send.
+
+The request bodies, headers, query parameters and the response fields read back are the
+ones in each trainer's client (SkyRL ``RemoteInferenceClient``, prime-rl
+``utils/client.py``, AReaL ``VLLMBackend``); their packages do not install beside
+prorsa's pins (see prorsa/integrations/README.md), so the payloads are reproduced here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+
+from prorsa.integrations.verl import ProrsaLLMClient
+from prorsa.serve.app import create_app
+from tests.serve.fakes import tokens_for
+from tests.serve.helpers import fake_service, weights_folder
+
+TOKEN = "s3cret"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+PROMPT = [5, 6, 7, 8]
+
+
+@contextlib.asynccontextmanager
+async def client(tmp_path, **config) -> AsyncIterator[tuple[httpx.AsyncClient, object]]:
+    config = {"admin_token": TOKEN, **config}
+    async with fake_service(tmp_path, **config) as (svc, fakes):
+        transport = httpx.ASGITransport(app=create_app(svc))
+        async with httpx.AsyncClient(transport=transport, base_url="http://prorsa") as http:
+            yield http, (svc, fakes)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_skyrl_generate_session_and_control_plane(tmp_path):
+    async def go():
+        async with client(tmp_path) as (http, (svc, fakes)):
+            # RemoteInferenceClient._generate_single
+            payload = {
+                "sampling_params": {
+                    "temperature": 0.0, "max_tokens": 5, "logprobs": 0,
+                    "skip_special_tokens": True, "include_stop_str_in_output": True,
+                },
+                "model": "model",
+                "token_ids": PROMPT,
+            }  # fmt: skip
+            headers = {"Content-Type": "application/json", "X-Session-ID": "traj-1"}
+            first = (
+                await http.post("/inference/v1/generate", json=payload, headers=headers)
+            ).json()
+            payload["token_ids"] = PROMPT + first["choices"][0]["token_ids"] + [9]
+            second = (
+                await http.post("/inference/v1/generate", json=payload, headers=headers)
+            ).json()
+            status = svc.status()
+            finished = await http.post("/finish_session", params={"session_id": "traj-1"})
+            # control plane, fanned out to server_urls (here: the same server)
+            paused = await http.post(
+                "/pause", params={"mode": "keep", "clear_cache": "false"}, headers=ADMIN
+            )
+            engines_paused = all(f.paused for f in fakes)
+            resumed = await http.post("/resume", headers=ADMIN)
+            world = await http.request("GET", "/get_world_size", json={}, headers=ADMIN)
+            reset = await http.post(
+                "/reset_prefix_cache", json={"reset_running_requests": False}, headers=ADMIN
+            )
+            slept = await http.post("/sleep", params={"level": "2"}, headers=ADMIN)
+            woke = await http.post("/wake_up", headers=ADMIN)
+            return (
+                first,
+                second,
+                status,
+                finished,
+                paused,
+                engines_paused,
+                resumed,
+                world,
+                reset,
+                slept,
+                woke,
+            )
+
+    first, second, status, finished, paused, engines_paused, resumed, world, reset, slept, woke = (
+        run(go())
+    )
+    choice = first["choices"][0]  # what SkyRL reads
+    assert choice["token_ids"] == tokens_for(PROMPT, 5, 0) and choice["finish_reason"] == "length"
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == [-1.0] * 5
+    assert first["prorsa"]["turn"] == 0 and second["prorsa"]["turn"] == 1
+    assert second["prorsa"]["session_id"] == "traj-1" and status["sessions"] == 1
+    assert finished.status_code == 200
+    assert paused.status_code == resumed.status_code == 200 and engines_paused
+    assert world.json() == {"world_size": 3} and reset.status_code == 200
+    assert slept.json()["level"] == 2 and woke.json()["fully_awake"] is True
+
+
+def test_prime_rl_weight_update_sequence(tmp_path):
+    async def go():
+        async with client(tmp_path, served_model_name="Qwen/Qwen3-0.6B") as (http, (_svc, fakes)):
+            health = await http.get("/health")
+            models = (await http.get("/v1/models")).json()
+            weight_dir = weights_folder(tmp_path, "step_3")
+            # a rollout in flight while the orchestrator updates the policy
+            rollout = asyncio.ensure_future(
+                http.post(
+                    "/inference/v1/generate",
+                    json={
+                        "token_ids": PROMPT,
+                        "sampling_params": {"max_tokens": 60, "logprobs": 0},
+                    },
+                    headers={"X-Session-ID": "trajectory-7"},
+                )
+            )
+            await asyncio.sleep(0.03)
+            steps = [
+                await http.post(
+                    "/pause", params={"mode": "keep", "clear_cache": "false"}, headers=ADMIN
+                ),
+                await http.post(
+                    "/update_weights", json={"weight_dir": str(weight_dir)}, headers=ADMIN
+                ),
+                await http.post("/resume", headers=ADMIN),
+            ]
+            done = (await rollout).json()
+            after = (await http.post(
+                "/inference/v1/generate",
+                json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}},
+            )).json()  # fmt: skip
+            return health, models, steps, done, after, fakes
+
+    health, models, steps, done, after, fakes = run(go())
+    assert health.status_code == 200
+    assert any(m["id"] == "Qwen/Qwen3-0.6B" for m in models["data"])  # prime-rl's model check
+    assert [s.status_code for s in steps] == [200, 200, 200]
+    assert steps[1].json()["version"] == 1
+    # The rollout frozen by the keep pause finished under the old weights, all of it.
+    assert done["prorsa"]["weight_version"] == 0
+    assert [s["version"] for s in done["choices"][0]["weight_versions"]] == ["0"]
+    assert after["prorsa"]["weight_version"] == 1 and not any(f.violations for f in fakes)
+
+
+def test_areal_completions_and_disk_update(tmp_path):
+    async def go():
+        async with client(tmp_path, admin_token=None) as (http, _):
+            # VLLMBackend.build_generation_request (text-only branch)
+            payload = {
+                "top_p": 1.0, "top_k": -1, "max_tokens": 6, "temperature": 1.0,
+                "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
+                "return_tokens_as_token_ids": True, "logprobs": 0, "use_beam_search": False,
+                "stream": False, "prompt": PROMPT,
+            }  # fmt: skip
+            completion = (await http.post("/v1/completions", json=payload)).json()
+            pause = await http.post("/areal_pause_generation", json={})
+            update = await http.post(
+                "/areal_update_weights", json={"model_path": str(weights_folder(tmp_path, "w"))}
+            )
+            cont = await http.post("/areal_continue_generation", json={})
+            again = (await http.post("/v1/completions", json=payload)).json()
+            return completion, pause, update, cont, again
+
+    completion, pause, update, cont, again = run(go())
+    meta = completion["choices"][0]  # VLLMBackend.parse_generation_response
+    tokens = [int(t.split(":")[1]) for t in meta["logprobs"]["tokens"]]
+    assert tokens == tokens_for(PROMPT, 6, 0)
+    assert meta["logprobs"]["token_logprobs"] == [-1.0] * 6 and meta["finish_reason"] == "length"
+    assert pause.json()["success"] and update.json()["success"] and cont.json()["success"]
+    assert [int(t.split(":")[1]) for t in again["choices"][0]["logprobs"]["tokens"]] == tokens_for(
+        PROMPT, 6, 1
+    )
+
+
+def test_verl_client_sends_turns_through_prorsa(tmp_path):
+    async def go():
+        async with client(tmp_path) as (http, (svc, _)):
+            verl = ProrsaLLMClient("http://prorsa", max_tokens=4)
+            verl._clients[id(asyncio.get_running_loop())] = http  # reuse the in-process app
+            sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
+                        "logprobs": True}  # fmt: skip
+            out = await verl.generate("req-1", prompt_ids=PROMPT, sampling_params=sampling)
+            out2 = await verl.generate(
+                "req-1", prompt_ids=PROMPT + out.token_ids, sampling_params=sampling
+            )
+            return out, out2, svc.status()
+
+    out, out2, status = run(go())
+    assert out.token_ids == tokens_for(PROMPT, 4, 0) and out.log_probs == [-1.0] * 4
+    assert out.stop_reason == "completed" and out.extra_fields["weight_version"] == 0
+    assert status["sessions"] == 1 and len(out2.token_ids) == 4
+
+
+def test_malformed_requests_get_4xx_and_leave_other_sessions_alone(tmp_path):
+    async def go():
+        async with client(tmp_path) as (http, _):
+            good = asyncio.ensure_future(
+                http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 80}},
+                    headers={"X-Session-ID": "good"},
+                )
+            )
+            await asyncio.sleep(0.02)
+            bad = {
+                "bad json": await http.post("/inference/v1/generate", content=b"{'token_ids': [1",
+                                            headers={"content-type": "application/json"}),
+                "negative max_tokens": await http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": PROMPT, "sampling_params": {"max_tokens": -3}}),
+                "unknown model": await http.post(
+                    "/v1/completions", json={"model": "gpt-9", "prompt": PROMPT, "max_tokens": 2}),
+                "over context": await http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": [1] * 1024, "sampling_params": {"max_tokens": 2}}),
+                "unknown session": await http.post(
+                    "/finish_session", params={"session_id": "nope"}),
+                "not a list": await http.post("/inference/v1/generate", json={"token_ids": "1 2"}),
+                "unknown field": await http.post(
+                    "/inference/v1/generate", json={"token_ids": PROMPT, "sampling": {}}),
+                "admin, no token": await http.post("/pause"),
+                "admin, wrong token": await http.post(
+                    "/update_weights", json={"weight_dir": "/x"},
+                    headers={"Authorization": "Bearer no"}),
+            }  # fmt: skip
+            return bad, (await good).json()
+
+    bad, good = run(go())
+    codes = {name: r.status_code for name, r in bad.items()}
+    assert codes == {
+        "bad json": 400, "negative max_tokens": 400, "unknown model": 404, "over context": 400,
+        "unknown session": 404, "not a list": 400, "unknown field": 400,
+        "admin, no token": 401, "admin, wrong token": 401,
+    }  # fmt: skip
+    messages = {name: r.json()["error"]["message"] for name, r in bad.items()}
+    assert "not valid JSON" in messages["bad json"]
+    assert "max_tokens must be >= 1" in messages["negative max_tokens"]
+    assert "'gpt-9' does not exist" in messages["unknown model"]
+    assert "1024 tokens" in messages["over context"]
+    assert "unknown session 'nope'" in messages["unknown session"]
+    assert "Bearer" in messages["admin, no token"]
+    assert good["choices"][0]["token_ids"] == tokens_for(PROMPT, 80, 0)
+
+
+def test_metrics_report_roles_versions_and_latencies(tmp_path):
+    async def go():
+        async with client(tmp_path) as (http, _):
+            await http.post(
+                "/inference/v1/generate",
+                json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 4}},
+            )
+            await http.post(
+                "/update_weights",
+                json={"weight_dir": str(weights_folder(tmp_path, "w"))},
+                headers=ADMIN,
+            )
+            return (await http.get("/metrics")).text
+
+    text = run(go())
+    lines = set(text.splitlines())
+    assert "prorsa_weight_version 1.0" in lines
+    assert (
+        'prorsa_engines{role="prefill"} 1.0' in lines
+        and 'prorsa_engines{role="decode"} 2.0' in lines
+    )
+    assert 'prorsa_turns_total{path="disaggregated"} 1.0' in lines
+    assert "prorsa_time_to_first_token_seconds_count 1.0" in lines
+    assert "prorsa_weight_syncs_total 1.0" in lines
+    assert 'prorsa_http_requests_total{route="/inference/v1/generate",status="200"} 1.0' in lines
