@@ -191,34 +191,25 @@ class Recorder:
         """
         if self._unwritten >= self._gate:
             self._admit(1)
-        code = KIND_CODE.get(kind) if type(kind) is str else None
-        if (
-            code is None
-            or run_id is not None
-            or not self.validate
-            or type(time) is not float
-            or type(trajectory_id) is not str
-            or type(group_id) is not str
-            or type(task) is not str
-            or type(detail) is not str
-            or type(turn) is not int
-            or type(engine_id) is not int
-            or type(context_tokens) is not int
-            or type(new_tokens) is not int
-            or type(cached_tokens) is not int
-            or type(output_tokens) is not int
-            # NaN fails both comparisons; the literal is the largest finite float.
-            or not 0.0 <= time <= 1.7976931348623157e308
-            # One test for all int32 ranges: a negative int, or one >= 2**31, has bits
-            # above bit 30 (engine_id may be -1, hence the + 1).
-            or (
-                turn | context_tokens | new_tokens | cached_tokens | output_tokens | (engine_id + 1)
-            )
-            >> 31
+        if run_id is None and self._accept_plain(
+            time,
+            trajectory_id,
+            group_id,
+            task,
+            turn,
+            kind,
+            engine_id,
+            context_tokens,
+            new_tokens,
+            cached_tokens,
+            output_tokens,
+            detail,
         ):
-            # Anything unusual (another run, numpy numbers, an enum kind, a bad value)
-            # takes the careful path, which normalises or names the bad field.
-            row = (
+            return
+        # Anything unusual (another run, numpy numbers, an enum kind, a bad value) takes
+        # the careful path, which normalises or names the bad field.
+        self._accept_row(
+            (
                 time,
                 self.run_id if run_id is None else run_id,
                 trajectory_id,
@@ -233,60 +224,6 @@ class Recorder:
                 output_tokens,
                 detail,
             )
-            self._accept_row(row)
-            return
-        state = self._last.get(trajectory_id)
-        if (
-            state is not None
-            and code < _FIRST_CLUSTER_CODE
-            and time >= state[0]
-            and turn >= state[1]
-            and state[2] == group_id
-            and state[3] == task
-        ):
-            # The common case, inlined: a known trajectory's next event.
-            state[0] = time
-            state[1] = turn
-            lock = self._lock
-            lock.acquire()
-            try:
-                if state[5] == self._generation and self._gate >= 0:
-                    self._log.append(
-                        time,
-                        state[4],
-                        turn,
-                        code,
-                        engine_id,
-                        context_tokens,
-                        new_tokens,
-                        cached_tokens,
-                        output_tokens,
-                        detail,
-                    )
-                    accepted = self._accepted = self._accepted + 1
-                    self._count_view[0] = accepted
-                    unwritten = self._unwritten = self._unwritten + 1
-                    if unwritten >= self._wake_at:
-                        self._wake_at = unwritten + self.flush_batch
-                        self._wake.set()
-                    return
-            finally:
-                lock.release()
-        self._accept(
-            time,
-            trajectory_id,
-            group_id,
-            task,
-            turn,
-            code,
-            engine_id,
-            context_tokens,
-            new_tokens,
-            cached_tokens,
-            output_tokens,
-            detail,
-            self.run_id,
-            trajectory_id,
         )
 
     def emit(self, event: LifecycleEvent) -> None:
@@ -297,6 +234,12 @@ class Recorder:
         """Accept one row in ``FIELDS`` order (same checks and errors as :meth:`record`)."""
         if self._unwritten >= self._gate:
             self._admit(1)
+        if type(row) is tuple and len(row) == 13 and row[1] == self.run_id:
+            (time, _, traj, group, task, turn, kind, engine, ctx, new, cached, out, detail) = row
+            if self._accept_plain(
+                time, traj, group, task, turn, kind, engine, ctx, new, cached, out, detail
+            ):
+                return
         self._accept_row(row)
 
     def append_batch(self, batch: EventBatch) -> None:
@@ -336,6 +279,103 @@ class Recorder:
         return self._accepted
 
     # ------------------------------------------------------------------ internals
+    def _accept_plain(
+        self,
+        time: float,
+        trajectory_id: str,
+        group_id: str,
+        task: str,
+        turn: int,
+        kind: str,
+        engine_id: int,
+        context_tokens: int,
+        new_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+        detail: str,
+    ) -> bool:
+        """Accept an event of the default run whose values have plain types and valid
+        ranges; False (nothing done) for anything else, which the careful path handles."""
+        code = KIND_CODE.get(kind) if type(kind) is str else None
+        if (
+            code is None
+            or not self.validate
+            or type(time) is not float
+            or type(trajectory_id) is not str
+            or type(group_id) is not str
+            or type(task) is not str
+            or type(detail) is not str
+            or type(turn) is not int
+            or type(engine_id) is not int
+            or type(context_tokens) is not int
+            or type(new_tokens) is not int
+            or type(cached_tokens) is not int
+            or type(output_tokens) is not int
+            # NaN fails both comparisons; the literal is the largest finite float.
+            or not 0.0 <= time <= 1.7976931348623157e308
+            # One test for all int32 ranges: a negative int, or one >= 2**31, has bits
+            # above bit 30 (engine_id may be -1, hence the + 1).
+            or (
+                turn | context_tokens | new_tokens | cached_tokens | output_tokens | (engine_id + 1)
+            )
+            >> 31
+        ):
+            return False
+        state = self._last.get(trajectory_id)
+        if (
+            state is not None
+            and code < _FIRST_CLUSTER_CODE
+            and time >= state[0]
+            and turn >= state[1]
+            and state[2] == group_id
+            and state[3] == task
+        ):
+            # The common case, inlined: a known trajectory's next event.
+            state[0] = time
+            state[1] = turn
+            lock = self._lock
+            lock.acquire()
+            try:
+                if state[5] == self._generation and self._gate >= 0:
+                    self._log.append(
+                        time,
+                        state[4],
+                        turn,
+                        code,
+                        engine_id,
+                        context_tokens,
+                        new_tokens,
+                        cached_tokens,
+                        output_tokens,
+                        detail,
+                    )
+                    accepted = self._accepted = self._accepted + 1
+                    self._count_view[0] = accepted
+                    unwritten = self._unwritten = self._unwritten + 1
+                    if unwritten >= self._wake_at:
+                        self._wake_at = unwritten + self.flush_batch
+                        self._wake.set()
+                    return True
+            finally:
+                lock.release()
+        self._accept(
+            time,
+            trajectory_id,
+            group_id,
+            task,
+            turn,
+            code,
+            engine_id,
+            context_tokens,
+            new_tokens,
+            cached_tokens,
+            output_tokens,
+            detail,
+            self.run_id,
+            trajectory_id,
+        )
+        return True
+
     def _accept(
         self,
         time: float,
@@ -431,19 +471,15 @@ class Recorder:
                     "detail",
                 )
             time = self._checked_time(time)
-            turn, engine, ctx, new, cached, out = (
-                self._checked_int(name, value, -1 if name == "engine_id" else 0)
-                for name, value in zip(
-                    _INT_FIELDS, (turn, engine, ctx, new, cached, out), strict=True
-                )
-            )
-            run_id, traj, group, task, detail = (
-                str(run_id),
-                str(traj),
-                str(group),
-                str(task),
-                str(detail),
-            )
+            turn = self._checked_int("turn", turn, 0)
+            engine = self._checked_int("engine_id", engine, -1)
+            ctx = self._checked_int("context_tokens", ctx, 0)
+            new = self._checked_int("new_tokens", new, 0)
+            cached = self._checked_int("cached_tokens", cached, 0)
+            out = self._checked_int("output_tokens", out, 0)
+            # str subclasses (enums, numpy strings) become plain strings.
+            run_id, traj, group, task = str(run_id), str(traj), str(group), str(task)
+            detail = str(detail)
         state_key = traj if run_id == self.run_id else (run_id, traj)
         self._accept(
             time, traj, group, task, turn, code, engine, ctx, new, cached, out, detail, run_id,
