@@ -131,7 +131,7 @@ def compare_cmd(
         None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)"
     ),
     track: bool = typer.Option(
-        False, help="log to MLflow; without --mlflow to the local store out/mlruns"
+        False, "--track", help="log to MLflow; without --mlflow to the local store out/mlruns"
     ),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
