@@ -5,6 +5,11 @@ machine). Each run gets a fresh local Ray instance with ``num_cpus`` = workers; 
 start-up is timed apart from the sweep, and the speedup is given both for the cells
 alone and end to end (start-up included). Both runs must give identical summaries.
 
+The machine may be shared: 1- and 2-worker runs alternate (order flipped every repeat, so
+a drifting background load hits both alike), the speedup is the median of the pairs, and
+each run also reports its concurrency, the cells' summed wall time over the sweep's: ~2
+means two cells were in flight all the time, whatever CPU time the machine gave them.
+
     .venv/bin/python benchmarks/sweep_bench.py [--repeats N]
 
 Writes benchmarks/results/sweep.json.
@@ -17,6 +22,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,6 +65,8 @@ def run(workers: int, policies: list[str]) -> dict:
     cell_s = [r["wall_s"] for r in result["runs"]]
     return {
         "workers": workers,
+        "load_average_1min": os.getloadavg()[0],
+        "concurrency": sum(cell_s) / sweep_s,
         "cells": len(result["runs"]),
         "ray_start_s": ray_start_s,
         "sweep_s": sweep_s,
@@ -73,29 +82,35 @@ def run(workers: int, policies: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=1, help="alternating 1/2-worker runs")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of 1- and 2-worker runs")
     parser.add_argument("--policies", default=",".join(POLICIES), help="four policies")
     args = parser.parse_args()
     policies = args.policies.split(",")
-    runs: dict[int, list[dict]] = {1: [], 2: []}
-    load_before = os.getloadavg()
-    for _ in range(args.repeats):
-        for workers in (1, 2):
-            r = run(workers, policies)
-            runs[workers].append(r)
+    pairs = []
+    for repeat in range(args.repeats):
+        pair = {}
+        for workers in (1, 2) if repeat % 2 == 0 else (2, 1):
+            r = pair[workers] = run(workers, policies)
             print(
-                f"{workers} worker(s): {r['cells']} cells, sweep {r['sweep_s']:.1f} s, "
-                f"Ray start {r['ray_start_s']:.1f} s, cell {r['cell_s_mean']:.2f} s mean "
-                f"({r['cell_s_min']:.2f}-{r['cell_s_max']:.2f})"
+                f"{workers} worker(s): {r['cells']} cells, sweep {r['sweep_s']:.1f} s "
+                f"(concurrency {r['concurrency']:.2f}), Ray start {r['ray_start_s']:.1f} s, "
+                f"cell {r['cell_s_mean']:.2f} s mean ({r['cell_s_min']:.2f}-"
+                f"{r['cell_s_max']:.2f}), load {r['load_average_1min']:.1f}"
             )
-    one, two = (min(runs[w], key=lambda r: r["sweep_s"]) for w in (1, 2))
-    identical = all(r["summary"] == one["summary"] for w in (1, 2) for r in runs[w])
-    speedup_sweep = one["sweep_s"] / two["sweep_s"]
-    speedup_total = one["end_to_end_s"] / two["end_to_end_s"]
-    print(f"speedup, cells only: {speedup_sweep:.2f}x; end to end: {speedup_total:.2f}x")
+        pair["speedup_sweep"] = pair[1]["sweep_s"] / pair[2]["sweep_s"]
+        pair["speedup_end_to_end"] = pair[1]["end_to_end_s"] / pair[2]["end_to_end_s"]
+        print(f"pair {repeat}: {pair['speedup_sweep']:.2f}x cells only")
+        pairs.append(pair)
+    summaries = [p[w].pop("summary") for p in pairs for w in (1, 2)]
+    identical = all(s == summaries[0] for s in summaries)
+    speedup_sweep = float(np.median([p["speedup_sweep"] for p in pairs]))
+    speedup_total = float(np.median([p["speedup_end_to_end"] for p in pairs]))
+    concurrency = float(np.median([p[2]["concurrency"] for p in pairs]))
+    print(
+        f"speedup (median of {len(pairs)} pairs), cells only: {speedup_sweep:.2f}x; "
+        f"end to end: {speedup_total:.2f}x; 2-worker concurrency {concurrency:.2f}"
+    )
     print(f"identical results with 1 and 2 workers: {identical}")
-    for r in (*runs[1], *runs[2]):
-        r.pop("summary")
     path = save(
         "sweep",
         {
@@ -109,10 +124,9 @@ def main() -> None:
             "goal": "2 workers >= 1.7x faster than 1 (issue 13)",
             "speedup_sweep": speedup_sweep,
             "speedup_end_to_end": speedup_total,
+            "concurrency_2_workers": concurrency,
             "identical_results": identical,
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "runs": runs,
+            "pairs": [{str(k): v for k, v in p.items()} for p in pairs],
         },
     )
     print(f"saved {path}")

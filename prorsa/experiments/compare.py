@@ -108,8 +108,19 @@ def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | No
     cell is streamed to that JSONL file and a re-run skips it.
     """
     cfg.validate()
-    tuned = _apply_tuned(cfg)
+    cfg, tuned = _with_tuned(cfg)
     counter = _PhasedProgress(progress)
+    plan = [
+        (workload, mode, policy, seed)
+        for workload in cfg.workloads
+        for mode in cfg.modes
+        for policy in cfg.policies
+        for seed in range(cfg.seeds)
+    ]
+    fixed = [p for p in plan if p[2] != "best-static"]
+    searched = [p for p in plan if p[2] == "best-static"]
+    searches = [(w, m) for w in cfg.workloads for m in cfg.modes] if searched else []
+    grids = {key: _coarse_grid(cfg.engines) for key in searches}
     with Sweep(
         workers=cfg.workers,
         address=cfg.address,
@@ -117,41 +128,10 @@ def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | No
         resume=cfg.resume,
         backend=cfg.backend,
     ) as sweep:
-        plan = [
-            (workload, mode, policy, seed)
-            for workload in cfg.workloads
-            for mode in cfg.modes
-            for policy in cfg.policies
-            for seed in range(cfg.seeds)
-        ]
-        fixed = [p for p in plan if p[2] != "best-static"]
-        searches = (
-            [(w, m) for w in cfg.workloads for m in cfg.modes]
-            if "best-static" in cfg.policies
-            else []
-        )
-        grids = {(w, m): _coarse_grid(cfg.engines) for w, m in searches}
-        grid_cells = [_static_cell(cfg, w, m, x) for (w, m), xs in grids.items() for x in xs]
-        first = counter.map(sweep, [_cell(cfg, *p) for p in fixed] + grid_cells)
-        results = dict(zip(fixed, first[: len(fixed)], strict=True))
-        seen: dict[tuple, dict[int, float]] = {}
-        at = len(fixed)
-        for key, xs in grids.items():
-            seen[key] = {
-                x: r["objective"] for x, r in zip(xs, first[at : at + len(xs)], strict=True)
-            }
-            at += len(xs)
-        refine = [(key, x) for key in grids for x in _refinement(seen[key], cfg.engines)]
-        for (key, x), run in zip(
-            refine,
-            counter.map(sweep, [_static_cell(cfg, *key, x) for key, x in refine]),
-            strict=True,
-        ):
-            seen[key][x] = run["objective"]
-        best_static = {
-            _key(*key): _search_one(cfg, sweep, counter, key, seen[key]) for key in searches
-        }
-        searched = [p for p in plan if p[2] == "best-static"]
+        grid_cells = [_static_cell(cfg, *key, x) for key, xs in grids.items() for x in xs]
+        batch = counter.map(sweep, [_cell(cfg, *p) for p in fixed] + grid_cells)
+        results = dict(zip(fixed, batch[: len(fixed)], strict=True))
+        best_static = _finish_searches(cfg, sweep, counter, grids, batch[len(fixed) :])
         cells = [
             _cell(
                 cfg,
@@ -161,33 +141,38 @@ def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | No
             for p in searched
         ]
         results.update(zip(searched, counter.map(sweep, cells), strict=True))
-        cells = {
+    if sweep.reused:
+        logger.info("%d cells reused from %s", sweep.reused, cfg.cells_path)
+    runs = [results[p] for p in plan]
+    out = {
+        "runs": runs,
+        "summary": summarise(runs),
+        "best_static": best_static,
+        "cells": {
             "run": sweep.ran,
             "reused": sweep.reused,
             "path": str(cfg.cells_path) if cfg.cells_path else None,
-        }
-        if sweep.reused:
-            logger.info("%d cells reused from %s", sweep.reused, cfg.cells_path)
-    runs = [results[p] for p in plan]
-    out = {"runs": runs, "summary": summarise(runs), "best_static": best_static, "cells": cells}
+        },
+    }
     if tuned:
         out["tuned"] = tuned
     return out
 
 
-def _apply_tuned(cfg: CompareConfig) -> dict:
-    """Merge the best parameters found by tuning into ``cfg.policy_params`` (parameters
-    given explicitly win); returns where each policy's parameters came from."""
+def _with_tuned(cfg: CompareConfig) -> tuple[CompareConfig, dict]:
+    """``cfg`` with the best parameters found by tuning merged into its policy parameters
+    (parameters given explicitly win), and where each policy's parameters came from."""
     if not cfg.tuned_storage:
-        return {}
+        return cfg, {}
     from prorsa.tune import tuned_params
 
     tunable = [p for p in cfg.policies if p not in ("colocate", "best-static")]
     found = tuned_params(cfg.tuned_storage, tunable, studies=cfg.tuned_studies)
+    params = dict(cfg.policy_params)
     for policy, origin in found.items():
-        cfg.policy_params[policy] = {**origin["params"], **cfg.policy_params.get(policy, {})}
+        params[policy] = {**origin["params"], **cfg.policy_params.get(policy, {})}
         logger.info("%s: tuned parameters from study %s", policy, origin["study"])
-    return found
+    return replace(cfg, policy_params=params), found
 
 
 class _PhasedProgress:
@@ -238,22 +223,40 @@ def _refinement(seen: dict[int, float], slots: int) -> list[int]:
     return [x for x in range(low, high + 1) if x not in seen]
 
 
-def _search_one(cfg: CompareConfig, sweep: Sweep, counter, key, seen: dict[int, float]) -> dict:
-    """Finish the static search on seed 0 from the splits already evaluated."""
-    workload, mode = key
+def _finish_searches(
+    cfg: CompareConfig, sweep: Sweep, counter, grids: dict, grid_runs: list[dict]
+) -> dict[str, dict]:
+    """Finish every static-split search (seed 0) from its coarse grid's runs: the
+    refinements of all searches run as one batch, then :func:`search_best_static` picks
+    from the splits evaluated."""
+    seen: dict[tuple, dict[int, float]] = {}
+    runs = iter(grid_runs)
+    for key, xs in grids.items():
+        seen[key] = {x: next(runs)["objective"] for x in xs}
+    refine = [(key, x) for key in grids for x in _refinement(seen[key], cfg.engines)]
+    refined = counter.map(sweep, [_static_cell(cfg, *key, x) for key, x in refine])
+    for (key, x), run in zip(refine, refined, strict=True):
+        seen[key][x] = run["objective"]
+    found = {}
+    for key in grids:
+        workload, mode = key
 
-    def evaluate(x: int) -> float:
-        if x not in seen:  # only if the batches above missed a split the search wants
-            seen[x] = counter.map(sweep, [_static_cell(cfg, workload, mode, x)])[0]["objective"]
-        return seen[x]
+        def evaluate(x: int, key=key) -> float:
+            if x not in seen[key]:  # only if the batches missed a split the search wants
+                cell = _static_cell(cfg, *key, x)
+                seen[key][x] = counter.map(sweep, [cell])[0]["objective"]
+            return seen[key][x]
 
-    best, objective = search_best_static(evaluate, cfg.engines, exhaustive_up_to=EXHAUSTIVE_UP_TO)
-    logger.info("best static for %s: %dP%dD", _key(*key), best, cfg.engines - best)
-    return {
-        "prefill_slots": best,
-        "prefill_gpus": best * _slot_gpus(cfg),
-        "objective_by_prefill_slots": objective,
-    }
+        best, objective = search_best_static(
+            evaluate, cfg.engines, exhaustive_up_to=EXHAUSTIVE_UP_TO
+        )
+        logger.info("best static for %s: %dP%dD", _key(*key), best, cfg.engines - best)
+        found[_key(workload, mode)] = {
+            "prefill_slots": best,
+            "prefill_gpus": best * _slot_gpus(cfg),
+            "objective_by_prefill_slots": objective,
+        }
+    return found
 
 
 def _slot_gpus(cfg: CompareConfig) -> int:

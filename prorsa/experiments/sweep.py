@@ -197,7 +197,7 @@ def cancel_ray_tasks(ray: Any, refs: list) -> None:
 class ResultLog:
     """Append-only JSONL of finished cells: ``{"key": ..., "result": ...}`` per line."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, *, resume: bool = True) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
         if path is None:
@@ -205,6 +205,8 @@ class ResultLog:
         if path.exists() and not path.is_file():
             raise ConfigError(f"sweep results path {path} exists and is not a file")
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and not resume:
+            path.unlink()
         if path.exists():
             self._load(path)
 
@@ -244,20 +246,19 @@ class ResultLog:
 
 
 def _call(fn: Callable[[Any], dict], cell: Any) -> tuple[str, Any]:
-    """Run one cell in a worker; a project error travels back as a value (with its hint),
-    so the driver re-raises it without the wrapper text of a Ray task error."""
+    """Run one cell in a worker; a project error travels back as a value (its attributes,
+    the hint too, pickle with it), so the driver re-raises it as it was, without the
+    wrapper text of a Ray task error."""
     try:
         return "ok", fn(cell)
     except ProrsaError as exc:
-        return "error", (exc, exc.hint)
+        return "error", exc
 
 
 def _unwrap(outcome: tuple[str, Any]) -> dict:
     status, value = outcome
     if status == "error":
-        exc, hint = value
-        exc.hint = hint
-        raise exc
+        raise value
     return value
 
 
@@ -300,9 +301,7 @@ class Sweep:
         self.address = address
         self.fn = fn or _default_fn
         self.key = key
-        if results_path is not None and not resume and results_path.exists():
-            results_path.unlink()
-        self.log = ResultLog(results_path)
+        self.log = ResultLog(results_path, resume=resume)
         self.backend = self._choose(backend)
         self.reused = 0  # cells answered from the results file
         self.ran = 0
