@@ -33,12 +33,17 @@ def backtest(
     horizons: Sequence[float] | None = None,
     tick_s: float | None = None,
     model: str | None = None,
+    every: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> pd.DataFrame:
     """Forecast at every tick of every run in ``telemetry``; a tidy frame of the results.
 
-    The frame's ``attrs["predict_s"]`` holds every predict call's duration (seconds).
+    ``every``: forecast (and score) only every n-th tick; the forecaster is still fed
+    every tick, exactly as online. The frame's ``attrs["predict_s"]`` holds every predict
+    call's duration (seconds).
     """
+    if every < 1:
+        raise ConfigError(f"every must be >= 1, got {every}")
     forecaster._check_fitted()
     hs = forecaster.horizons_ if horizons is None else check_horizons(horizons)
     tick = tick_s or forecaster.tick_s_
@@ -53,21 +58,25 @@ def backtest(
         ticks = tick_times(run, tick)
         if not len(ticks):
             continue
-        actual = run_targets(run, ticks, hs)
+        scored = np.arange(len(ticks)) % every == 0
+        actual = run_targets(run, ticks[scored], hs)
         forecaster.reset()
         # The oracle reads row tuples (its run id); everyone else one batch per run.
         rows = list(rows_of(run)) if forecaster.needs_future else None
         batch = as_batch(run)
         ends = np.searchsorted(batch.time, ticks, side="right")
-        shape = (len(ticks), len(TARGETS), len(hs))
+        shape = (int(scored.sum()), len(TARGETS), len(hs))
         point = np.empty(shape)
         bands = {q: np.full(shape, np.nan) for q in QUANTILES}
-        fallback = np.zeros(len(ticks), bool)
-        start = 0
-        for i, (t, end) in enumerate(zip(ticks, ends, strict=True)):
+        fallback = np.zeros(shape[0], bool)
+        start, i = 0, -1
+        for t, end, score_it in zip(ticks, ends, scored, strict=True):
             events = rows[start:end] if rows is not None else slice_batch(batch, start, end)
             forecaster.update(events, float(t))
             start = end
+            if not score_it:
+                continue
+            i += 1
             began = _time.perf_counter()
             fc = forecaster.predict(hs)
             latencies.append(_time.perf_counter() - began)
@@ -80,7 +89,7 @@ def backtest(
         truth = np.stack(
             [np.column_stack([actual[target_column(t, h)] for h in hs]) for t in TARGETS], axis=1
         )
-        frames.append(_tidy(str(run_id), ticks, hs, truth, point, bands, fallback))
+        frames.append(_tidy(str(run_id), ticks[scored], hs, truth, point, bands, fallback))
         if progress is not None:
             progress(done, len(runs))
     out = (
