@@ -37,6 +37,11 @@ class Cell:
     interval_s: float = 1.0
     min_dwell_s: float = 10.0
     series: bool = True  # keep time series for plots
+    # Workload knobs (prorsa.experiments.knobs): tool latency and per-turn growth scales.
+    tool_scale: float = 1.0
+    growth_scale: float = 1.0
+    # Lifecycle telemetry; runs with a forecaster or time series record regardless.
+    record: bool = True
 
     @property
     def workload(self) -> str:
@@ -45,8 +50,10 @@ class Cell:
 
 def run_cell(cell: Cell) -> dict:
     """Simulate ``cell`` and summarise it (top-level function: picklable for pools)."""
+    from prorsa.experiments.knobs import WorkloadKnobs, simulate_with_knobs
+    from prorsa.policy import POLICIES
     from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.scenario import ControlConfig, RunRequest, WorkloadConfig, simulate
+    from prorsa.runtime.sim.scenario import ControlConfig, RunRequest, WorkloadConfig
 
     work = WorkloadConfig(
         scenario=cell.scenario,
@@ -65,15 +72,18 @@ def run_cell(cell: Cell) -> dict:
         interval_s=cell.interval_s,
         min_dwell_s=cell.min_dwell_s,
     )
+    needs_events = cell.series or cell.forecaster is not None
+    needs_events = needs_events or POLICIES.get(cell.policy).needs_forecast
     request = RunRequest(
         work=work,
         cluster=cluster,
         control=control,
-        record=True,
+        record=cell.record or needs_events,
         run_id=f"{cell.workload}-{cell.mode}-{cell.policy}-s{cell.seed}",
     )
     started = time.perf_counter()
-    result = simulate(request, keep_forecasts=cell.series)
+    knobs = WorkloadKnobs(tool_scale=cell.tool_scale, growth_scale=cell.growth_scale)
+    result = simulate_with_knobs(request, knobs, keep_forecasts=cell.series)
     wall_s = time.perf_counter() - started
     summary = {
         "cell": asdict(cell),

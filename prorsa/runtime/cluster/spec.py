@@ -11,10 +11,12 @@ import re
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec
 from prorsa.runtime.cluster.config import ClusterConfig
-
-#: Prefill chunk and context at which a profile's prefill throughput is quoted.
-THROUGHPUT_CHUNK_TOKENS = 2048
-THROUGHPUT_CONTEXT_TOKENS = 8192
+from prorsa.runtime.cluster.layouts import (
+    THROUGHPUT_CHUNK_TOKENS,
+    THROUGHPUT_CONTEXT_TOKENS,
+    colocated_gpu_s_per_prefill_token,
+    decode_tokens_per_s_per_gpu,
+)
 
 
 def profile_name_for_tp(name: str, tp: int) -> str:
@@ -96,27 +98,12 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
     )
 
 
-def _typical_decode(cost) -> tuple[int, int]:
-    """Half-full ranks of sequences at the quoted context (fewer if KV runs out)."""
-    batch = max(cost.max_batch // 2, 1)
-    context = min(THROUGHPUT_CONTEXT_TOKENS, cost.kv_capacity_tokens // batch)
-    return batch, max(context, 1)
-
-
 def _decode_tps(cost) -> float:
-    batch, context = _typical_decode(cost)
-    return cost.decode_tokens_per_s_per_gpu(batch, context)
+    return decode_tokens_per_s_per_gpu(cost)
 
 
 def _prefill_interference(colocated, prefill_tps_per_gpu: float) -> float:
     """GPU-seconds of colocated capacity one prefill token costs (the step grows for
     every rank while one prefills a chunk into its decoding batch), over what it costs a
     prefill engine's GPU."""
-    batch, context = _typical_decode(colocated)
-    ranks = colocated.dp_ranks
-    chunk = min(THROUGHPUT_CHUNK_TOKENS, colocated.max_step_tokens - batch)
-    batches, ctxs = [batch] * ranks, [batch * context] * ranks
-    decode_s = colocated.decode_step_s(batches, ctxs)
-    mixed_s = colocated.step_s(batches, ctxs, [chunk] + [0] * (ranks - 1), [0] * ranks)
-    gpu_s_per_token = (mixed_s - decode_s) * colocated.gpus / chunk
-    return gpu_s_per_token * prefill_tps_per_gpu
+    return colocated_gpu_s_per_prefill_token(colocated) * prefill_tps_per_gpu

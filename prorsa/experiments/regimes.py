@@ -1,0 +1,564 @@
+"""The regime map: where prefill/decode disaggregation pays, and by how much.
+
+A *regime* is one workload on one model's cluster: model (and so layout family and GPU
+budget), workload (a scenario or a replayed real trace), sync or async, load in
+trajectories per GPU, and the workload knobs (tool latency, context growth) and KV reuse
+mode. For every regime the map runs, on the same trajectories (one seed):
+
+* **colocation at every layout of the family**; the fastest is *colocation at its best
+  layout*, the baseline of every speedup. Colocation at TP1 (or the smallest TP that fits
+  the model) is reported beside it, labelled;
+* **best-static**: an exhaustive search over (prefill layout, decode layout, split) for
+  each role's candidate layouts (prefill: those no other layout beats on prefill tokens/s
+  per GPU with as few GPUs; decode: the ``decode_candidates`` with the most decode
+  tokens/s per GPU at the workload's operating point) and every split (a coarse grid then
+  its refinement when a pair has more than ``exhaustive_up_to`` splits);
+* **predictive, mpc and oracle** with the layouts the planner
+  (:mod:`prorsa.policy.layout_plan`) picks from the family's options at the workload's
+  operating point; they move slots between roles, the layouts stay fixed for the run.
+
+Cells run through :class:`~prorsa.experiments.sweep.Sweep` (Ray tasks, local by default or
+on a cluster with ``address``), streamed to a JSONL file and skipped on a re-run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import cache
+from pathlib import Path
+
+from prorsa.errors import ConfigError
+from prorsa.experiments.cells import Cell
+from prorsa.experiments.families import ModelFamily, get_family
+from prorsa.experiments.knobs import WorkloadKnobs
+from prorsa.experiments.sweep import BACKENDS, Sweep
+from prorsa.policy.best_static import search_best_static
+from prorsa.policy.layout_plan import LayoutOption, LayoutPlan, WorkloadShape, plan_layouts
+
+logger = logging.getLogger(__name__)
+
+DYNAMIC_POLICIES = ("predictive", "mpc", "oracle")
+#: Replayed real traces (datasets/traces) the map can use, by short name.
+REPLAYS = {
+    "replay:mini-swe-agent": "mini-swe-agent-swebench.parquet",
+    "replay:tau2-telecom": "tau2-telecom-gpt4o.parquet",
+}
+SHAPE_SAMPLE = 256  # trajectories sampled to estimate a workload's shape
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One point of the map (plain values: it names cells and keys results)."""
+
+    model: str
+    workload: str  # a scenario name or a key of REPLAYS
+    mode: str  # sync | async
+    load_per_gpu: int  # trajectories per GPU (sync: per step; async: kept in flight)
+    tool_scale: float = 1.0
+    growth_scale: float = 1.0
+    reuse_mode: str = "reprefill"
+    seed: int = 0
+
+    @property
+    def family(self) -> ModelFamily:
+        return get_family(self.model)
+
+    @property
+    def knobs(self) -> WorkloadKnobs:
+        return WorkloadKnobs(tool_scale=self.tool_scale, growth_scale=self.growth_scale)
+
+    @property
+    def variant(self) -> str:
+        """What differs from the plain workload: ``""``, or e.g. ``tool x4, kv-store``."""
+        parts = []
+        if self.tool_scale != 1.0:
+            parts.append(f"tool x{self.tool_scale:g}")
+        if self.growth_scale != 1.0:
+            parts.append(f"growth x{self.growth_scale:g}")
+        if self.reuse_mode != "reprefill":
+            parts.append(self.reuse_mode)
+        return ", ".join(parts)
+
+    @property
+    def label(self) -> str:
+        base = f"{self.model} {self.workload} {self.mode} {self.load_per_gpu}/GPU"
+        return f"{base} ({self.variant})" if self.variant else base
+
+    def workload_source(self) -> tuple[str | None, str | None]:
+        """(scenario, trace path) for a Cell."""
+        if self.workload in REPLAYS:
+            from prorsa.workload.scenarios import datasets_dir
+
+            return None, str(datasets_dir() / "traces" / REPLAYS[self.workload])
+        return self.workload, None
+
+    def validate(self) -> None:
+        self.family  # noqa: B018  (raises for an unknown model)
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"regime {self.label}: mode must be sync or async")
+        if self.load_per_gpu < 1:
+            raise ConfigError(f"regime {self.label}: load_per_gpu must be >= 1")
+        if self.workload.startswith("replay:") and self.workload not in REPLAYS:
+            raise ConfigError(
+                f"unknown replay '{self.workload}'", hint=f"one of {', '.join(REPLAYS)}"
+            )
+        self.knobs  # noqa: B018  (checks the scales)
+
+
+@dataclass
+class MapConfig:
+    """The regimes to run and how."""
+
+    regimes: list[Regime]
+    forecaster: str = "lightgbm-trajectory"
+    dynamic_policies: tuple[str, ...] = DYNAMIC_POLICIES
+    decode_candidates: int = 2  # decode layouts best-static searches (best first)
+    exhaustive_up_to: int = 7  # splits tried one by one; beyond, coarse grid + refinement
+    group_size: int = 8
+    families: dict[str, ModelFamily] = field(default_factory=dict)  # overrides by name
+    workers: int = 0
+    address: str | None = None
+    cells_path: Path | None = None
+    resume: bool = True
+    backend: str = "auto"
+
+    def family(self, regime: Regime) -> ModelFamily:
+        return self.families.get(regime.model) or regime.family
+
+    def validate(self) -> None:
+        if not self.regimes:
+            raise ConfigError("the regime map needs at least one regime")
+        for regime in self.regimes:
+            if regime.model not in self.families:
+                regime.validate()
+        if self.decode_candidates < 1 or self.exhaustive_up_to < 1:
+            raise ConfigError("decode_candidates and exhaustive_up_to must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend '{self.backend}'", hint=f"one of {BACKENDS}")
+        unknown = set(self.dynamic_policies) - set(DYNAMIC_POLICIES)
+        if unknown:
+            raise ConfigError(
+                f"the map runs {', '.join(DYNAMIC_POLICIES)}; unknown: {sorted(unknown)}"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# Planning a regime (cheap: cost-model arithmetic, no simulation)
+
+
+@dataclass(frozen=True)
+class RegimePlan:
+    """What the map runs for one regime."""
+
+    regime: Regime
+    family: ModelFamily
+    shape: WorkloadShape
+    options: tuple[LayoutOption, ...]
+    planned: LayoutPlan  # the dynamic policies' layouts
+    colocated: tuple[str, ...]  # layouts colocation is run at
+    static_pairs: tuple[tuple[str, str], ...]  # (prefill, decode) best-static searches
+
+    def slot_gpus(self, layouts: dict[str, str]) -> int:
+        gpus = {o.name: o.gpus for o in self.options}
+        return max(gpus[name] for name in layouts.values())
+
+    def slots(self, layouts: dict[str, str]) -> int:
+        return self.family.gpus // self.slot_gpus(layouts)
+
+
+@cache
+def _shape(regime: Regime) -> WorkloadShape:
+    """Shape of the regime's workload (knobs applied), from a sample of its trajectories."""
+    scenario, trace = regime.workload_source()
+    if trace is not None:
+        from prorsa.workload import specs_from_trace
+
+        specs = specs_from_trace(trace)
+    else:
+        from prorsa.workload import get_scenario
+
+        specs = get_scenario(scenario).sample(SHAPE_SAMPLE, regime.seed, group_size=8)
+    return WorkloadShape.of(regime.knobs.apply(s) for s in specs)
+
+
+def prefill_candidates(options: Sequence[LayoutOption]) -> list[LayoutOption]:
+    """Layouts no other beats on prefill tokens/s per GPU while using as few GPUs."""
+    return [
+        o
+        for o in options
+        if not any(
+            p.gpus <= o.gpus
+            and p.prefill_tokens_per_s_per_gpu >= o.prefill_tokens_per_s_per_gpu
+            and (p.gpus, -p.prefill_tokens_per_s_per_gpu)
+            < (o.gpus, -o.prefill_tokens_per_s_per_gpu)
+            for p in options
+        )
+    ]
+
+
+def decode_candidates(options: Sequence[LayoutOption], count: int) -> list[LayoutOption]:
+    """The ``count`` layouts with the most decode tokens/s per GPU."""
+    ranked = sorted(options, key=lambda o: (-o.decode_tokens_per_s_per_gpu, o.gpus, o.name))
+    return ranked[:count]
+
+
+def plan_regime(regime: Regime, cfg: MapConfig) -> RegimePlan:
+    """Options at the regime's operating point, the planner's layouts and the searches."""
+    from prorsa.runtime.cluster.layouts import workload_layout_options
+
+    family = cfg.family(regime)
+    shape = _shape(regime)
+    options = workload_layout_options(
+        family.prefix, shape, regime.load_per_gpu, list(family.layouts)
+    )
+    fits = [o for o in options if family.gpus % o.gpus == 0]
+    splittable = [o for o in fits if 2 * o.gpus <= family.gpus]
+    if not splittable:
+        raise ConfigError(f"{family.name}: no layout leaves room for a split of {family.gpus} GPUs")
+    planned = plan_layouts(splittable, shape.prefill_share, total_gpus=family.gpus)
+    pairs = [
+        (p.name, d.name)
+        for p in prefill_candidates(splittable)
+        for d in decode_candidates(splittable, cfg.decode_candidates)
+    ]
+    return RegimePlan(
+        regime=regime,
+        family=family,
+        shape=shape,
+        options=tuple(options),
+        planned=planned,
+        colocated=tuple(o.name for o in fits),
+        static_pairs=tuple(pairs),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Cells
+
+
+def _cell(
+    cfg: MapConfig,
+    plan: RegimePlan,
+    policy: str,
+    layouts: dict[str, str],
+    *,
+    params: dict | None = None,
+) -> Cell:
+    regime = plan.regime
+    scenario, trace = regime.workload_source()
+    gpus = plan.family.gpus
+    in_flight = regime.load_per_gpu * gpus
+    dynamic = policy in DYNAMIC_POLICIES
+    return Cell(
+        scenario=scenario,
+        trace=trace,
+        mode=regime.mode,
+        policy=policy,
+        seed=regime.seed,
+        engines=plan.slots(layouts),
+        profile=plan.family.profile,
+        # async: twice the in-flight count in all, so the measured throughput is not
+        # only the ramp-up and the drain
+        trajectories=in_flight if regime.mode == "sync" else 2 * in_flight,
+        group_size=cfg.group_size,
+        max_in_flight=in_flight,
+        policy_params=dict(params or {}),
+        forecaster=cfg.forecaster if dynamic and policy != "oracle" else None,
+        cluster_overrides={"layouts": dict(layouts), "reuse_mode": regime.reuse_mode},
+        series=False,
+        tool_scale=regime.tool_scale,
+        growth_scale=regime.growth_scale,
+        record=dynamic,
+    )
+
+
+def _same(layout: str) -> dict[str, str]:
+    return {"prefill": layout, "decode": layout, "colocated": layout}
+
+
+def _static_layouts(prefill: str, decode: str) -> dict[str, str]:
+    # The colocated layout of a static split is never used; the decode one keeps the
+    # slot no larger than the split needs.
+    return {"prefill": prefill, "decode": decode, "colocated": decode}
+
+
+def _split_grid(slots: int, exhaustive_up_to: int) -> list[int]:
+    """The prefill-slot counts :func:`search_best_static` evaluates first."""
+    candidates = list(range(1, slots))
+    if len(candidates) <= exhaustive_up_to:
+        return candidates
+    stride = max(len(candidates) // 8, 1)
+    return sorted(set(candidates[::stride]) | {1, slots - 1})
+
+
+def _refinement(seen: dict[int, float], slots: int, exhaustive_up_to: int) -> list[int]:
+    """The counts between the best grid point's neighbours not yet evaluated."""
+    if slots - 1 <= exhaustive_up_to:
+        return []
+    grid = sorted(seen)
+    i = grid.index(min(grid, key=lambda x: (seen[x], x)))
+    low, high = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    return [x for x in range(low, high + 1) if x not in seen]
+
+
+def _static_cell(cfg: MapConfig, plan: RegimePlan, pair: tuple[str, str], x: int) -> Cell:
+    layouts = _static_layouts(*pair)
+    gpus = x * plan.slot_gpus(layouts)
+    return _cell(cfg, plan, "static", layouts, params={"prefill_gpus": gpus})
+
+
+# ---------------------------------------------------------------------------------------
+# Running the map
+
+
+def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Run every regime of ``cfg``; returns ``{"regimes": [summary, ...], "cells": {...}}``.
+
+    Three batches through one sweep: colocation at every layout, the dynamic policies and
+    the coarse static grids; the grids' refinements; (rarely) splits a search still wants.
+    """
+    cfg.validate()
+    plans = [plan_regime(r, cfg) for r in cfg.regimes]
+    counter = _Progress(progress)
+    with Sweep(
+        workers=cfg.workers,
+        address=cfg.address,
+        results_path=cfg.cells_path,
+        resume=cfg.resume,
+        backend=cfg.backend,
+    ) as sweep:
+        fixed: list[tuple[int, str, str, Cell]] = []  # (plan index, kind, name, cell)
+        for i, plan in enumerate(plans):
+            for layout in plan.colocated:
+                fixed.append((i, "colocate", layout, _cell(cfg, plan, "colocate", _same(layout))))
+            for policy in cfg.dynamic_policies:
+                fixed.append((i, policy, "", _cell(cfg, plan, policy, plan.planned.as_layouts())))
+        grids = {
+            (i, pair): _split_grid(plan.slots(_static_layouts(*pair)), cfg.exhaustive_up_to)
+            for i, plan in enumerate(plans)
+            for pair in plan.static_pairs
+        }
+        grid_cells = [
+            _static_cell(cfg, plans[i], pair, x) for (i, pair), xs in grids.items() for x in xs
+        ]
+        results = counter.map(sweep, [c for *_, c in fixed] + grid_cells)
+        fixed_runs, grid_runs = results[: len(fixed)], iter(results[len(fixed) :])
+        seen = {key: {x: next(grid_runs)["objective"] for x in xs} for key, xs in grids.items()}
+        refine = [
+            (key, x)
+            for key in grids
+            for x in _refinement(
+                seen[key], plans[key[0]].slots(_static_layouts(*key[1])), cfg.exhaustive_up_to
+            )
+        ]
+        refined = counter.map(
+            sweep, [_static_cell(cfg, plans[i], pair, x) for (i, pair), x in refine]
+        )
+        for (key, x), run in zip(refine, refined, strict=True):
+            seen[key][x] = run["objective"]
+        searches = {
+            key: _finish_search(cfg, sweep, counter, plans[key[0]], key[1], seen[key])
+            for key in grids
+        }
+    by_plan: dict[int, dict] = {
+        i: {"colocate": {}, "policies": {}, "static": []} for i in range(len(plans))
+    }
+    for (i, kind, name, _), run in zip(fixed, fixed_runs, strict=True):
+        if kind == "colocate":
+            by_plan[i]["colocate"][name] = run
+        else:
+            by_plan[i]["policies"][kind] = run
+    for (i, _pair), found in searches.items():
+        by_plan[i]["static"].append(found)
+    summaries = [summarise_regime(plan, by_plan[i]) for i, plan in enumerate(plans)]
+    return {
+        "regimes": summaries,
+        "cells": {
+            "run": sweep.ran,
+            "reused": sweep.reused,
+            "path": str(cfg.cells_path) if cfg.cells_path else None,
+        },
+    }
+
+
+class _Progress:
+    """One running count over the sweep's batches."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None) -> None:
+        self.progress = progress
+        self.done = 0
+        self.total = 0
+
+    def map(self, sweep: Sweep, cells: list[Cell]) -> list[dict]:
+        base_done, base_total = self.done, self.total
+
+        def report(done: int, total: int) -> None:
+            self.done, self.total = base_done + done, base_total + total
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+
+        return sweep.map(cells, report)
+
+
+def _finish_search(
+    cfg: MapConfig, sweep: Sweep, counter: _Progress, plan: RegimePlan, pair, seen: dict
+) -> dict:
+    """The best split of one (prefill, decode) pair from the splits evaluated."""
+    slots = plan.slots(_static_layouts(*pair))
+
+    def evaluate(x: int) -> float:
+        if x not in seen:  # only if the batches missed a split the search wants
+            seen[x] = counter.map(sweep, [_static_cell(cfg, plan, pair, x)])[0]["objective"]
+        return seen[x]
+
+    best, objectives = search_best_static(evaluate, slots, exhaustive_up_to=cfg.exhaustive_up_to)
+    layouts = _static_layouts(*pair)
+    return {
+        "prefill_layout": pair[0],
+        "decode_layout": pair[1],
+        "prefill_slots": best,
+        "prefill_gpus": best * plan.slot_gpus(layouts),
+        "objective": objectives[best],
+        "objective_by_prefill_slots": objectives,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Summaries
+
+
+def run_metrics(run: dict) -> dict:
+    """The few numbers of a run the map keeps."""
+    m = run["metrics"]
+    cached, computed = m.get("prefill_tokens_cached", 0), m.get("prefill_tokens_computed", 0)
+    return {
+        "objective": run["objective"],
+        "makespan_s": m.get("makespan_s"),
+        "throughput_traj_per_hour": m.get("throughput_traj_per_hour"),
+        "completion_s_p50": m.get("completion_s_p50"),
+        "completion_s_p99": m.get("completion_s_p99"),
+        "switches": m.get("switches_completed", 0),
+        "busy_fraction": m.get("busy_fraction"),
+        "gpu_seconds_by_role": m.get("gpu_seconds_by_role"),
+        "cache_hit_rate": cached / (cached + computed) if cached + computed else None,
+        "kv_store_hit_rate": m.get("kv_store_hit_rate"),
+        "wall_s": run.get("wall_s"),
+    }
+
+
+def summarise_regime(plan: RegimePlan, runs: dict) -> dict:
+    """Speedups of best-static and the dynamic policies over colocation at its best layout
+    (and, labelled, over colocation at the family's TP1 or smallest TP)."""
+    colocate = {name: run_metrics(run) for name, run in runs["colocate"].items()}
+    best_layout = min(colocate, key=lambda n: (colocate[n]["objective"], n))
+    best = colocate[best_layout]["objective"]
+    baseline_layout = plan.family.baseline_layout
+    baseline = colocate.get(baseline_layout, {}).get("objective")
+    static = min(runs["static"], key=lambda s: s["objective"]) if runs["static"] else None
+    policies = {name: run_metrics(run) for name, run in runs["policies"].items()}
+    if static is not None:
+        policies["best-static"] = {
+            "objective": static["objective"],
+            "layouts": _static_layouts(static["prefill_layout"], static["decode_layout"]),
+            "prefill_gpus": static["prefill_gpus"],
+        }
+    speedup = {name: best / p["objective"] for name, p in policies.items()}
+    planned_colocated = plan.planned.colocated
+    return {
+        "regime": asdict(plan.regime),
+        "label": plan.regime.label,
+        "variant": plan.regime.variant,
+        "gpus": plan.family.gpus,
+        "shape": {**asdict(plan.shape), "prefill_share": plan.shape.prefill_share},
+        "planned_layouts": plan.planned.as_layouts(),
+        "colocate": colocate,
+        "colocate_best": {"layout": best_layout, "objective": best},
+        "colocate_baseline": {"layout": baseline_layout, "objective": baseline},
+        # how much slower colocation is at the planner's colocated layout than at its best
+        "planner_colocated_regret": (
+            colocate[planned_colocated]["objective"] / best
+            if planned_colocated in colocate
+            else None
+        ),
+        "best_static": static,
+        "static_searches": runs["static"],
+        "policies": policies,
+        "speedup": speedup,
+        "speedup_vs_baseline": (
+            {name: baseline / p["objective"] for name, p in policies.items()} if baseline else {}
+        ),
+    }
+
+
+def goals(summaries: list[dict], *, seed_setting: Callable[[dict], bool] | None = None) -> dict:
+    """The issue's goals, cell by cell: predictive >= 1.3x colocation@best in the seed's
+    setting; everywhere >= 0.98x colocation@best, within 5% of the oracle, and no more
+    than 2% below best-static."""
+    seed_setting = seed_setting or is_seed_setting
+    rows, misses = (
+        [],
+        {"seed_1.3x": [], "vs_colocate_0.98": [], "vs_oracle_5pct": [], "vs_best_static_2pct": []},
+    )
+    for s in summaries:
+        sp = s["speedup"]
+        if "predictive" not in sp:
+            continue
+        pred = sp["predictive"]
+        row = {"label": s["label"], "predictive": pred}
+        if seed_setting(s):
+            row["seed_setting"] = True
+            if pred < 1.3:
+                misses["seed_1.3x"].append(s["label"])
+        if pred < 0.98:
+            misses["vs_colocate_0.98"].append(s["label"])
+        if "oracle" in sp and pred < sp["oracle"] / 1.05:
+            misses["vs_oracle_5pct"].append(s["label"])
+        if "best-static" in sp and pred < sp["best-static"] * 0.98:
+            misses["vs_best_static_2pct"].append(s["label"])
+        rows.append(row)
+    seed = [r["predictive"] for r in rows if r.get("seed_setting")]
+    return {
+        "cells": len(rows),
+        "seed_setting_cells": len(seed),
+        "seed_setting_predictive_min": min(seed) if seed else None,
+        "seed_setting_predictive_max": max(seed) if seed else None,
+        "met": {k: not v for k, v in misses.items()},
+        "missed": misses,
+    }
+
+
+def is_seed_setting(summary: dict) -> bool:
+    """Qwen3-30B-A3B, swe/mixed/search, 16-64 trajectories per GPU, plain workload."""
+    r = summary["regime"]
+    return (
+        r["model"] == "qwen3-30b-a3b"
+        and r["workload"] in ("swe", "mixed", "search")
+        and 16 <= r["load_per_gpu"] <= 64
+        and not summary["variant"]
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Grids
+
+
+def product_regimes(
+    models: Sequence[str],
+    workloads: Sequence[str],
+    modes: Sequence[str],
+    loads: Sequence[int],
+    **knobs,
+) -> list[Regime]:
+    """Every combination of the axes (knobs fixed)."""
+    return [
+        Regime(model=m, workload=w, mode=mode, load_per_gpu=load, **knobs)
+        for m, w, mode, load in itertools.product(models, workloads, modes, loads)
+    ]
+
+
+def variants(regime: Regime, **axes: Sequence) -> list[Regime]:
+    """``regime`` with one knob changed at a time (``tool_scale=[0.25, 4]`` ...)."""
+    return [replace(regime, **{name: value}) for name, values in axes.items() for value in values]
