@@ -137,3 +137,93 @@ class _Server:
 
     async def serve(self) -> None:
         await self.server.serve()
+
+
+class BackgroundServer:
+    """``prorsa serve`` on a thread of this process: for tests, examples and benchmarks.
+
+    The thread runs its own event loop with the service and a uvicorn server (signals stay
+    with the main thread). :meth:`stop` ends the server and shuts the service down.
+
+    Args:
+        config: the service to run (its host and port are where it listens).
+        fleet: an engine fleet to adopt (left running), as :class:`RolloutService` takes.
+    """
+
+    def __init__(self, config: ServeConfig, *, fleet: Any = None) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.service: Any = None
+        self.error: BaseException | None = None
+        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self, timeout_s: float = 900.0) -> BackgroundServer:
+        """Start and wait until the server listens (raises what start-up raised)."""
+        import time
+
+        check_port_free(self.config.host, self.config.port)
+        self._thread = threading.Thread(target=self._main, name="prorsa-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not (self._server is not None and self._server.started):
+            if self.error is not None:
+                raise self.error
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"prorsa serve did not start within {timeout_s:g} s")
+            time.sleep(0.05)
+        return self
+
+    def call(self, coro: Any, timeout_s: float | None = None) -> Any:
+        """Run a coroutine (e.g. ``service.switch_role(...)``) on the server's loop."""
+        assert self._loop is not None, "start() first"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:  # reported to start(); the thread ends
+            self.error = exc
+
+    async def _run(self) -> None:
+        import uvicorn
+
+        from prorsa.serve.app import create_app
+        from prorsa.serve.service import RolloutService
+
+        self._loop = asyncio.get_running_loop()
+        service = RolloutService(self.config, fleet=self.fleet)
+        try:
+            await service.start()
+            self.service = service
+            self._server = uvicorn.Server(
+                uvicorn.Config(
+                    create_app(service),
+                    host=self.config.host,
+                    port=self.config.port,
+                    log_level="warning",
+                    access_log=False,
+                    lifespan="off",
+                )
+            )
+            await self._server.serve()
+        finally:
+            await service.shutdown()
