@@ -1,4 +1,4 @@
-"""``prorsa rl``: train the learned allocation policy in the simulator."""
+"""``prorsa rl``: train and evaluate the learned allocation policy in the simulator."""
 
 from __future__ import annotations
 
@@ -6,30 +6,117 @@ from pathlib import Path
 
 import typer
 
-from prorsa.cli.common import console, friendly_errors
+from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.errors import ConfigError
+from prorsa.runtime.sim.rl_domain import DomainConfig
+from prorsa.runtime.sim.rl_train import TrainConfig, config_help
 
 app = typer.Typer(no_args_is_help=True)
+
+_HELP = config_help(TrainConfig)
+_DOMAIN_HELP = config_help(DomainConfig)
+_DEFAULT = TrainConfig()
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in _names(text))
+    except ValueError:
+        raise ConfigError(f"--{what} takes comma-separated integers, not '{text}'") from None
+
+
+def parse_curriculum(text: str) -> tuple[tuple[float, int], ...]:
+    """``"0:8,0.25:16,0.5:32"`` -> ((0.0, 8), (0.25, 16), (0.5, 32))."""
+    stages = []
+    for item in _names(text):
+        fraction, _, slots = item.partition(":")
+        try:
+            stages.append((float(fraction), int(slots)))
+        except ValueError:
+            raise ConfigError(
+                f"--curriculum stage '{item}' must look like FRACTION:SLOTS (e.g. 0.25:16)"
+            ) from None
+    return tuple(stages)
+
+
+def _curriculum_text(stages: tuple[tuple[float, int], ...]) -> str:
+    return ",".join(f"{f:g}:{n}" for f, n in stages)
 
 
 @app.command("train")
 @friendly_errors
 def train(
     out: Path = typer.Option(Path("models/rl-ppo"), help="output directory"),
-    scenario: str = typer.Option("swe", help="scenario to train on"),
-    engines: int = typer.Option(8, help="engine slots"),
-    trajectories: int = typer.Option(64, help="trajectories per episode"),
-    timesteps: int = typer.Option(30_000, help="PPO environment steps"),
-    seed: int = typer.Option(0),
+    timesteps: int = typer.Option(_DEFAULT.timesteps, help=_HELP["timesteps"]),
+    max_wall_s: float | None = typer.Option(None, help=_HELP["max_wall_s"]),
+    workers: int = typer.Option(_DEFAULT.workers, help=_HELP["workers"]),
+    seed: int = typer.Option(_DEFAULT.seed, help=_HELP["seed"]),
+    curriculum: str = typer.Option(_curriculum_text(_DEFAULT.curriculum), help=_HELP["curriculum"]),
+    families: str = typer.Option(",".join(_DEFAULT.domain.families), help=_DOMAIN_HELP["families"]),
+    scenarios: str = typer.Option(
+        ",".join(_DEFAULT.domain.scenarios), help=_DOMAIN_HELP["scenarios"]
+    ),
+    modes: str = typer.Option(",".join(_DEFAULT.domain.modes), help=_DOMAIN_HELP["modes"]),
+    loads: str = typer.Option(
+        ",".join(map(str, _DEFAULT.domain.loads_per_gpu)), help=_DOMAIN_HELP["loads_per_gpu"]
+    ),
+    max_trajectories: int = typer.Option(
+        _DEFAULT.domain.max_trajectories, help=_DOMAIN_HELP["max_trajectories"]
+    ),
+    switch_penalty: float = typer.Option(_DEFAULT.switch_penalty, help=_HELP["switch_penalty"]),
+    eval_every: int = typer.Option(_DEFAULT.eval_every, help=_HELP["eval_every"]),
+    eval_episodes: int = typer.Option(_DEFAULT.eval_episodes, help=_HELP["eval_episodes"]),
+    tracking_uri: str | None = typer.Option(None, help=_HELP["tracking_uri"]),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
 ) -> None:
-    """Train a PPO agent on simulated rollouts; `--policy rl` then loads it."""
+    """Train a PPO agent on randomised simulated rollouts; `--policy rl` then loads it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
     from prorsa.runtime.sim.rl_train import train_ppo
 
-    manifest = train_ppo(
-        out,
-        scenario=scenario,
-        engines=engines,
-        trajectories=trajectories,
+    stages = parse_curriculum(curriculum)
+    config = TrainConfig(
         timesteps=timesteps,
+        max_wall_s=max_wall_s,
+        workers=workers,
         seed=seed,
+        curriculum=stages,
+        domain=DomainConfig(
+            families=_names(families),
+            scenarios=_names(scenarios),
+            modes=_names(modes),
+            loads_per_gpu=_ints(loads, "loads"),
+            max_slots=stages[0][1] if stages else _DEFAULT.domain.max_slots,
+            max_trajectories=max_trajectories,
+        ),
+        switch_penalty=switch_penalty,
+        eval_every=eval_every,
+        eval_episodes=eval_episodes,
+        tracking_uri=tracking_uri,
     )
-    console.print(f"saved {out / 'model.zip'} ({manifest['timesteps']} steps on {scenario})")
+    with Progress(
+        "[bold]training",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=as_json,
+    ) as bar:
+        task = bar.add_task("steps", total=timesteps)
+        manifest = train_ppo(
+            out, config, progress=lambda step, total: bar.update(task, completed=step)
+        )
+    if as_json:
+        print_json(manifest)
+        return
+    score = manifest["validation"]
+    console.print(
+        f"saved {out / 'model.zip'}: {manifest['steps_trained']} steps, validation speedup "
+        "over colocation "
+        f"{score['validation_speedup_mean']:.3f}x (worst {score['validation_speedup_min']:.3f}x)"
+    )

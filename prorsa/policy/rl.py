@@ -1,123 +1,247 @@
-"""A learned allocation policy: a small PPO agent (stable-baselines3) that nudges the
-prefill share one slot at a time from a compact view of the cluster.
+"""A learned allocation policy: a PPO agent (stable-baselines3) that picks a target mode or
+split every few seconds from a scale-free view of the cluster.
 
-The observation encoding lives here, in the policy layer, so the training environment
-(``prorsa.runtime.sim.gym_env``) and the deployed policy see exactly the same features.
+The observation (:mod:`prorsa.policy.rl_features`) and the action set with its safety
+rule (:mod:`prorsa.policy.rl_actions`) live in the policy layer, so the training
+environment (``prorsa.runtime.sim.gym_env``) and the deployed policy share them exactly:
+both are :class:`TargetPolicy` subclasses and differ only in who picks the action.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from abc import abstractmethod
 from pathlib import Path
 
 import numpy as np
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
-from prorsa.policy.demand import current_load
-from prorsa.policy.types import Allocation, ClusterObservation, Forecast
-
-OBS_FEATURES = (
-    "prefill_share",
-    "switching_share",
-    "prefill_backlog_s",
-    "decode_batch_per_gpu",
-    "decode_kv_use",
-    "queued_share",
-    "in_tool_share",
-    "done_share",
+from prorsa.policy.rl_actions import (
+    COLOCATED,
+    DECISION_INTERVAL_S,
+    HOLD,
+    TARGETS,
+    SwitchGuard,
+    Target,
 )
-ACTIONS = (-1, 0, 1)  # change in prefill slots
+from prorsa.policy.rl_features import OBS_FEATURES, observation_vector
+from prorsa.policy.types import SWITCHING, Allocation, ClusterObservation, Forecast
+
+__all__ = [
+    "OBS_FEATURES",
+    "TARGETS",
+    "ExternalPolicy",
+    "RLPolicy",
+    "TargetPolicy",
+    "resolve_model_dir",
+]
 
 
-def observation_vector(obs: ClusterObservation, spec: ClusterSpec) -> np.ndarray:
-    """The agent's view of ``obs``: scale-free numbers, roughly in [0, 1]."""
-    load = current_load(obs)
-    n = max(len(obs.slots), 1)
-    switching = sum(1 for s in obs.slots if s.role == "switching")
-    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
-    backlog_s = load.prefill_backlog_tokens / max(load.prefill_slots * per_slot, 1.0)
-    decode = [s for s in obs.slots if s.role in ("decode", "colocated")]
-    kv_use = sum(s.kv_used_tokens for s in decode) / max(
-        sum(s.kv_capacity_tokens for s in decode), 1
-    )
-    states = obs.trajectory_state
-    live = max(sum(v for k, v in states.items() if k != "done"), 1)
-    total = max(obs.total_trajectories or live + obs.completed_trajectories, 1)
-    vec = [
-        load.prefill_slots / n,
-        switching / n,
-        min(backlog_s / 10.0, 1.0),
-        min(load.decode_sequences / max(load.decode_slots * spec.slot_gpus * 256.0, 1.0), 1.0),
-        min(kv_use, 1.0),
-        states.get("queued", 0) / live,
-        states.get("in_tool", 0) / live,
-        obs.completed_trajectories / total,
-    ]
-    return np.asarray(vec, dtype=np.float32)
+class TargetPolicy(SplitPolicy):
+    """Holds a target (colocated or a split) and revisits it every ``decision_interval_s``.
 
+    The first decision (before any work arrives) sets the initial layout, which costs no
+    switch; later changes go through a :class:`SwitchGuard` and are refused while any
+    slot is still switching. Subclasses implement :meth:`choose` (an index into
+    :data:`TARGETS`).
 
-class _DeltaPolicy(SplitPolicy):
-    """Shared arithmetic: move the prefill share by one slot, clamped to [1, N-1]."""
+    Args:
+        decision_interval_s: seconds between the agent's decisions (ticks in between
+            hold the target).
+        min_hold_s: seconds a target is kept before the next change.
+        max_changes_per_min: average rate of target changes allowed.
+    """
 
-    def __init__(self, prefill_fraction: float = 0.25) -> None:
-        self.prefill_fraction = prefill_fraction
+    def __init__(
+        self,
+        decision_interval_s: float = DECISION_INTERVAL_S,
+        min_hold_s: float = SwitchGuard.min_hold_s,
+        max_changes_per_min: float = SwitchGuard.max_changes_per_min,
+    ) -> None:
+        self.decision_interval_s = decision_interval_s
+        self.min_hold_s = min_hold_s
+        self.max_changes_per_min = max_changes_per_min
 
-    def _apply(self, obs: ClusterObservation, delta: int, reason: str) -> Allocation:
-        current = current_load(obs).prefill_slots
-        if current == 0:
-            current, delta = self.initial_prefill_slots(), 0
-        return self.split(min(max(current + delta, 1), self.cluster_.num_slots - 1), reason)
+    def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
+        super().reset(cluster, seed)
+        if self.decision_interval_s <= 0:
+            raise ConfigError(f"{type(self).__name__}: decision_interval_s must be > 0")
+        self.guard_ = SwitchGuard(self.min_hold_s, self.max_changes_per_min)
+        self.target_: Target = COLOCATED
+        self.initial_target_: Target = COLOCATED
+        self.started_ = False
+        self.next_decision_s_ = 0.0
+        # Slot-seconds spent switching, summed over the ticks this policy saw.
+        self.switching_slot_s_ = 0.0
+        self._last_tick_s: float | None = None
 
+    @abstractmethod
+    def choose(self, obs: ClusterObservation) -> int:
+        """Index into :data:`TARGETS` for this decision."""
 
-class ExternalPolicy(_DeltaPolicy):
-    """Applies whatever action the caller set last (the Gymnasium environment's agent)."""
-
-    def __init__(self, prefill_fraction: float = 0.25) -> None:
-        super().__init__(prefill_fraction)
-        self.action = 1
+    def features(self, obs: ClusterObservation) -> np.ndarray:
+        """The agent's observation of ``obs`` (including the safety rule's state)."""
+        if not self.started_:
+            return observation_vector(obs, self.cluster_, min_hold_s=self.min_hold_s)
+        return observation_vector(
+            obs,
+            self.cluster_,
+            since_change_s=self.guard_.since_change_s(obs.time_s),
+            min_hold_s=self.min_hold_s,
+            can_change=self._may_change(obs),
+        )
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
-        return self._apply(obs, ACTIONS[self.action], f"external action {ACTIONS[self.action]:+d}")
+        now = obs.time_s
+        self._account_switching(obs)
+        name = type(self).__name__
+        if not self.started_:
+            # The initial layout is applied before any work arrives: free to choose.
+            target = TARGETS[self.choose(obs)]
+            self.target_ = self.initial_target_ = COLOCATED if target is HOLD else target
+            self.started_ = True
+            self.guard_.reset(now)
+            self.next_decision_s_ = now + self.decision_interval_s
+            return self._allocation(self.target_, f"{name}: start {self.target_.label}")
+        if now < self.next_decision_s_ - 1e-9:
+            return self._allocation(self.target_, f"{name}: hold {self.target_.label}")
+        while self.next_decision_s_ <= now + 1e-9:
+            self.next_decision_s_ += self.decision_interval_s
+        target = TARGETS[self.choose(obs)]
+        if target is HOLD or self._same(target, self.target_):
+            return self._allocation(self.target_, f"{name}: hold {self.target_.label}")
+        if not self._may_change(obs):
+            return self._allocation(self.target_, f"{name}: guard holds {self.target_.label}")
+        self.guard_.record(now)
+        self.target_ = target
+        return self._allocation(target, f"{name}: change to {target.label}")
+
+    @property
+    def target_changes(self) -> int:
+        """Target changes after the initial layout."""
+        return self.guard_.changes
+
+    def _may_change(self, obs: ClusterObservation) -> bool:
+        switching = any(s.role == SWITCHING for s in obs.slots)
+        return not switching and self.guard_.allows(obs.time_s)
+
+    def _same(self, a: Target, b: Target) -> bool:
+        if a.mode != b.mode:
+            return False
+        return a.mode != "split" or a.prefill_slots(self.cluster_.num_slots) == b.prefill_slots(
+            self.cluster_.num_slots
+        )
+
+    def _allocation(self, target: Target, reason: str) -> Allocation:
+        if target.mode == "colocated":
+            return self.colocate(reason)
+        return self.split(target.prefill_slots(self.cluster_.num_slots), reason)
+
+    def _account_switching(self, obs: ClusterObservation) -> None:
+        if self._last_tick_s is not None:
+            switching = sum(1 for s in obs.slots if s.role == SWITCHING)
+            self.switching_slot_s_ += switching * max(obs.time_s - self._last_tick_s, 0.0)
+        self._last_tick_s = obs.time_s
+
+
+class ExternalPolicy(TargetPolicy):
+    """Applies the action its caller set (the Gymnasium environment's agent).
+
+    ``action`` is consumed by the next decision; ticks without a new action hold.
+    """
+
+    def __init__(
+        self,
+        decision_interval_s: float = DECISION_INTERVAL_S,
+        min_hold_s: float = SwitchGuard.min_hold_s,
+        max_changes_per_min: float = SwitchGuard.max_changes_per_min,
+    ) -> None:
+        super().__init__(decision_interval_s, min_hold_s, max_changes_per_min)
+        self.action: int | None = None
+
+    def choose(self, obs: ClusterObservation) -> int:
+        action, self.action = self.action, None
+        return TARGETS.index(HOLD) if action is None else int(action)
 
 
 @POLICIES.register("rl")
-class RLPolicy(_DeltaPolicy):
-    """A PPO agent trained in the simulator (`prorsa rl train`) moving one slot per tick.
+class RLPolicy(TargetPolicy):
+    """A PPO agent trained in the simulator (`prorsa rl train`) that picks a target mode or
+    split every ``decision_interval_s`` (see :class:`TargetPolicy` for the safety rule).
 
     Args:
-        model: directory holding ``model.zip`` and ``manifest.json`` (relative paths are
+        model: directory holding ``model.zip`` and ``manifest.json`` (relative names are
             looked up under the repository's ``models/``).
-        prefill_fraction: split before the agent's first decision.
+        decision_interval_s / min_hold_s / max_changes_per_min: as in :class:`TargetPolicy`.
     """
 
-    def __init__(self, model: str = "rl-ppo", prefill_fraction: float = 0.25) -> None:
-        super().__init__(prefill_fraction)
+    def __init__(
+        self,
+        model: str = "rl-ppo",
+        decision_interval_s: float = DECISION_INTERVAL_S,
+        min_hold_s: float = SwitchGuard.min_hold_s,
+        max_changes_per_min: float = SwitchGuard.max_changes_per_min,
+    ) -> None:
+        super().__init__(decision_interval_s, min_hold_s, max_changes_per_min)
         self.model = model
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
-        path = resolve_model_dir(self.model)
-        if not (path / "model.zip").exists():
-            raise ConfigError(
-                f"no trained RL policy at {path}",
-                hint="train one with `prorsa rl train --out models/rl-ppo`",
-            )
-        from stable_baselines3 import PPO
+        self.agent_ = load_agent(resolve_model_dir(self.model))
 
-        self.agent_ = PPO.load(path / "model.zip", device="cpu")
-        manifest = json.loads((path / "manifest.json").read_text())
-        if tuple(manifest["features"]) != OBS_FEATURES:
-            raise ConfigError(f"{path}: trained on other features {manifest['features']}")
+    def choose(self, obs: ClusterObservation) -> int:
+        action, _ = self.agent_.predict(self.features(obs), deterministic=True)
+        return int(action)
 
-    def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
-        action, _ = self.agent_.predict(observation_vector(obs, self.cluster_), deterministic=True)
-        delta = ACTIONS[int(action)]
-        return self._apply(obs, delta, f"rl action {delta:+d}")
+    @classmethod
+    def search_space(cls, trial) -> dict:
+        return {
+            "min_hold_s": trial.suggest_float("min_hold_s", 5.0, 60.0),
+            "decision_interval_s": trial.suggest_float("decision_interval_s", 5.0, 20.0),
+        }
 
 
 def resolve_model_dir(name: str) -> Path:
+    """``name`` as given when it exists or is absolute, else ``models/<name>``."""
     path = Path(name)
     if path.is_absolute() or path.exists():
         return path
     return Path(__file__).resolve().parents[2] / "models" / name
+
+
+def check_manifest(path: Path) -> dict:
+    """The model's manifest, after checking it was trained on today's features and actions."""
+    manifest_path = path / "manifest.json"
+    if not (path / "model.zip").exists() or not manifest_path.exists():
+        raise ConfigError(
+            f"no trained RL policy at {path}",
+            hint="train one with `prorsa rl train --out models/rl-ppo`",
+        )
+    manifest = json.loads(manifest_path.read_text())
+    if tuple(manifest.get("features", ())) != OBS_FEATURES:
+        raise ConfigError(
+            f"{manifest_path}: trained on other features {manifest.get('features')}",
+            hint="retrain with `prorsa rl train`",
+        )
+    if tuple(manifest.get("actions", ())) != tuple(t.label for t in TARGETS):
+        raise ConfigError(
+            f"{manifest_path}: trained with other actions {manifest.get('actions')}",
+            hint="retrain with `prorsa rl train`",
+        )
+    return manifest
+
+
+def load_agent(path: Path):
+    """The PPO agent saved in ``path`` (loaded once per file version)."""
+    check_manifest(path)
+    zip_path = path / "model.zip"
+    return _load_agent(str(zip_path), zip_path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_agent(zip_path: str, mtime_ns: int):
+    from stable_baselines3 import PPO
+
+    return PPO.load(zip_path, device="cpu")

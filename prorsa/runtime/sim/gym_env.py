@@ -27,6 +27,7 @@ import numpy as np
 from prorsa.policy import make_policy
 from prorsa.policy.base import ClusterSpec, Policy
 from prorsa.policy.rl import OBS_FEATURES, TARGETS, ExternalPolicy
+from prorsa.policy.rl_actions import DECISION_INTERVAL_S, SwitchGuard
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 from prorsa.runtime.sim.drivers import Driver, DriverResult
 from prorsa.runtime.sim.rl_domain import DomainConfig, EpisodeConfig
@@ -60,9 +61,9 @@ class AllocationEnv(gym.Env):
         *,
         interval_s: float = 1.0,
         min_dwell_s: float = 10.0,
-        decision_interval_s: float = 10.0,
-        min_hold_s: float = 20.0,
-        max_changes_per_min: float = 1.0,
+        decision_interval_s: float = DECISION_INTERVAL_S,
+        min_hold_s: float = SwitchGuard.min_hold_s,
+        max_changes_per_min: float = SwitchGuard.max_changes_per_min,
         switch_penalty: float = 1.0,
         max_steps: int = 1000,
     ) -> None:

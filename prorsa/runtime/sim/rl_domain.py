@@ -10,12 +10,15 @@ two cores stays affordable (bigger cells are left to the held-out evaluation).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.runtime.sim.config import ClusterConfig
-from prorsa.runtime.sim.scenario import WorkloadConfig
+
+if TYPE_CHECKING:  # the simulator is imported when an episode is built (keeps the CLI light)
+    from prorsa.runtime.sim.config import ClusterConfig
+    from prorsa.runtime.sim.scenario import WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class ClusterFamily:
     slots: tuple[int, ...] = (4, 6, 8, 12, 16, 24, 32)
 
     def cluster(self, num_slots: int) -> ClusterConfig:
+        from prorsa.runtime.sim.config import ClusterConfig
+
         return ClusterConfig(
             profile=self.profile,
             num_slots=num_slots,
@@ -84,6 +89,8 @@ class EpisodeConfig:
     def workload(self) -> WorkloadConfig:
         """Sync: one step of ``load x GPUs`` trajectories; async: that many in flight and
         twice as many in total (long enough to reach a steady state)."""
+        from prorsa.runtime.sim.scenario import WorkloadConfig
+
         in_flight = self.trajectories_per_gpu * self.gpus
         if self.mode == "sync":
             return WorkloadConfig(
@@ -99,7 +106,8 @@ class EpisodeConfig:
 
     @property
     def trajectories(self) -> int:
-        return self.workload().trajectories
+        in_flight = self.trajectories_per_gpu * self.gpus
+        return in_flight if self.mode == "sync" else 2 * in_flight
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -121,7 +129,7 @@ class DomainConfig:
     )
     max_slots: int = field(default=32, metadata={"help": "largest slot count (curriculum)"})
     max_trajectories: int = field(
-        default=2048, metadata={"help": "largest episode, in trajectories (cost cap)"}
+        default=1024, metadata={"help": "largest episode, in trajectories (cost cap)"}
     )
 
     def validate(self) -> None:
