@@ -131,7 +131,15 @@ class Tracker:
         found = client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
-        return client.create_experiment(name, artifact_location=self._artifact_location(name))
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return client.create_experiment(name, artifact_location=self._artifact_location(name))
+        except MlflowException:  # another process created it meanwhile
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def _artifact_location(self, name: str) -> str | None:
         # A SQLite store keeps its artifacts beside the database file, not in the cwd.
