@@ -155,7 +155,12 @@ async def prorsa_update_weights(request: Request) -> dict[str, Any]:
     folder = body.get("path")
     if not isinstance(folder, str) or not folder:
         raise HTTPError(400, "needs 'path' (a save_pretrained folder)", param="path")
-    return await _service(request).update_weights_from_path(folder, body.get("version"))
+    drain = body.get("drain_timeout_s")
+    if drain is not None and (not isinstance(drain, int | float) or drain < 0):
+        raise HTTPError(400, "drain_timeout_s must be a number >= 0", param="drain_timeout_s")
+    return await _service(request).update_weights_from_path(
+        folder, body.get("version"), drain_timeout_s=drain
+    )
 
 
 @router.post("/start_weight_update")

@@ -332,13 +332,15 @@ class RolloutService:
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_path(
-        self, path: str, version: int | None = None
+        self, path: str, version: int | None = None, *, drain_timeout_s: float | None = None
     ) -> dict[str, Any]:
         """Load a ``save_pretrained`` folder on every engine, whatever its role.
 
         Args:
             path: the folder, visible to every engine.
             version: the new weight version (> the current one); None: current + 1.
+            drain_timeout_s: how long turns in flight may finish under the old weights
+                (later ones are served again under the new); None: the config's.
 
         Returns:
             The sync summary: versions, whether turns drained or were re-served, per
@@ -346,7 +348,9 @@ class RolloutService:
         """
         folder = str(check_weight_dir(path, self.config.model))
         version = self._next_version(version)
-        async with self.sync.paused(self.config.sync_drain_timeout_s) as window:
+        if drain_timeout_s is None:
+            drain_timeout_s = self.config.sync_drain_timeout_s
+        async with self.sync.paused(drain_timeout_s) as window:
             results = await self.for_each_engine(
                 lambda c: c.update_weights_from_path(folder, version), tolerate=True
             )

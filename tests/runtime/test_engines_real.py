@@ -208,6 +208,127 @@ def test_role_switch_in_flight_loses_and_duplicates_nothing(fleet, reference, tm
     print(f"\nrole switch with {summary['aborted']} aborted: {summary['stages_s']}")
 
 
+def test_logprobs_and_sampling_parameters(fleet, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    client = fleet.clients[COLOCATED]
+    prompt = tokens(20, 61)
+    out = asyncio.run(
+        client.generate("lp", prompt, 6, 0.0, logprobs=2, prompt_logprobs=0, ignore_eos=True)
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).float()
+    with torch.no_grad():
+        x = torch.tensor([prompt + out["output_token_ids"]])
+        rows = torch.log_softmax(model(x).logits[0, :-1], -1)
+    expected = rows.gather(1, x[0, 1:, None])[:, 0].tolist()
+    n = len(prompt) - 1
+    assert max(abs(a - b) for a, b in zip(out["output_logprobs"], expected[n:], strict=True)) < 2e-3
+    assert out["prompt_logprobs"][0] is None
+    assert (
+        max(abs(a - b) for a, b in zip(out["prompt_logprobs"][1:], expected[:n], strict=True))
+        < 2e-3
+    )
+    assert [len(top) for top in out["top_logprobs"]] == [2] * 6
+    assert out["weight_version"] == "0" and out["weight_versions"] == [["0", 0, 6]]
+    seeded = [
+        asyncio.run(client.generate(f"seed{i}", prompt, 8, 1.0, seed=7, top_k=50, min_p=0.001))
+        for i in range(2)
+    ]
+    assert seeded[0]["output_token_ids"] == seeded[1]["output_token_ids"]
+    stop = out["output_token_ids"][2]
+    stopped = asyncio.run(client.generate("stop", prompt, 6, 0.0, stop_token_ids=[stop]))
+    assert stopped["output_token_ids"][-1] == stop and stopped["finish_reason"] == "stop"
+    for bad, field in [({"top_k": -5}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"bogus": 1}, "bogus"),
+                       ({"logprobs": 99}, "logprobs")]:  # fmt: skip
+        with pytest.raises(InputError, match=field):
+            asyncio.run(client.generate("bad", prompt, 2, 1.0, **bad))
+
+
+def test_pause_modes(fleet, reference):
+    client = fleet.clients[COLOCATED]
+    prompt = tokens(30, 71)
+
+    async def run(mode):
+        turn = asyncio.ensure_future(
+            client.generate(f"pause-{mode}", prompt, 120, 0.0, ignore_eos=True)
+        )
+        await asyncio.sleep(0.3)
+        await client.pause(mode)
+        paused_done = turn.done()
+        await asyncio.sleep(0.3)
+        await client.resume()
+        return paused_done, await turn
+
+    frozen_done, kept = asyncio.run(run("keep"))
+    waited_done, waited = asyncio.run(run("wait"))
+    _, aborted = asyncio.run(run("abort"))
+    assert not frozen_done and kept["output_token_ids"] == reference(prompt, 120)
+    assert waited_done and waited["output_token_ids"] == reference(prompt, 120)
+    assert aborted["finish_reason"] == "abort" and len(aborted["output_token_ids"]) < 120
+    with pytest.raises(InputError, match="pause mode"):
+        asyncio.run(client.pause("later"))
+
+
+def test_weight_update_changes_outputs_in_place(fleet, reference, tmp_path):
+    from prorsa.runtime.ray.tiny_model import make_tiny_model
+
+    client = fleet.clients[COLOCATED]
+    prompt = tokens(40, 81)
+    other = make_tiny_model(tmp_path / "seed1", seed=1)
+    pid = fleet.health[COLOCATED]["pid"]
+    update = asyncio.run(client.update_weights_from_path(str(other), 1))
+    changed = asyncio.run(client.generate("w1", prompt, 16, 0.0, ignore_eos=True))
+    with pytest.raises(InputError, match="never go backwards"):
+        asyncio.run(client.update_weights_from_path(str(other), 0))
+    with pytest.raises(InputError, match="does not exist"):
+        asyncio.run(client.update_weights_from_path(str(tmp_path / "missing"), 2))
+    restored = asyncio.run(client.update_weights_from_path(fleet.spec.engine.model, 2))
+    back = asyncio.run(client.generate("w2", prompt, 16, 0.0, ignore_eos=True))
+    health = asyncio.run(client.health())
+    assert update["weight_version"] == 1 and update["prefix_cache_reset"] is True
+    assert changed["output_token_ids"] != reference(prompt, 16) and changed["weight_version"] == "1"
+    assert restored["weight_version"] == 2 and back["weight_version"] == "2"
+    assert back["output_token_ids"] == reference(prompt, 16)
+    assert health["pid"] == pid and health["weight_version"] == 2  # no restart
+    rpc = asyncio.run(client.collective_rpc("compute_weight_checksums"))
+    assert isinstance(rpc, list) and len(rpc) == 1
+
+
+def test_decode_refuses_kv_computed_under_other_weights(fleet):
+    from prorsa.runtime.ray.engine import KV_WEIGHT_VERSION_KEY, PREFILL_FOR_REMOTE_DECODE
+
+    prompt = tokens(64, 91)
+    prefill, decode = fleet.clients[0], fleet.clients[1]
+    first = asyncio.run(prefill.generate("kv-p", prompt, 1, 0.0, dict(PREFILL_FOR_REMOTE_DECODE)))
+    params = first["kv_transfer_params"]
+    assert params[KV_WEIGHT_VERSION_KEY] == 0
+    asyncio.run(decode.set_weight_version(9))
+    try:
+        refused = asyncio.run(decode.generate("kv-d", prompt, 8, 0.0, params))
+    finally:
+        asyncio.run(decode.set_weight_version(0))
+    assert refused["finish_reason"] == "abort" and refused["output_token_ids"] == []
+
+
+def test_sleep_stops_generation_until_wake_up(fleet, reference):
+    client = fleet.clients[COLOCATED]
+    prompt = tokens(12, 17)
+
+    async def run():
+        slept = await client.sleep(1)
+        turn = asyncio.ensure_future(client.generate("asleep", prompt, 8, 0.0, ignore_eos=True))
+        await asyncio.sleep(0.5)
+        held = not turn.done() and await client.is_sleeping()
+        awake = await client.wake_up()
+        return slept, held, awake, await turn
+
+    slept, held, awake, result = asyncio.run(run())
+    # vLLM's CPU worker has no sleep mode: scheduling stops, memory stays (reported).
+    assert slept["freed"] == [] and slept["rss_bytes"]["after"] > 0
+    assert held and awake and result["output_token_ids"] == reference(prompt, 8)
+
+
 def test_killed_engine_mid_decode_requests_are_rerouted(fleet, reference):
     router = make_router(fleet)
     prompts = [tokens(30 + i, 90 + i) for i in range(6)]
