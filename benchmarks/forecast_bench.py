@@ -4,8 +4,8 @@ Held-out data are the shipping recipe's held-out cells (``prorsa.forecast.shippi
 every scenario and the held-out half of every shipped real trace (replayed through the
 simulator), sync and async, at 8 engines x 16 and x 128 trajectories per GPU and 32
 engines x 8 with the KV store; seeds, trace halves and cells the shipped models never
-saw. Rolling-origin backtests (fed every 1 s tick, a forecast scored at every second
-tick); WAPE per target x horizon x
+saw (``--runs-every N``: every n-th of them). Rolling-origin backtests (fed every 1 s
+tick, a forecast scored at every ``--score-every``-th tick); WAPE per target x horizon x
 forecaster over "sim" (scenario runs) and "replay" (trace replays), over all ticks and
 ticks >= 30 s ("steady"), and per load cell. The learned forecasters are the shipped
 ones in models/ (regenerate: ``prorsa forecast ship``); EWMA and Kalman pick their
@@ -19,12 +19,14 @@ Goals (issue 14), reported whether met or not: lightgbm-trajectory's prefill WAP
 <= 0.5x the best baseline's on held-out simulations AND replayed held-out traces, also at
 128 trajectories per GPU; decode-demand (decode tokens) WAPE <= 0.7x the best baseline's.
 
-    .venv/bin/python benchmarks/forecast_bench.py      (tens of minutes on 2 cores; writes
+    .venv/bin/python benchmarks/forecast_bench.py      (an hour or more on 2 cores; writes
     benchmarks/results/forecast.json and benchmarks/results/forecast-*.png)
+    .venv/bin/python benchmarks/forecast_bench.py --runs-every 2 --score-every 3   (quicker)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -55,13 +57,12 @@ BASELINES = ("last-value", "ewma", "kalman")
 LEARNED = ("lightgbm-trajectory", "lightgbm-aggregate", "gru")
 HEADLINE = "lightgbm-trajectory"
 STEADY_S = 30.0
-SCORE_EVERY = 2  # forecast at every 2nd tick (fed every tick): half the cost, unbiased
 TUNE_CELL = Cell(8, 16, 50)
 
 
-def heldout_sets(work: Path) -> dict[str, object]:
+def heldout_sets(work: Path, runs_every: int = 1) -> dict[str, object]:
     traces = datasets_dir() / "traces"
-    runs = recipe_runs(traces, work, HELDOUT_CELLS, "heldout")
+    runs = recipe_runs(traces, work, HELDOUT_CELLS, "heldout")[::runs_every]
     tables = simulate_runs(runs)
     sims = [t for r, t in zip(runs, tables, strict=True) if r.scenario]
     replays = [t for r, t in zip(runs, tables, strict=True) if r.trace]
@@ -146,9 +147,13 @@ def goal(table: dict, target: str, limit: float) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs-every", type=int, default=1, help="every n-th held-out run")
+    parser.add_argument("--score-every", type=int, default=2, help="score every n-th tick")
+    args = parser.parse_args()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        sets = heldout_sets(Path(tmp))
+        sets = heldout_sets(Path(tmp), args.runs_every)
     print(f"held-out runs simulated ({time.perf_counter() - began:.0f} s)", flush=True)
     models = forecasters(sets["tune"])
     results: dict[str, pd.DataFrame] = {}
@@ -156,10 +161,11 @@ def main() -> None:
         frames = []
         for name, f in models.items():
             t0 = time.perf_counter()
-            frames.append(backtest(f, sets[key], model=name, every=SCORE_EVERY))
+            frames.append(backtest(f, sets[key], model=name, every=args.score_every))
             print(f"{key}: {name} backtested ({time.perf_counter() - t0:.0f} s)", flush=True)
         results[key] = pd.concat(frames, ignore_index=True)
     quality = {key: wape_tables(frame) for key, frame in results.items()}
+    pooled = wape_tables(pd.concat(list(results.values()), ignore_index=True))["all"]
     goals: dict = {}
     for key in quality:
         for span in quality[key]:
@@ -180,7 +186,8 @@ def main() -> None:
             "scenarios": SHIP_SCENARIOS,
             "traces": SHIP_TRACES,
             "steady_from_s": STEADY_S,
-            "scored_every_nth_tick": SCORE_EVERY,
+            "heldout_runs_every": args.runs_every,
+            "scored_every_nth_tick": args.score_every,
             "models": {n: str(models_dir() / n) for n in LEARNED},
             "model_simulator": load_forecaster(models_dir() / HEADLINE).manifest_.get(
                 "simulator", {}
@@ -194,6 +201,7 @@ def main() -> None:
             }
             for key in quality
         },
+        "wape_h5_pooled": {m: {t: v[t]["5"] for t in TARGETS} for m, v in pooled.items()},
         "quantiles_h5": {key: quantile_report(frame) for key, frame in results.items()},
         "wape_h5_by_workload": {key: by_workload(frame) for key, frame in results.items()},
         "goals": goals,

@@ -446,8 +446,13 @@ def _stage(progress: Callable[[str, int, int], None] | None, stage: str) -> Prog
     return None if progress is None else lambda done, total: progress(stage, done, total)
 
 
-def write_data_card(path: Path, data, results: dict, heldout_runs: int) -> None:
-    """models/README.md: what the shipped models were trained on and how they score."""
+def write_data_card(
+    path: Path, data, results: dict, heldout_runs: int, *, scored_by: str | None = None
+) -> None:
+    """models/README.md: what the shipped models were trained on and how they score.
+
+    ``scored_by`` replaces the sentence that says which held-out runs were backtested.
+    """
     recipe = ship_recipe(data)
     sim = recipe["simulator"]
     lines = [
@@ -490,8 +495,9 @@ def write_data_card(path: Path, data, results: dict, heldout_runs: int) -> None:
         "",
         "## Held-out scores",
         "",
-        f"Rolling-origin backtest on {heldout_runs} held-out runs (every third of the",
-        "recipe's held-out runs: workloads, the held-out trace halves and both modes take",
+        scored_by
+        or f"Rolling-origin backtest on {heldout_runs} held-out runs (every third of the "
+        "recipe's held-out runs: workloads, the held-out trace halves and both modes take "
         "turns) in cells the training did not see:",
         "",
         "| engines | trajectories per GPU | KV reuse | profile | seed |",
