@@ -31,6 +31,7 @@ class ServeTurnResult(TurnResult):
     weight_versions: list[list[Any]] = field(default_factory=list)
     ttft_s: float | None = None
     tpot_s: float | None = None
+    engine_s: float | None = None  # time inside the engine actors (all legs)
 
 
 def served_result(result: TurnResult, session_id: str, prompt_tokens: int) -> ServeTurnResult:
@@ -64,5 +65,6 @@ def served_result(result: TurnResult, session_id: str, prompt_tokens: int) -> Se
         weight_version=int(version) if version is not None else -1,
         weight_versions=decode.get("weight_versions") or [],
         ttft_s=ttft,
+        engine_s=sum(leg.get("timings", {}).get("total_s") or 0.0 for leg in result.legs.values()),
         tpot_s=decode_s / (n_out - 1) if decode_s is not None and n_out > 1 else None,
     )

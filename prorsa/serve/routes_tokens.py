@@ -183,4 +183,5 @@ def prorsa_fields(result: Any) -> dict[str, Any]:
         "num_cached_tokens": result.num_cached_tokens,
         "latency_s": result.latency_s,
         "ttft_s": result.ttft_s,
+        "engine_s": result.engine_s,
     }

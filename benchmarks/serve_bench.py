@@ -1,0 +1,197 @@
+"""What ``prorsa serve`` adds over calling an engine directly, at 1, 16 and 64 sessions.
+
+One tiny-model engine in Ray, reached two ways in alternating rounds:
+
+* direct: ``EngineServer.generate`` through its Ray actor handle from this process;
+* served: ``POST /inference/v1/generate`` to ``prorsa serve`` (router, sessions, admission,
+  telemetry, HTTP) over the same engine, from a separate client process (as a trainer
+  would be), each session a multi-turn conversation with ``X-Session-ID``.
+
+Per request, *overhead* is the client-observed latency minus the time the request spent
+inside the engine actor (which both paths report), so engine queueing and decode time cancel
+out; *added* is served overhead minus direct overhead (the Ray round trip), at p50 and p99.
+Requests/s is requests completed per second of each phase. Writes
+benchmarks/results/serve.json. Goal from issue 12: added p50 < 3 ms and p99 < 20 ms at 16.
+
+    .venv/bin/python benchmarks/serve_bench.py [--requests 40] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from benchmarks._common import save
+
+CONCURRENCY = (1, 16, 64)
+PROMPT_TOKENS = 32
+MAX_TOKENS = 4
+
+
+def prompt_for(session: int, turn: int) -> list[int]:
+    return [(31 * session + 7 * i + turn) % 500 + 3 for i in range(PROMPT_TOKENS + 2 * turn)]
+
+
+# ---------------------------------------------------------------------- client process
+async def client_load(url: str, concurrency: int, requests: int) -> list[tuple[float, float]]:
+    """(latency_s, engine_s) per request, ``concurrency`` sessions of ``requests`` turns."""
+    import httpx
+
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
+    out: list[tuple[float, float]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+        async def session(s: int) -> None:
+            sid = f"bench-{concurrency}-{s}-{time.monotonic_ns()}"
+            for turn in range(requests):
+                body = {"token_ids": prompt_for(s, turn),
+                        "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                            "ignore_eos": True}}  # fmt: skip
+                started = time.perf_counter()
+                r = await http.post(
+                    "/inference/v1/generate", json=body, headers={"X-Session-ID": sid}
+                )
+                latency = time.perf_counter() - started
+                r.raise_for_status()
+                out.append((latency, r.json()["prorsa"]["engine_s"]))
+            await http.post("/finish_session", params={"session_id": sid})
+
+        await asyncio.gather(*(session(s) for s in range(concurrency)))
+    return out
+
+
+def served_round(url: str, concurrency: int, requests: int) -> tuple[list, float]:
+    cmd = [sys.executable, __file__, "--client", url, "--concurrency", str(concurrency),
+           "--requests", str(requests)]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - started
+    payload = json.loads(done.stdout.strip().splitlines()[-1])
+    return payload["samples"], payload["wall_s"] or wall
+
+
+# ---------------------------------------------------------------------- direct path
+async def direct_load(client, concurrency: int, requests: int) -> tuple[list, float]:
+    out: list[tuple[float, float]] = []
+
+    async def session(s: int) -> None:
+        for turn in range(requests):
+            started = time.perf_counter()
+            request_id = f"d{concurrency}-{s}-{turn}-{time.monotonic_ns()}"
+            r = await client.generate(
+                request_id, prompt_for(s, turn), MAX_TOKENS, 0.0, ignore_eos=True
+            )
+            out.append((time.perf_counter() - started, r["timings"]["total_s"]))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(session(s) for s in range(concurrency)))
+    return out, time.perf_counter() - started
+
+
+def stats(samples: list[tuple[float, float]], wall_s: float) -> dict[str, float]:
+    latency = np.array([s[0] for s in samples])
+    overhead = np.array([s[0] - s[1] for s in samples])
+    return {
+        "requests": len(samples),
+        "requests_per_s": len(samples) / wall_s,
+        "latency_p50_ms": float(np.percentile(latency, 50) * 1000),
+        "latency_p99_ms": float(np.percentile(latency, 99) * 1000),
+        "overhead_p50_ms": float(np.percentile(overhead, 50) * 1000),
+        "overhead_p99_ms": float(np.percentile(overhead, 99) * 1000),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=40, help="turns per session per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as load client
+    parser.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        started = time.perf_counter()
+        samples = asyncio.run(client_load(args.client, args.concurrency, args.requests))
+        print(json.dumps({"samples": samples, "wall_s": time.perf_counter() - started}))
+        return
+
+    import ray
+
+    from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
+    from prorsa.runtime.ray.config import EngineConfig
+    from prorsa.runtime.ray.engine import free_port
+    from prorsa.runtime.ray.tiny_model import make_tiny_model
+    from prorsa.serve import ServeConfig
+    from prorsa.serve.server import BackgroundServer
+
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "model", seed=0)
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        engine = EngineConfig(model=str(model), dtype="float32", max_model_len=1024,
+                              max_num_seqs=64, kv_cache_gib=0.25, connector=None)  # fmt: skip
+        fleet = EngineFleet.start(FleetSpec(engine, roles=["colocated"]))
+        config = ServeConfig(model=str(model), engines=1, policy="colocate", port=free_port(),
+                             max_num_seqs=64)  # fmt: skip
+        try:
+            with BackgroundServer(config, fleet=fleet) as server:
+                client = fleet.clients[0]
+                served_round(server.url, 4, 5)  # warm-up: connections, NIXL-free path, caches
+                asyncio.run(direct_load(client, 4, 5))
+                for c in CONCURRENCY:
+                    requests = max(5, args.requests // max(1, c // 8))
+                    direct, served = [], []
+                    direct_wall = served_wall = 0.0
+                    for _ in range(args.rounds):
+                        d, w = asyncio.run(direct_load(client, c, requests))
+                        direct += d
+                        direct_wall += w
+                        s, w = served_round(server.url, c, requests)
+                        served += s
+                        served_wall += w
+                    rd, rs = stats(direct, direct_wall), stats(served, served_wall)
+                    rows[str(c)] = {
+                        "direct": rd,
+                        "served": rs,
+                        "added_p50_ms": rs["overhead_p50_ms"] - rd["overhead_p50_ms"],
+                        "added_p99_ms": rs["overhead_p99_ms"] - rd["overhead_p99_ms"],
+                    }
+                    print(
+                        f"{c:>3} sessions: served {rs['requests_per_s']:.0f} req/s vs direct "
+                        f"{rd['requests_per_s']:.0f}; added p50 {rows[str(c)]['added_p50_ms']:.2f} "
+                        f"ms, p99 {rows[str(c)]['added_p99_ms']:.2f} ms", flush=True,
+                    )  # fmt: skip
+        finally:
+            fleet.shutdown()
+            ray.shutdown()
+    path = save(
+        "serve",
+        {
+            "setup": {
+                "engines": 1,
+                "prompt_tokens": PROMPT_TOKENS,
+                "max_tokens": MAX_TOKENS,
+                "rounds": args.rounds,
+                "load_average": os.getloadavg(),
+            },
+            "goal": {"concurrency": 16, "added_p50_ms": 3.0, "added_p99_ms": 20.0},
+            "concurrency": rows,
+        },
+    )
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
