@@ -306,6 +306,9 @@ def ship_cmd(
     out: Path = typer.Option(Path("models"), help="folder of the shipped models"),
     keep_data: Path | None = typer.Option(None, help="also keep the datasets in this folder"),
     model: list[str] = typer.Option([], "--model", help="ship only these (default: all)"),
+    validate_every: int = typer.Option(
+        3, help="backtest every n-th held-out run for the data card (0: none)"
+    ),
 ) -> None:
     """Regenerate the shipped models (and models/README.md) from the fixed recipe."""
     from prorsa.forecast.shipping import SHIP_MODELS, ship
@@ -316,7 +319,13 @@ def ship_cmd(
         def progress(stage: str, done: int, total: int) -> None:
             bar.update(task, description=stage, completed=done, total=total)
 
-        report = ship(out, keep_data=keep_data, models=model or SHIP_MODELS, progress=progress)
+        report = ship(
+            out,
+            keep_data=keep_data,
+            models=model or SHIP_MODELS,
+            validate_every=validate_every,
+            progress=progress,
+        )
     console.print(
         f"shipped {', '.join(report.models)} to {out}/ from {report.train_runs} training and "
         f"{report.heldout_runs} held-out runs (simulator {report.simulator['commit']}; "

@@ -158,17 +158,22 @@ def simulator_version() -> dict[str, str]:
     for file in files:
         digest.update(str(file.relative_to(root)).encode())
         digest.update(file.read_bytes())
+    commit = _git(root, "rev-parse", "--short", "HEAD")
+    # Uncommitted edits to the simulator: the commit alone would not reproduce the data.
+    dirty = bool(_git(root, "status", "--porcelain", "--", "runtime/sim", "runtime/cluster"))
+    return {
+        "prorsa": prorsa.__version__,
+        "source_sha256": digest.hexdigest(),
+        "commit": commit + ("+uncommitted" if dirty else ""),
+    }
+
+
+def _git(cwd: Path, *args: str) -> str:
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
     except OSError:
-        commit = ""
-    return {"prorsa": prorsa.__version__, "source_sha256": digest.hexdigest(), "commit": commit}
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 # -------------------------------------------------------------------------- train
@@ -249,6 +254,8 @@ SHIP_TRACES = [
 ]
 SHIP_MODELS = ["lightgbm-trajectory", "lightgbm-aggregate", "gru"]
 SHIP_MODES = ["sync", "async"]
+#: Parameters the recipe sets (recorded in each manifest's params).
+SHIP_PARAMS: dict[str, dict] = {"gru": {"epochs": 15}}
 
 
 @dataclass(frozen=True)
@@ -374,7 +381,7 @@ def ship(
     call with the same folder reuses them when they were made by the same simulator (same
     sources hash), so retraining does not re-simulate. The data card's held-out scores
     backtest every ``validate_every``-th held-out run (all cells and workloads take turns;
-    ``benchmarks/forecast_bench.py`` scores all of them against the baselines).
+    0: none; ``benchmarks/forecast_bench.py`` scores all of them against the baselines).
     ``progress(stage, done, total)`` reports simulation, replay and backtest progress.
     """
     from prorsa.forecast.dataset import ForecastDataset, build_dataset
@@ -404,7 +411,8 @@ def ship(
             data.meta["simulator"] = version
             data.save(data_path)
             write_parquet(concat_tables(tables["heldout"]), heldout_path)
-        heldout = _every_nth_run(_read_table(heldout_path), validate_every)
+        heldout = _read_table(heldout_path)
+        validate = [_every_nth_run(heldout, validate_every)] if validate_every > 0 else []
         results = {}
         for name in models:
             logger.info("training %s", name)
@@ -412,11 +420,12 @@ def ship(
                 name,
                 data_path,
                 out / name,
-                validate=[heldout],
+                params=SHIP_PARAMS.get(name),
+                validate=validate,
                 extra_manifest={"recipe": ship_recipe(data), "simulator": version},
                 progress=_stage(progress, f"backtesting {name}"),
             )
-        heldout_runs = len(set(heldout.column("run_id").to_pylist()))
+        heldout_runs = len(set(validate[0].column("run_id").to_pylist())) if validate else 0
         write_data_card(out / "README.md", data, results, heldout_runs)
     return ShipReport(
         out=out,
