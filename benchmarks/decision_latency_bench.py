@@ -23,6 +23,7 @@ Goal (issue 13): p99 of the whole tick < 20 ms with lightgbm-trajectory.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -175,6 +176,7 @@ def main() -> None:
     )
     parser.add_argument("--no-reference", action="store_true", help="skip the per-event path")
     args = parser.parse_args()
+    load_start = round(os.getloadavg()[0], 2)
     results = []
     for i, name in enumerate(n.strip() for n in args.forecasters.split(",")):
         r = measure(
@@ -200,6 +202,8 @@ def main() -> None:
             )
     headline = results[0]
     payload = {
+        # Other jobs share this machine; the load says how contended the timings were.
+        "load_average_1m": {"start": load_start, "end": round(os.getloadavg()[0], 2)},
         "setup": {
             "engines": args.engines,
             "live_target": args.live,
