@@ -7,12 +7,15 @@ run's table) and, when a :class:`~prorsa.telemetry.recorder.Recorder` is attache
 also recorded durably as they happen.
 
 Trajectory events take the trajectory's int key (:meth:`ClusterTelemetry.key`, registered
-once) and a kind code (the ``*_CODE`` constants below), so the simulator's hot path never
-builds strings or tuples per event.
+once) and a kind code (the constants below), so the simulator's hot path never builds
+strings per event. The simulator appends its detail-free events through
+:attr:`ClusterTelemetry.row`: one C-level call with the event's nine numbers, which is
+most of what an event costs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prorsa.runtime.cluster.switching import RoleSwitch, switch_detail
@@ -64,6 +67,24 @@ class ClusterTelemetry:
         self.log = EventLog(run_id)
         self.key = self.log.key
         self._append = self.log.append
+        #: ``write(pack(time, key, turn, kind, engine_id, context_tokens, new_tokens,
+        #: cached_tokens, output_tokens))`` appends one event without detail (the
+        #: simulator's path: two C calls when events go straight to the log).
+        self.pack: Callable[..., object]
+        self.write: Callable[[object], object]
+        # The cheapest correct path is chosen once: without a recorder and with events
+        # kept, everything goes straight to the log; with events off, nothing is kept.
+        if not record:
+            self.turn = _drop_event  # type: ignore[method-assign]
+            self.pack, self.write = _as_tuple, _drop_row
+        elif recorder is None:
+            self.turn = self._append  # type: ignore[method-assign]
+            self.pack, self.write = self.log.row_writer()
+        else:
+            self.pack, self.write = _as_tuple, self._write_through_recorder
+
+    def _write_through_recorder(self, row: tuple) -> None:
+        self.turn(*row)
 
     def turn(
         self,
@@ -78,7 +99,7 @@ class ClusterTelemetry:
         output_tokens: int = 0,
         detail: str = "",
     ) -> None:
-        """One trajectory-stage event (``kind`` a ``*_CODE`` constant, ``key`` from :meth:`key`)."""
+        """One trajectory-stage event (``kind`` a kind constant, ``key`` from :meth:`key`)."""
         if not self.record:
             return
         if self.recorder is not None:
@@ -122,3 +143,15 @@ class ClusterTelemetry:
 
     def __len__(self) -> int:
         return len(self.log)
+
+
+def _drop_event(*_args: object, **_kw: object) -> None:
+    """``turn`` of a telemetry that keeps no events."""
+
+
+def _as_tuple(*values: object) -> tuple:
+    return values
+
+
+# ``write`` of a telemetry that keeps no events: a C-level call that ignores its argument.
+_drop_row = bool

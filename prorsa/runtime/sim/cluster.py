@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from heapq import heappush
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec
@@ -67,7 +68,14 @@ class SimCluster:
         self.config = config
         self.profiles = profiles  # tp -> CostProfile
         self.telemetry = ClusterTelemetry(run_id, record=record)
+        # Events without detail are written with two C calls (see ClusterTelemetry.pack).
+        self._record = record
+        self._pack = self.telemetry.pack
+        self._write = self.telemetry.write
         self.states = TrajectoryStates()
+        # The counts behind the observation, updated inline on every lifecycle move.
+        self._state_count = self.states.counts
+        self._state_tokens = self.states.tokens
         self.truth = LiveSpecs()  # the oracle's ground-truth port
         self.tally = RunTally()
         self.links = KvLinks(config)
@@ -76,6 +84,10 @@ class SimCluster:
         self.switcher = SlotSwitcher(self)
         self.placement = DecodePlacement()
         self.local_prefill_threshold = config.local_prefill_threshold
+        self._heap = env.heap
+        self._sequence = env.sequence
+        self._tool_end_cb = self._tool_end
+        self._no_overhead = config.request_overhead_s <= 0
         self.slots: list[Slot] = []
         self.engines: dict[int, SimEngine] = {}
         self.retired: list[SimEngine] = []  # engines replaced by a role switch
@@ -135,32 +147,47 @@ class SimCluster:
         return self.tally.completed
 
     # -------------------------------------------------------------- lifecycle
+    # The hot paths below move a trajectory's state inline (the body of _set_state):
+    # a call per lifecycle move is a measurable share of a simulated turn.
     def _set_state(self, traj: TrajState, state: str, tokens: int) -> None:
-        self.states.move(traj.state, traj.tokens, state, tokens)
+        count, held = self._state_count, self._state_tokens
+        old = traj.state
+        count[old] -= 1
+        held[old] -= traj.tokens
+        count[state] += 1
+        held[state] += tokens
         traj.state = state
         traj.tokens = tokens
-        traj.state_since_s = self.env.now
 
     def start_trajectory(self, spec: TrajectorySpec) -> TrajState:
         """Launch a trajectory now: its first turn is routed immediately."""
+        now = self.env.now
         key = self.telemetry.key(spec.trajectory_id, spec.group_id, spec.task)
-        traj = TrajState(spec, self.env.now, key)
+        traj = TrajState(spec, now, key)
         self.live[spec.trajectory_id] = traj
         self.truth.add(spec)
         self.states.enter("queued", 0)
-        self.telemetry.turn(self.env.now, key, 0, ev.TRAJ_START)
+        if self._record:
+            self._write(self._pack(now, key, 0, ev.TRAJ_START, -1, 0, 0, 0, 0))
         self._start_turn(traj)
         return traj
 
     def _start_turn(self, traj: TrajState) -> None:
-        spec = traj.spec
         k = traj.turn
-        new = int(spec.new_tokens[k])
+        new = traj.new_tokens[k]
         context = traj.prev_context + traj.prev_output + new
-        req = SimTurn(traj, k, context, int(spec.output_tokens[k]))
-        req.queued_s = self.env.now
-        self._set_state(traj, "queued", context)
-        self.telemetry.turn(self.env.now, traj.key, k, ev.PREFILL_QUEUED, -1, context, new, 0)
+        req = SimTurn(traj, k, context, traj.output_tokens[k])
+        now = req.queued_s = self.env.now
+        count, held = self._state_count, self._state_tokens
+        old = traj.state
+        count[old] -= 1
+        held[old] -= traj.tokens
+        count["queued"] += 1
+        held["queued"] += context
+        traj.state = "queued"
+        traj.tokens = context
+        if self._record:
+            self._write(self._pack(now, traj.key, k, ev.PREFILL_QUEUED, -1, context, new, 0, 0))
         self._route(req, new)
 
     # ---------------------------------------------------------------- routing
@@ -175,10 +202,13 @@ class SimCluster:
 
     def _route(self, req: SimTurn, appended: int) -> None:
         traj = req.traj
-        decode = self._decode_for(traj)
+        decode = traj.decode_engine
+        if decode is None or not decode.accepting or decode.role not in DECODE_SIDE:
+            decode = self._decode_for(traj)  # the sticky engine no longer serves decode
         req.decode_engine = decode
         on_decode = decode.cache.peek(traj.traj_key)
-        local = prefill_locally(
+        # A colocated engine always prefills its own turns (prefill_locally's first rule).
+        local = decode.role == "colocated" or prefill_locally(
             decode.role,
             bool(self.prefill_side),
             appended,
@@ -190,7 +220,10 @@ class SimCluster:
         if local:
             req.prefill_engine = decode
             req.prefill_left = req.context - on_decode
-            self._send_prefill(req, decode)
+            if self._no_overhead:
+                decode.submit_prefill(req)
+            else:
+                self._send_prefill(req, decode)
             return
         key = traj.traj_key
         prefill = choose_prefill(
@@ -249,7 +282,7 @@ class SimCluster:
         if engine.accepting:
             engine.submit_prefill(req)
         else:  # the engine began switching while the request was on its way
-            self._route(req, int(req.traj.spec.new_tokens[req.turn]))
+            self._route(req, req.traj.new_tokens[req.turn])
 
     def _send_decode(self, req: SimTurn, engine: SimEngine) -> None:
         """Hand a decode leg (KV pull) to ``engine`` after the front-end overhead."""
@@ -271,7 +304,7 @@ class SimCluster:
         if prefill.accepting:
             prefill.submit_prefill(req)
         else:
-            self._route(req, int(req.traj.spec.new_tokens[req.turn]))
+            self._route(req, req.traj.new_tokens[req.turn])
 
     def reroute_queued(self, req: SimTurn) -> None:
         """A prefill queued on a switching engine goes elsewhere."""
@@ -282,7 +315,7 @@ class SimCluster:
             req.decode_engine = req.prefill_engine = target
             target.submit_prefill(req)
             return
-        self._route(req, int(traj.spec.new_tokens[req.turn]))
+        self._route(req, traj.new_tokens[req.turn])
 
     def redirect_incoming(self, req: SimTurn) -> None:
         """A transfer not yet started into a switching engine goes to another one."""
@@ -297,41 +330,71 @@ class SimCluster:
         if req.prefill_attempts == 1:
             tally.prefill_tokens_computed += req.prefill_tokens
             tally.prefill_tokens_cached += req.cached
-        self._set_state(traj, "prefilling", req.context)
-        detail = (
-            detail_json(recompute=True)
-            if req.recompute_tokens and req.cached == 0 and req.decoded
-            else ""
-        )
-        self.telemetry.turn(
-            self.env.now,
-            traj.key,
-            req.turn,
-            ev.PREFILL_START,
-            engine.engine_id,
-            req.context,
-            req.prefill_tokens,
-            req.cached,
-            0,
-            detail,
-        )
+        context = req.context
+        count, held = self._state_count, self._state_tokens
+        old = traj.state
+        count[old] -= 1
+        held[old] -= traj.tokens
+        count["prefilling"] += 1
+        held["prefilling"] += context
+        traj.state = "prefilling"
+        traj.tokens = context
+        if req.recompute_tokens and req.cached == 0 and req.decoded:
+            self.telemetry.turn(
+                self.env.now,
+                traj.key,
+                req.turn,
+                ev.PREFILL_START,
+                engine.engine_id,
+                context,
+                req.prefill_tokens,
+                req.cached,
+                0,
+                detail_json(recompute=True),
+            )
+        elif self._record:
+            self._write(
+                self._pack(
+                    self.env.now,
+                    traj.key,
+                    req.turn,
+                    ev.PREFILL_START,
+                    engine.engine_id,
+                    context,
+                    req.prefill_tokens,
+                    req.cached,
+                    0,
+                )
+            )
 
     def on_prefill_end(self, req: SimTurn, engine: SimEngine, *, local: bool) -> None:
         traj = req.traj
-        self.telemetry.turn(
-            self.env.now,
-            traj.key,
-            req.turn,
-            ev.PREFILL_END,
-            engine.engine_id,
-            req.context,
-            req.prefill_tokens,
-            req.cached,
-        )
+        context = req.context
+        if self._record:
+            self._write(
+                self._pack(
+                    self.env.now,
+                    traj.key,
+                    req.turn,
+                    ev.PREFILL_END,
+                    engine.engine_id,
+                    context,
+                    req.prefill_tokens,
+                    req.cached,
+                    0,
+                )
+            )
         if traj.group_key and req.turn == 0:
             engine.cache.put(traj.group_key, traj.spec.shared_prompt_tokens)
         if local:
-            self._set_state(traj, "decoding", req.context)
+            count, held = self._state_count, self._state_tokens
+            old = traj.state
+            count[old] -= 1
+            held[old] -= traj.tokens
+            count["decoding"] += 1
+            held["decoding"] += context
+            traj.state = "decoding"
+            traj.tokens = context
             return
         self._set_state(traj, "transferring", req.context)
         decode = req.decode_engine
@@ -363,22 +426,48 @@ class SimCluster:
         )
 
     def _transfer_end(self, req: SimTurn, decode: SimEngine) -> None:
-        self.telemetry.turn(
-            self.env.now, req.traj.key, req.turn, ev.KV_TRANSFER_END, decode.engine_id, req.context
-        )
-        req.prefill_engine.release_hold(req)
+        if self._record:
+            self._write(
+                self._pack(
+                    self.env.now,
+                    req.traj.key,
+                    req.turn,
+                    ev.KV_TRANSFER_END,
+                    decode.engine_id,
+                    req.context,
+                    0,
+                    0,
+                    0,
+                )
+            )
+        source = req.prefill_engine
+        source.release_hold(req)
         decode.transfer_arrived(req)
-        self.switcher.engine_settled(req.prefill_engine)
+        if not source.accepting:  # only a switching slot waits for its engines to settle
+            self.switcher.engine_settled(source)
 
     def on_decode_start(self, req: SimTurn, engine: SimEngine) -> None:
         now = self.env.now
         if req.first_decode_s < 0:
             req.first_decode_s = now
             self.tally.ttft_s.append(now - req.queued_s)
-        self._set_state(req.traj, "decoding", req.context)
-        self.telemetry.turn(
-            now, req.traj.key, req.turn, ev.DECODE_START, engine.engine_id, req.context
-        )
+        traj = req.traj
+        context = req.context
+        if traj.state != "decoding" or traj.tokens != context:
+            count, held = self._state_count, self._state_tokens
+            old = traj.state
+            count[old] -= 1
+            held[old] -= traj.tokens
+            count["decoding"] += 1
+            held["decoding"] += context
+            traj.state = "decoding"
+            traj.tokens = context
+        if self._record:
+            self._write(
+                self._pack(
+                    now, traj.key, req.turn, ev.DECODE_START, engine.engine_id, context, 0, 0, 0
+                )
+            )
 
     def on_preempt(self, req: SimTurn, engine: SimEngine) -> None:
         self.tally.preemptions += 1
@@ -398,34 +487,55 @@ class SimCluster:
 
     def on_decode_end(self, req: SimTurn, engine: SimEngine) -> None:
         traj = req.traj
-        spec = traj.spec
         k = req.turn
         now = self.env.now
         tally = self.tally
-        self.telemetry.turn(
-            now, traj.key, k, ev.DECODE_END, engine.engine_id, req.context, 0, 0, req.output
-        )
+        context = req.context
+        output = req.output
+        record = self._record
+        if record:
+            self._write(
+                self._pack(now, traj.key, k, ev.DECODE_END, engine.engine_id, context, 0, 0, output)
+            )
         tally.turns_done += 1
-        tally.decode_tokens += req.output
+        tally.decode_tokens += output
         store = self.kv_store
         if store is not None:
-            store.write(engine.engine_id, traj.traj_key, req.context + req.output)
-        tally.tpot_s.append((now - req.first_decode_s) / req.output)
-        traj.prev_context = req.context
-        traj.prev_output = req.output
+            store.write(engine.engine_id, traj.traj_key, context + output)
+        tally.tpot_s.append((now - req.first_decode_s) / output)
+        traj.prev_context = context
+        traj.prev_output = output
         traj.done_turns += 1
-        if k + 1 < spec.num_turns:
-            self._set_state(traj, "in_tool", req.context + req.output)
-            self.telemetry.turn(now, traj.key, k, ev.TOOL_START)
-            self.env.schedule(
-                now + float(spec.tool_latency_s[k]),
-                self._tool_end,
-                traj,
-                priority=PRIORITY_ARRIVAL,
+        count, held = self._state_count, self._state_tokens
+        old = traj.state
+        count[old] -= 1
+        held[old] -= traj.tokens
+        if k + 1 < traj.num_turns:
+            tokens = context + output
+            count["in_tool"] += 1
+            held["in_tool"] += tokens
+            traj.state = "in_tool"
+            traj.tokens = tokens
+            if record:
+                self._write(self._pack(now, traj.key, k, ev.TOOL_START, -1, 0, 0, 0, 0))
+            heappush(
+                self._heap,
+                (
+                    now + traj.tool_latency_s[k],
+                    PRIORITY_ARRIVAL,
+                    next(self._sequence),
+                    self._tool_end_cb,
+                    (traj,),
+                ),
             )
             return
-        self._set_state(traj, "done", 0)
-        self.telemetry.turn(now, traj.key, k, ev.TRAJ_END)
+        count["done"] += 1
+        traj.state = "done"
+        traj.tokens = 0
+        if record:
+            self._write(self._pack(now, traj.key, k, ev.TRAJ_END, -1, 0, 0, 0, 0))
+            self.telemetry.log.seal_if_full()
+        spec = traj.spec
         tally.completed += 1
         tally.completion_s.append(now - traj.start_s)
         self.placement.move(traj.decode_engine, None)
@@ -438,12 +548,14 @@ class SimCluster:
             self.on_trajectory_done(traj)
 
     def _tool_end(self, traj: TrajState) -> None:
-        self.telemetry.turn(self.env.now, traj.key, traj.turn, ev.TOOL_END)
+        if self._record:
+            self._write(self._pack(self.env.now, traj.key, traj.turn, ev.TOOL_END, -1, 0, 0, 0, 0))
         traj.turn += 1
         self._start_turn(traj)
 
     def on_engine_idle(self, engine: SimEngine) -> None:
-        self.switcher.engine_settled(engine)
+        if not engine.accepting:  # only a switching slot waits for its engines to settle
+            self.switcher.engine_settled(engine)
 
     def fail_capacity(self, req: SimTurn, engine: SimEngine) -> None:
         raise ConfigError(

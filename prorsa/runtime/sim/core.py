@@ -3,6 +3,10 @@
 Events are ``(time, priority, sequence, callback, args)`` on a binary heap; the sequence
 number makes ties deterministic (first scheduled, first run), so the same seed always
 yields the same run. Nothing here is global: two environments never interact.
+
+The simulator's engines and cluster push onto :attr:`Environment.heap` directly (see
+:meth:`Environment.schedule` for the tuple), because a method call per event is a
+measurable share of a simulated turn; everything else calls :meth:`schedule`.
 """
 
 from __future__ import annotations
@@ -27,16 +31,23 @@ class StopSimulation(Exception):
 
 
 class Environment:
-    """Clock, event heap, id counters and random generators of one simulation."""
+    """Clock, event heap, id counters and random generators of one simulation.
 
-    __slots__ = ("_heap", "_ids", "_seq", "_stopped", "now", "rng", "seed")
+    Attributes:
+        heap: the event heap of ``(time, priority, next(sequence), callback, args)``;
+            hot paths may ``heapq.heappush`` onto it directly with a time not before
+            :attr:`now`.
+        sequence: the tie-breaking counter (``next(env.sequence)`` for each pushed event).
+    """
+
+    __slots__ = ("_ids", "_stopped", "heap", "now", "rng", "seed", "sequence")
 
     def __init__(self, seed: int = 0) -> None:
         self.now = 0.0
         self.seed = seed
         self.rng = np.random.default_rng(seed)
-        self._heap: list[tuple] = []
-        self._seq = itertools.count()
+        self.heap: list[tuple] = []
+        self.sequence = itertools.count()
         self._ids: dict[str, itertools.count] = {}
         self._stopped = False
 
@@ -50,15 +61,15 @@ class Environment:
         """Run ``callback(*args)`` at ``time`` (never in the past)."""
         if time < self.now:
             time = self.now
-        heapq.heappush(self._heap, (time, priority, next(self._seq), callback, args))
+        heapq.heappush(self.heap, (time, priority, next(self.sequence), callback, args))
 
     def peek(self) -> float:
         """Time of the next event, or ``inf`` when none is left."""
-        return self._heap[0][0] if self._heap else float("inf")
+        return self.heap[0][0] if self.heap else float("inf")
 
     def step(self) -> None:
         """Process exactly one event."""
-        time, _prio, _seq, callback, args = heapq.heappop(self._heap)
+        time, _prio, _seq, callback, args = heapq.heappop(self.heap)
         self.now = time
         callback(*args)
 
@@ -67,18 +78,23 @@ class Environment:
 
         Returns the simulated time reached.
         """
-        heap = self._heap
+        heap = self.heap
         pop = heapq.heappop
-        limit = float("inf") if until is None else until
         self._stopped = False
         try:
-            while heap and not self._stopped:
-                if heap[0][0] > limit:
-                    self.now = limit
-                    break
-                time, _prio, _seq, callback, args = pop(heap)
-                self.now = time
-                callback(*args)
+            if until is None:
+                while heap and not self._stopped:
+                    time, _prio, _seq, callback, args = pop(heap)
+                    self.now = time
+                    callback(*args)
+            else:
+                while heap and not self._stopped:
+                    if heap[0][0] > until:
+                        self.now = until
+                        break
+                    time, _prio, _seq, callback, args = pop(heap)
+                    self.now = time
+                    callback(*args)
         except StopSimulation:
             pass
         return self.now
@@ -96,4 +112,4 @@ class Environment:
 
     @property
     def pending(self) -> int:
-        return len(self._heap)
+        return len(self.heap)

@@ -45,24 +45,32 @@ class LayoutStepCosts:
         and ``ctx_max`` context tokens at the start."""
         return self.cost.decode_run_s(batch_max, ctx_max, k)
 
-    def steps_within(self, elapsed: float, k_max: int, batch_max: int, ctx_max: int) -> int:
-        """Largest number of whole steps (<= k_max) completed within ``elapsed`` seconds."""
+    def cut(self, elapsed: float, k_max: int, batch_max: int, ctx_max: int) -> tuple[int, float]:
+        """``(boundary, run_time(boundary))``: the step in progress ``elapsed`` seconds into
+        an epoch of ``k_max`` steps (whole steps done plus one, at most ``k_max``); see
+        :meth:`StepCosts.cut`."""
         base, per_ctx = self.cost.decode_epoch_terms(batch_max)
         first = base + per_ctx * ctx_max
         guess = _series_steps(elapsed, first, per_ctx * batch_max)
         k = min(max(guess, 0), k_max)
+        run_time = self.run_time
         tol = elapsed + 1e-12
-        while k > 0 and self.run_time(batch_max, ctx_max, k) > tol:
+        while k > 0 and run_time(batch_max, ctx_max, k) > tol:
             k -= 1
-        while k < k_max and self.run_time(batch_max, ctx_max, k + 1) <= tol:
+        while k < k_max:
+            after = run_time(batch_max, ctx_max, k + 1)
+            if after > tol:
+                return k + 1, after
             k += 1
-        return k
+        return k_max, -1.0
 
 
 class DpSimEngine(SimEngine):
     """A :class:`SimEngine` whose steps are priced per data-parallel rank."""
 
     __slots__ = ("prefill_rank_load", "rank_batch", "rank_ctx", "stall_on_prefill")
+
+    per_rank = True
 
     def __init__(
         self,

@@ -14,14 +14,19 @@ New work during an epoch cuts it at the end of the step in progress, exactly whe
 real engine would pick the work up. KV admission waits while memory is short; if running
 sequences outgrow memory, the most recently admitted one is preempted and recomputed
 (vLLM's default recompute preemption).
+
+This is the simulator's hot path (a few calls per simulated turn), so the common case is
+written out inline: events go onto the environment's heap directly, the decode-series
+arithmetic lives in :class:`StepCosts`, and the per-rank hooks a data-parallel engine
+overrides are only called when ``per_rank`` is set.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from collections import deque
+from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Protocol
 
 from prorsa.runtime.sim.core import PRIORITY_COMPLETE, PRIORITY_PLAN, Environment
@@ -70,9 +75,14 @@ class EngineEvents(Protocol):
 
 
 class StepCosts:
-    """The cost profile's coefficients as plain floats (attribute access is the hot path)."""
+    """The cost profile's coefficients as plain floats (attribute access is the hot path).
 
-    __slots__ = ("da", "db", "dc", "floor", "mix", "pa", "pb", "pc", "profile", "run_time")
+    :meth:`run_time` is :meth:`CostProfile.decode_run_time_s` written out over these
+    floats, operation for operation, so it returns the same bits without the profile's
+    argument conversions.
+    """
+
+    __slots__ = ("da", "db", "dc", "floor", "mix", "pa", "pb", "pc", "profile")
 
     def __init__(self, profile: CostProfile, dp_ranks: int = 1) -> None:
         if dp_ranks > 1:
@@ -84,8 +94,6 @@ class StepCosts:
                 decode_per_ctx_token_s=profile.decode_per_ctx_token_s / dp_ranks,
             )
         self.profile = profile
-        #: run_time(batch, ctx_sum, k): time of k decode-only steps (the profile's closed form)
-        self.run_time = profile.decode_run_time_s
         self.pa = profile.prefill_base_s
         self.pb = profile.prefill_per_token_s
         self.pc = profile.prefill_attn_s_per_token2
@@ -95,15 +103,37 @@ class StepCosts:
         self.floor = profile.decode_floor_s
         self.mix = profile.mixed_overhead_s
 
+    def run_time(self, batch: int, ctx_sum: int, k: int) -> float:
+        """Time of ``k`` decode-only steps of ``batch`` sequences holding ``ctx_sum`` tokens
+        (each step adds ``batch`` tokens), floor included: the profile's closed form."""
+        if k <= 0 or batch <= 0:
+            return 0.0
+        b = float(batch)
+        d0 = self.da + self.db * b + self.dc * ctx_sum
+        slope = self.dc * b
+        floor = self.floor
+        # steps below the floor come first (step times only grow); they each cost the floor
+        if d0 >= floor:
+            at_floor = 0
+        elif slope <= 0:
+            at_floor = k
+        else:
+            at_floor = min(k, math.ceil((floor - d0) / slope))
+        rest = k - at_floor
+        return at_floor * floor + rest * d0 + slope * (k * (k - 1) - at_floor * (at_floor - 1)) / 2
+
     def chunk(self, tokens: int, prior: int) -> float:
         """Prefill part of a chunk of ``tokens`` on top of ``prior`` tokens of context."""
         return self.pb * tokens + self.pc * tokens * (prior + tokens / 2)
 
-    def steps_within(self, elapsed: float, k_max: int, batch: int, ctx_sum: int) -> int:
-        """Largest number of whole steps (<= k_max) completed within ``elapsed`` seconds.
+    def cut(self, elapsed: float, k_max: int, batch: int, ctx_sum: int) -> tuple[int, float]:
+        """Where a decode epoch of ``k_max`` steps started ``elapsed`` seconds ago can stop:
+        ``(boundary, run_time(boundary))`` with ``boundary`` the step in progress (the
+        number of whole steps done plus one, at most ``k_max``).
 
         Inverts the arithmetic series in closed form, then corrects the rounding by at most
-        a step either way against the profile's closed form (the definition of truth).
+        a step either way against :meth:`run_time` (the definition of truth); the time of
+        the boundary is the last value that check computed.
         """
         d0 = self.da + self.db * batch + self.dc * ctx_sum
         slope = self.dc * batch
@@ -121,11 +151,17 @@ class StepCosts:
         k = min(max(guess, 0), k_max)
         run_time = self.run_time
         tol = elapsed + 1e-12
-        while k > 0 and run_time(batch, ctx_sum, k) > tol:
+        while k > 0:
+            at = run_time(batch, ctx_sum, k)
+            if at <= tol:
+                break
             k -= 1
-        while k < k_max and run_time(batch, ctx_sum, k + 1) <= tol:
+        while k < k_max:
+            after = run_time(batch, ctx_sum, k + 1)
+            if after > tol:
+                return k + 1, after
             k += 1
-        return k
+        return k_max, -1.0
 
 
 def _series_steps(elapsed: float, first: float, slope: float) -> int:
@@ -141,8 +177,13 @@ class SimEngine:
     """A model replica of tensor-parallel degree ``tp`` in one role."""
 
     __slots__ = (
+        "_end_epoch_cb",
+        "_end_step_cb",
         "_finish_heap",
+        "_heap",
         "_heap_seq",
+        "_plan_cb",
+        "_sequence",
         "accepting",
         "at_boundary",
         "boundary_pending",
@@ -186,6 +227,11 @@ class SimEngine:
         "version",
     )
 
+    #: True for engines whose steps are priced per data-parallel rank: the cost hooks
+    #: (``_select_chunks``, ``_step_s``, ``_epoch_shape``, ``_grow``) are then called
+    #: instead of the inline single-rank arithmetic.
+    per_rank = False
+
     def __init__(
         self,
         env: Environment,
@@ -200,6 +246,12 @@ class SimEngine:
         max_step_tokens: int,
     ) -> None:
         self.env = env
+        self._heap = env.heap
+        self._sequence = env.sequence
+        # Bound once: a bound method is otherwise built for every scheduled event.
+        self._plan_cb = self._plan_event
+        self._end_step_cb = self._end_step
+        self._end_epoch_cb = self._end_epoch
         self.events = events
         self.engine_id = engine_id
         self.slot_id = slot_id
@@ -280,12 +332,14 @@ class SimEngine:
     def pump_incoming(self) -> None:
         """Start transfers for incoming requests while KV can be reserved (FIFO)."""
         incoming = self.incoming
+        cache = self.cache
         while incoming:
             req = incoming[0]
-            cached = self.cache.take(req.traj.traj_key)
+            key = req.traj.traj_key
+            cached = cache.take(key)
             if not self._reserve(req.context):
                 if cached:
-                    self.cache.put(req.traj.traj_key, cached)
+                    cache.put(key, cached)
                 return
             incoming.popleft()
             self.incoming_tokens -= req.context
@@ -307,25 +361,37 @@ class SimEngine:
 
     # ---------------------------------------------------------------- scheduling
     def _wake(self) -> None:
-        if self.phase == IDLE:
+        phase = self.phase
+        if phase == IDLE:
             if not self.plan_pending:
                 self.plan_pending = True
                 # Planned at PRIORITY_PLAN so that work arriving at the same instant is
                 # batched into one step, as a real scheduler would see it.
-                self.env.schedule(self.env.now, self._plan_event, priority=PRIORITY_PLAN)
-        elif self.phase == EPOCH and not self.boundary_pending:
+                now = self.env.now
+                heappush(self._heap, (now, PRIORITY_PLAN, next(self._sequence), self._plan_cb, ()))
+        elif phase == EPOCH and not self.boundary_pending:
             self._cut_epoch()
 
     def _cut_epoch(self) -> None:
-        elapsed = self.env.now - self.epoch_start
-        done = self.costs.steps_within(elapsed, self.epoch_k, self.epoch_batch, self.epoch_ctx)
-        boundary = min(done + 1, self.epoch_k)
+        start = self.epoch_start
+        k_max = self.epoch_k
+        boundary, end_offset = self.costs.cut(
+            self.env.now - start, k_max, self.epoch_batch, self.epoch_ctx
+        )
         self.boundary_pending = True
-        if boundary < self.epoch_k:
+        if boundary < k_max:
             self.epoch_k = boundary
             self.version += 1
-            end = self.epoch_start + self.costs.run_time(self.epoch_batch, self.epoch_ctx, boundary)
-            self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
+            heappush(
+                self._heap,
+                (
+                    start + end_offset,
+                    PRIORITY_COMPLETE,
+                    next(self._sequence),
+                    self._end_epoch_cb,
+                    (self.version,),
+                ),
+            )
 
     def _plan_event(self) -> None:
         self.plan_pending = False
@@ -338,29 +404,61 @@ class SimEngine:
         if self.migrate_requested:
             self.migrate_requested = False
             self.events.on_migrate(self, self._take_decodes())
-        while self.decode_waiting and len(self.running) < self.max_batch:
-            self._join(self.decode_waiting.popleft())
+        running = self.running
+        waiting = self.decode_waiting
+        if waiting:
+            max_batch = self.max_batch
+            join = self._join
+            while waiting and len(running) < max_batch:
+                join(waiting.popleft())
         if self.prefill_queue:
             self._admit_prefills()
-        batch = len(self.running)
         if self.prefill_active:
             chunks = self._select_chunks()
+            events = self.events
             for req, _ in chunks:
                 if req.prefill_left == req.prefill_tokens:
-                    self.events.on_prefill_start(req, self)
-            duration = self._step_s(chunks)
+                    events.on_prefill_start(req, self)
+            if self.per_rank:
+                duration = self._step_s(chunks)
+            else:
+                costs = self.costs
+                pb, pc = costs.pb, costs.pc
+                prefill_s = 0.0
+                for req, n in chunks:
+                    # costs.chunk(n, prior), written out
+                    prefill_s += pb * n + pc * n * (
+                        req.cached + req.prefill_tokens - req.prefill_left + n / 2
+                    )
+                if running:
+                    decode_s = costs.da + costs.db * len(running) + costs.dc * self.ctx_sum
+                    duration = costs.mix + prefill_s + decode_s - costs.da
+                    if duration < costs.floor:
+                        duration = costs.floor
+                else:
+                    duration = costs.pa + prefill_s
             self.phase = STEP
             self.step_chunks = chunks
             self.step_started = now
             self.version += 1
-            self.env.schedule(
-                now + duration, self._end_step, self.version, priority=PRIORITY_COMPLETE
+            heappush(
+                self._heap,
+                (
+                    now + duration,
+                    PRIORITY_COMPLETE,
+                    next(self._sequence),
+                    self._end_step_cb,
+                    (self.version,),
+                ),
             )
-        elif batch:
+        elif running:
+            batch = len(running)
             heap = self._finish_heap
-            while heap[0][2].heap_entry is not heap[0]:
-                heapq.heappop(heap)  # drop stale entries before reading the next finish
-            first_finish = heap[0][0] - self.steps
+            top = heap[0]
+            while top[2].heap_entry is not top:
+                heappop(heap)  # drop stale entries before reading the next finish
+                top = heap[0]
+            first_finish = top[0] - self.steps
             free = self.kv_capacity - self.kv_used - self.cache.total
             if free < batch:
                 # Running sequences grow by one token per step: make room for a stretch
@@ -375,10 +473,23 @@ class SimEngine:
             self.phase = EPOCH
             self.epoch_start = now
             self.epoch_k = k
-            self.epoch_batch, self.epoch_ctx = self._epoch_shape()
+            if self.per_rank:
+                shape_batch, shape_ctx = self._epoch_shape()
+            else:
+                shape_batch, shape_ctx = batch, self.ctx_sum
+            self.epoch_batch = shape_batch
+            self.epoch_ctx = shape_ctx
             self.version += 1
-            end = now + self.costs.run_time(self.epoch_batch, self.epoch_ctx, k)
-            self.env.schedule(end, self._end_epoch, self.version, priority=PRIORITY_COMPLETE)
+            heappush(
+                self._heap,
+                (
+                    now + self.costs.run_time(shape_batch, shape_ctx, k),
+                    PRIORITY_COMPLETE,
+                    next(self._sequence),
+                    self._end_epoch_cb,
+                    (self.version,),
+                ),
+            )
         else:
             self.phase = IDLE
             self.events.on_engine_idle(self)
@@ -388,19 +499,32 @@ class SimEngine:
             return
         now = self.env.now
         self.busy_s += now - self.step_started
-        if self.running:
+        running = self.running
+        if running:
             self.steps += 1
-            self._grow(1)
+            if self.per_rank:
+                self._grow(1)
+            else:
+                grown = len(running)
+                self.ctx_sum += grown
+                self.kv_used += grown
+        active = self.prefill_active
         for req, n in self.step_chunks:
             req.prefill_left -= n
             self.queued_prefill_tokens -= n
             if req.prefill_left == 0:
-                self.prefill_active.remove(req)
+                if active[0] is req:
+                    active.popleft()
+                else:
+                    active.remove(req)
                 self._prefill_done(req)
         self.step_chunks = []
         self.phase = IDLE
         self.at_boundary = True
-        self._complete_finished()
+        if self._finish_heap and self._finish_heap[0][0] <= self.steps:
+            self._complete_finished()
+        else:
+            self._after_free()
         self.at_boundary = False
         self._plan()
 
@@ -410,18 +534,29 @@ class SimEngine:
         k = self.epoch_k
         self.busy_s += self.env.now - self.epoch_start
         self.steps += k
-        self._grow(k)
+        if self.per_rank:
+            self._grow(k)
+        else:
+            grown = k * len(self.running)
+            self.ctx_sum += grown
+            self.kv_used += grown
         self.phase = IDLE
         self.at_boundary = True
-        self._complete_finished()
+        if self._finish_heap[0][0] <= self.steps:
+            self._complete_finished()
+        else:
+            self._after_free()
         self.at_boundary = False
         self._plan()
 
     # ------------------------------------------------------- cost-model hooks
-    # A data-parallel engine (``DpSimEngine``) overrides these four to work per rank.
+    # A data-parallel engine (``DpSimEngine``) overrides these to work per rank; the
+    # single-rank engine inlines the last three in _plan, _end_step and _end_epoch.
     def _select_chunks(self) -> list[tuple[SimTurn, int]]:
         """Prefill chunks of the next step: FCFS into the budget the decodes leave."""
-        budget = max(self.budget - len(self.running), 1)
+        budget = self.budget - len(self.running)
+        if budget < 1:
+            budget = 1
         chunks = []
         for req in self.prefill_active:
             if budget <= 0:
@@ -457,33 +592,41 @@ class SimEngine:
     def _admit_prefills(self) -> None:
         queue = self.prefill_queue
         cache = self.cache
+        active = self.prefill_active
         while queue:
             req = queue[0]
             footprint = req.context + req.decoded if req.recomputing else req.context
             if footprint > self.kv_capacity:
                 self.events.fail_capacity(req, self)
             traj = req.traj
-            pinned = cache.take(traj.traj_key)
+            traj_key = traj.traj_key
+            pinned = cache.take(traj_key)
             # Keep headroom for the running batch to grow a while, so an admission does not
             # immediately force a preemption (vLLM's watermark plays the same role).
-            headroom = 16 * len(self.running)
-            if not self._reserve(footprint - pinned, headroom):
-                if pinned:
-                    cache.put(traj.traj_key, pinned)
-                return
-            self.kv_used += pinned
+            need = footprint - pinned + 16 * len(self.running)
+            free = self.kv_capacity - self.kv_used - cache.total
+            if free < need:
+                free = cache.evict_until(need, free)
+                if free < need:
+                    if pinned:
+                        cache.put(traj_key, pinned)
+                    return
+            self.kv_used += footprint  # the reserved part plus the pinned prefix
             queue.popleft()
             if req.recomputing:
                 cached = 0
             else:
-                shared = cache.peek(traj.group_key) if traj.group_key else 0
+                group_key = traj.group_key
+                shared = cache.peek(group_key) if group_key else 0
                 # At least one token is always computed: the engine needs fresh logits.
-                cached = min(max(pinned, shared, req.pulled), footprint - 1)
-            self.queued_prefill_tokens -= req.prefill_left
+                cached = max(pinned, shared, req.pulled)
+                if cached > footprint - 1:
+                    cached = footprint - 1
+            left = footprint - cached
+            self.queued_prefill_tokens += left - req.prefill_left
             req.cached = cached
-            req.prefill_tokens = req.prefill_left = footprint - cached
-            self.queued_prefill_tokens += req.prefill_left
-            self.prefill_active.append(req)
+            req.prefill_tokens = req.prefill_left = left
+            active.append(req)
 
     def _prefill_done(self, req: SimTurn) -> None:
         if req.local or req.recomputing:
@@ -497,17 +640,17 @@ class SimEngine:
 
     # --------------------------------------------------------------- decode side
     def _join(self, req: SimTurn) -> None:
-        remaining = req.output - req.decoded
-        req.join_step = self.steps
-        req.ctx_at_join = req.context + req.decoded
-        req.finish_step = self.steps + remaining
+        steps = self.steps
+        req.join_step = steps
+        ctx = req.ctx_at_join = req.context + req.decoded
+        finish = req.finish_step = steps + req.output - req.decoded
         self._heap_seq += 1
         # The entry itself marks the join: a request preempted or migrated and admitted
         # again gets a new entry, and the old one is recognised as stale when popped.
-        req.heap_entry = (req.finish_step, self._heap_seq, req)
-        heapq.heappush(self._finish_heap, req.heap_entry)
+        entry = req.heap_entry = (finish, self._heap_seq, req)
+        heappush(self._finish_heap, entry)
         self.running[req] = None
-        self.ctx_sum += req.ctx_at_join
+        self.ctx_sum += ctx
         self.events.on_decode_start(req, self)
 
     def _leave(self, req: SimTurn) -> int:
@@ -521,16 +664,19 @@ class SimEngine:
     def _complete_finished(self) -> None:
         heap = self._finish_heap
         steps = self.steps
+        cache = self.cache
+        on_decode_end = self.events.on_decode_end
+        leave = self._leave
         while heap and heap[0][0] <= steps:
-            entry = heapq.heappop(heap)
+            entry = heappop(heap)
             req = entry[2]
             if req.heap_entry is not entry:
                 continue  # preempted or migrated since; a stale entry
-            ctx = self._leave(req)
+            ctx = leave(req)
             req.decoded = req.output
             self.kv_used -= ctx
-            self.cache.put(req.traj.traj_key, ctx)
-            self.events.on_decode_end(req, self)
+            cache.put(req.traj.traj_key, ctx)
+            on_decode_end(req, self)
         self._after_free()
 
     def _preempt_last(self) -> None:

@@ -6,21 +6,28 @@ from prorsa.workload.spec import TrajectorySpec
 
 
 class TrajState:
-    """A live trajectory: its spec, where it is, and which engines hold its KV."""
+    """A live trajectory: its spec, where it is, and which engines hold its KV.
+
+    The spec's per-turn arrays are copied to lists once: indexing a numpy array returns a
+    numpy scalar, several times slower than a list item on the per-turn path.
+    """
 
     __slots__ = (
         "decode_engine",
         "done_turns",
         "group_key",
         "key",
+        "new_tokens",
+        "num_turns",
+        "output_tokens",
         "prefill_engine",
         "prev_context",
         "prev_output",
         "spec",
         "start_s",
         "state",
-        "state_since_s",
         "tokens",
+        "tool_latency_s",
         "traj_key",
         "turn",
     )
@@ -30,11 +37,14 @@ class TrajState:
         self.key = key  # the trajectory's telemetry key (ClusterTelemetry.key)
         self.traj_key = "t:" + spec.trajectory_id  # prefix-cache entry of its context
         self.group_key = "g:" + spec.group_id if spec.group_id and spec.shared_prompt_tokens else ""
+        self.new_tokens: list[int] = spec.new_tokens.tolist()
+        self.output_tokens: list[int] = spec.output_tokens.tolist()
+        self.tool_latency_s: list[float] = spec.tool_latency_s.tolist()
+        self.num_turns = len(self.new_tokens)
         self.turn = 0
         self.done_turns = 0
         self.start_s = start_s
         self.state = "queued"
-        self.state_since_s = start_s
         self.tokens = 0  # current context tokens (for cluster-state token sums)
         self.decode_engine = None  # SimEngine owning the full context (sticky)
         self.prefill_engine = None  # SimEngine that last prefilled it (prefix cache)
