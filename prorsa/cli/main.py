@@ -11,7 +11,9 @@ from prorsa.cli import rl as rl_cli
 from prorsa.cli import traces as traces_cli
 from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
-from prorsa.cli.compare import compare_cmd, demo_cmd, policies_cmd
+from prorsa.cli.compare import compare_cmd, policies_cmd
+from prorsa.cli.demo import demo_cmd
+from prorsa.cli.explore import explore_cmd
 from prorsa.cli.rollout import rollout_cmd
 from prorsa.cli.serve import serve_cmd
 from prorsa.cli.simulate import simulate_cmd
@@ -43,6 +45,7 @@ app.command("compare")(compare_cmd)
 app.command("demo")(demo_cmd)
 app.command("policies")(policies_cmd)
 app.command("tune")(tune_cmd)
+app.command("explore")(explore_cmd)
 
 
 def main() -> None:

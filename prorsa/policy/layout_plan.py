@@ -99,9 +99,7 @@ class LayoutPlan:
 def mixed_gpu_s_per_token(option: LayoutOption, prefill_share: float) -> float:
     """GPU-seconds per token of mixed work on a colocated engine of ``option``."""
     decode_s = 1.0 / max(option.decode_tokens_per_s_per_gpu, 1e-12)
-    return (
-        prefill_share * option.colocated_gpu_s_per_prefill_token + (1 - prefill_share) * decode_s
-    )
+    return prefill_share * option.colocated_gpu_s_per_prefill_token + (1 - prefill_share) * decode_s
 
 
 def role_score(option: LayoutOption, role: str, prefill_share: float) -> float:
@@ -115,9 +113,7 @@ def role_score(option: LayoutOption, role: str, prefill_share: float) -> float:
     raise ConfigError(f"unknown role '{role}'", hint=f"one of {ROLES}")
 
 
-def best_for_role(
-    options: Sequence[LayoutOption], role: str, prefill_share: float
-) -> LayoutOption:
+def best_for_role(options: Sequence[LayoutOption], role: str, prefill_share: float) -> LayoutOption:
     """The option the planner picks for ``role``."""
     if not options:
         raise ConfigError("the layout planner needs at least one layout option")

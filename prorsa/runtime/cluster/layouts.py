@@ -192,7 +192,9 @@ def operating_point(
         life += decode_s * stall / (1 - stall)
         target = load_per_gpu * decode_s / (1 - stall) / life
         batch = 0.5 * batch + 0.5 * target
-    return OperatingPoint(batch_per_gpu=max(batch, 1.0 / cost.tp), context_tokens=context)
+    # Beyond what the ranks hold (batch or KV), trajectories wait: the batch is capped.
+    batch = min(max(batch, 1.0 / cost.tp), cap / cost.tp)
+    return OperatingPoint(batch_per_gpu=batch, context_tokens=context)
 
 
 def workload_layout_options(

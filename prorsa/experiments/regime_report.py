@@ -1,0 +1,246 @@
+"""Report of the regime map: a heatmap per model, the headline table and report.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from prorsa.experiments.regimes import goals
+from prorsa.experiments.report import workload_label
+from prorsa.io import atomic_write_text
+
+PAYS = 1.02  # a split "pays" when it beats colocation at its best layout by more than 2%
+HEADLINE_POLICIES = ("best-static", "predictive", "mpc", "oracle")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def models_of(summaries: list[dict]) -> list[str]:
+    seen: list[str] = []
+    for s in summaries:
+        if s["regime"]["model"] not in seen:
+            seen.append(s["regime"]["model"])
+    return seen
+
+
+def _main(summaries: list[dict], model: str) -> list[dict]:
+    """The plain regimes of one model (no knob changed)."""
+    return [s for s in summaries if s["regime"]["model"] == model and not s["variant"]]
+
+
+def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predictive") -> Path:
+    """Speedup of ``policy`` over colocation at its best layout: rows workload x mode,
+    columns load; each cell also shows best-static's speedup."""
+    plt = _plt()
+    rows = _main(summaries, model)
+    keys = sorted({(s["regime"]["workload"], s["regime"]["mode"]) for s in rows})
+    loads = sorted({s["regime"]["load_per_gpu"] for s in rows})
+    grid = np.full((len(keys), len(loads)), np.nan)
+    text = [["" for _ in loads] for _ in keys]
+    for s in rows:
+        r = s["regime"]
+        i, j = keys.index((r["workload"], r["mode"])), loads.index(r["load_per_gpu"])
+        value = s["speedup"].get(policy)
+        if value is None:
+            continue
+        grid[i, j] = value
+        static = s["speedup"].get("best-static")
+        text[i][j] = f"{value:.2f}" + (f"\n({static:.2f})" if static is not None else "")
+    fig, ax = plt.subplots(figsize=(1.6 + 1.15 * len(loads), 0.9 + 0.55 * len(keys)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.4, aspect="auto")
+    for i in range(len(keys)):
+        for j in range(len(loads)):
+            if text[i][j]:
+                ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(loads)), [str(v) for v in loads])
+    ax.set_yticks(range(len(keys)), [f"{workload_label(w)} {m}" for w, m in keys])
+    ax.set_xlabel("trajectories per GPU")
+    gpus = rows[0]["gpus"] if rows else "?"
+    ax.set_title(f"{model}, {gpus} GPUs: {policy} (best-static) / colocation@best", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="speedup (x)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def speedup_bars(summaries: list[dict], path: Path) -> Path:
+    """Speedup over colocation at its best layout per regime and policy (one bar each)."""
+    plt = _plt()
+    from prorsa.experiments.report import COLORS
+
+    policies = [p for p in HEADLINE_POLICIES if any(p in s["speedup"] for s in summaries)]
+    width = 0.8 / max(len(policies), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(summaries)), 4.2))
+    for i, policy in enumerate(policies):
+        xs = [g + (i - (len(policies) - 1) / 2) * width for g in range(len(summaries))]
+        ys = [s["speedup"].get(policy, np.nan) for s in summaries]
+        ax.bar(xs, ys, width, label=policy, color=COLORS.get(policy))
+    ax.axhline(1.0, color="black", lw=0.8)
+    shown = [v for s in summaries for v in s["speedup"].values()] or [1.0]
+    ax.set_ylim(min(min(shown), 1.0) - 0.05, max(max(shown), 1.0) + 0.05)
+    labels = [
+        f"{s['regime']['model']}\n{workload_label(s['regime']['workload'])} "
+        f"{s['regime']['mode']}\n{s['regime']['load_per_gpu']}/GPU"
+        for s in summaries
+    ]
+    ax.set_xticks(range(len(summaries)), labels, fontsize=8)
+    ax.set_ylabel("speedup over colocation@best layout (x)")
+    ax.legend(fontsize=8, ncol=len(policies))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def headline(summaries: list[dict]) -> list[dict]:
+    """One row per model: cells, where the split pays, and the range of speedups."""
+    out = []
+    for model in models_of(summaries):
+        rows = [s for s in summaries if s["regime"]["model"] == model]
+        pred = [s["speedup"].get("predictive") for s in rows if "predictive" in s["speedup"]]
+        best = max(rows, key=lambda s: s["speedup"].get("predictive", 0.0))
+        entry = {
+            "model": model,
+            "gpus": rows[0]["gpus"],
+            "cells": len(rows),
+            "split_pays_cells": sum(1 for v in pred if v > PAYS),
+            "best_cell": best["label"],
+        }
+        for policy in HEADLINE_POLICIES:
+            values = [s["speedup"][policy] for s in rows if policy in s["speedup"]]
+            if values:
+                entry[policy] = {
+                    "min": min(values),
+                    "median": float(np.median(values)),
+                    "max": max(values),
+                }
+        vs_tp1 = [
+            s["speedup_vs_baseline"]["predictive"]
+            for s in rows
+            if "predictive" in s.get("speedup_vs_baseline", {})
+        ]
+        if vs_tp1:
+            entry["predictive_vs_baseline_max"] = max(vs_tp1)
+        out.append(entry)
+    return out
+
+
+def headline_markdown(summaries: list[dict]) -> str:
+    """The headline table: per model, speedups over colocation at its best layout."""
+    head = "| model | GPUs | cells | split pays (>1.02x) | " + " | ".join(
+        f"{p} min / median / max" for p in HEADLINE_POLICIES
+    )
+    lines = [head + " | best cell |", "|" + "---|" * (5 + len(HEADLINE_POLICIES))]
+    for entry in headline(summaries):
+        cells = []
+        for policy in HEADLINE_POLICIES:
+            v = entry.get(policy)
+            cells.append(f"{v['min']:.2f} / {v['median']:.2f} / {v['max']:.2f}x" if v else "-")
+        lines.append(
+            f"| {entry['model']} | {entry['gpus']} | {entry['cells']} | "
+            f"{entry['split_pays_cells']} | " + " | ".join(cells) + f" | {entry['best_cell']} |"
+        )
+    return "\n".join(lines)
+
+
+def regime_table(rows: list[dict]) -> str:
+    """Every regime: colocation at its best layout, the planner's layouts, best-static's
+    split and every speedup (and predictive's against colocation at TP1, labelled)."""
+    head = (
+        "| regime | colocation@best | planned P / D / C | best-static | "
+        "best-static | predictive | mpc | oracle | predictive vs coloc@TP1 |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for s in rows:
+        best = s["colocate_best"]
+        plan = s["planned_layouts"]
+        static = s.get("best_static") or {}
+        sp = s["speedup"]
+        where = (
+            f"{static['prefill_layout']} x{static['prefill_gpus']} GPUs / {static['decode_layout']}"
+            if static
+            else "-"
+        )
+        base = s["colocate_baseline"]
+        vs_base = s.get("speedup_vs_baseline", {}).get("predictive")
+        tail = f" | {vs_base:.3f}x ({base['layout']}) |" if vs_base else " | - |"
+        lines.append(
+            f"| {s['label']} | {best['layout']} {_objective(best['objective'], s)} | "
+            f"{plan['prefill']} / {plan['decode']} / {plan['colocated']} | {where} | "
+            + " | ".join(
+                f"{sp[p]:.3f}x" if p in sp else "-"
+                for p in ("best-static", "predictive", "mpc", "oracle")
+            )
+            + tail
+        )
+    return "\n".join(lines)
+
+
+def _objective(value: float, summary: dict) -> str:
+    if summary["regime"]["mode"] == "sync":
+        return f"{value:,.1f} s"
+    return f"{3600.0 / value:,.0f} traj/h"
+
+
+def goals_markdown(met: dict) -> str:
+    names = {
+        "seed_1.3x": "predictive >= 1.3x colocation@best in the seed's setting",
+        "vs_colocate_0.98": "predictive >= 0.98x colocation@best in every cell",
+        "vs_oracle_5pct": "predictive within 5% of the oracle in every cell",
+        "vs_best_static_2pct": "predictive never more than 2% below best-static",
+    }
+    lines = []
+    for key, text in names.items():
+        missed = met["missed"][key]
+        status = "met" if not missed else f"not met in {len(missed)} cell(s)"
+        lines.append(f"* {text}: **{status}**")
+        lines += [f"  * {label}" for label in missed[:12]]
+        if len(missed) > 12:
+            lines.append(f"  * ... and {len(missed) - 12} more")
+    if met["seed_setting_cells"]:
+        lines.append(
+            f"* seed setting ({met['seed_setting_cells']} cells): predictive "
+            f"{met['seed_setting_predictive_min']:.3f}x - "
+            f"{met['seed_setting_predictive_max']:.3f}x"
+        )
+    return "\n".join(lines)
+
+
+def write_map_report(
+    result: dict, out: Path, *, title: str = "Regime map", config: dict | None = None
+) -> Path:
+    """results.json, a heatmap per model and report.md under ``out``; returns the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = result["regimes"]
+    met = goals(summaries)
+    payload = {"config": config, **result, "headline": headline(summaries), "goals": met}
+    atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str) + "\n")
+    lines = [
+        f"# {title}",
+        "",
+        "Speedup = colocation at its best layout / policy (sync "
+        "makespan; async seconds per trajectory), same trajectories.",
+        "",
+    ]
+    lines += [headline_markdown(summaries), "", "## Goals", "", goals_markdown(met), ""]
+    for model in models_of(summaries):
+        main = _main(summaries, model)
+        if main:
+            png = heatmap(summaries, model, out / f"heatmap-{model}.png")
+            lines += [f"## {model}", "", f"![{model}]({png.name})", "", regime_table(main), ""]
+        knobs = [s for s in summaries if s["regime"]["model"] == model and s["variant"]]
+        if knobs:
+            lines += [f"### {model}: one knob at a time", "", regime_table(knobs), ""]
+    path = out / "report.md"
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path

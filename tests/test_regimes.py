@@ -1,0 +1,171 @@
+"""The regime map: workload knobs, speedups against colocation at its best layout, resuming,
+Ray, goals and grids (on a small dense family so every test runs in seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from prorsa.errors import ConfigError
+from prorsa.experiments.families import ModelFamily
+from prorsa.experiments.grids import LOADS, WORKLOADS, full_grid, get_grid, select
+from prorsa.experiments.knobs import WorkloadKnobs
+from prorsa.experiments.regimes import MapConfig, Regime, goals, plan_regime, run_map
+from prorsa.workload.spec import TrajectorySpec
+
+TOY = ModelFamily("toy-7b", "h200-qwen2.5-7b", ("tp1", "tp2"), 4, "tp1", moe=False)
+
+
+def toy_config(tmp_path=None, **kw) -> MapConfig:
+    regimes = kw.pop("regimes", [Regime("toy-7b", "search", "sync", 4)])
+    return MapConfig(
+        regimes=regimes,
+        families={"toy-7b": TOY},
+        forecaster="ewma",  # data-free: no shipped model needed
+        workers=1,
+        cells_path=tmp_path / "cells.jsonl" if tmp_path else None,
+        **kw,
+    )
+
+
+def test_knobs_scale_tool_latency_and_growth_but_keep_the_prompt():
+    spec = TrajectorySpec("t", [1000, 200, 300], [50, 60, 70], [2.0, 4.0, 0.0])
+    scaled = WorkloadKnobs(tool_scale=0.5, growth_scale=2.0).apply(spec)
+    assert scaled.new_tokens.tolist() == [1000, 400, 600]
+    assert scaled.tool_latency_s.tolist() == [1.0, 2.0, 0.0]
+    assert scaled.output_tokens.tolist() == [50, 60, 70]
+    assert WorkloadKnobs().apply(spec) is spec
+    with pytest.raises(ConfigError, match="tool_scale"):
+        WorkloadKnobs(tool_scale=-1.0)
+
+
+def test_knobs_change_the_simulated_workload():
+    from prorsa.experiments.cells import Cell, run_cell
+
+    base = Cell(
+        scenario="search",
+        trace=None,
+        mode="sync",
+        policy="colocate",
+        seed=0,
+        engines=4,
+        profile="h200-qwen2.5-7b-tp1",
+        trajectories=32,
+        series=False,
+        record=False,
+    )
+    from dataclasses import replace
+
+    plain = run_cell(base)["metrics"]
+    slow_tools = run_cell(replace(base, tool_scale=4.0))["metrics"]
+    growth = run_cell(replace(base, growth_scale=2.0))["metrics"]
+    assert slow_tools["makespan_s"] > plain["makespan_s"]
+    assert slow_tools["prefill_tokens_computed"] == plain["prefill_tokens_computed"]
+    assert growth["prefill_tokens_computed"] > plain["prefill_tokens_computed"]
+
+
+def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
+    result = run_map(toy_config(tmp_path))
+    (summary,) = result["regimes"]
+    colocate = {k: v["objective"] for k, v in summary["colocate"].items()}
+    assert set(colocate) == {"tp1", "tp2"}
+    best_layout = min(colocate, key=colocate.get)
+    assert summary["colocate_best"] == {"layout": best_layout, "objective": colocate[best_layout]}
+    for policy in ("best-static", "predictive", "mpc", "oracle"):
+        objective = summary["policies"][policy]["objective"]
+        assert summary["speedup"][policy] == pytest.approx(colocate[best_layout] / objective)
+        assert summary["speedup_vs_baseline"][policy] == pytest.approx(colocate["tp1"] / objective)
+    # best-static is the best split any searched (prefill, decode) pair found
+    searched = [s["objective"] for s in summary["static_searches"]]
+    assert summary["best_static"]["objective"] == min(searched)
+    pairs = {(s["prefill_layout"], s["decode_layout"]) for s in summary["static_searches"]}
+    assert ("tp1", "tp1") in pairs
+    # the dynamic policies ran with the planner's layouts
+    assert set(summary["planned_layouts"].values()) <= {"tp1", "tp2"}
+    lines = (tmp_path / "cells.jsonl").read_text().splitlines()
+    cells = [json.loads(line)["result"]["cell"] for line in lines]
+    dynamic = [c for c in cells if c["policy"] in ("predictive", "mpc", "oracle")]
+    assert all(c["cluster_overrides"]["layouts"] == summary["planned_layouts"] for c in dynamic)
+    assert all(c["forecaster"] == "ewma" for c in dynamic if c["policy"] != "oracle")
+
+
+def test_map_resumes_from_its_cells_file(tmp_path):
+    first = run_map(toy_config(tmp_path))
+    assert first["cells"]["run"] > 0 and first["cells"]["reused"] == 0
+    again = run_map(toy_config(tmp_path))
+    assert again["cells"]["run"] == 0
+    assert again["cells"]["reused"] == first["cells"]["run"]
+    assert again["regimes"][0]["speedup"] == first["regimes"][0]["speedup"]
+
+
+@pytest.mark.ray
+def test_map_runs_cells_as_ray_tasks(tmp_path):
+    pytest.importorskip("ray")
+    cfg = toy_config(tmp_path, backend="ray")
+    result = run_map(cfg)
+    assert result["cells"]["run"] > 0
+    assert result["regimes"][0]["speedup"]["oracle"] > 0
+
+
+def test_plan_offers_static_pairs_and_colocated_layouts():
+    cfg = toy_config()
+    plan = plan_regime(Regime("toy-7b", "swe", "async", 8), cfg)
+    assert plan.colocated == ("tp1", "tp2")
+    assert plan.static_pairs and all(p == "tp1" for p, _ in plan.static_pairs)  # TP1 prefills best
+    assert plan.slots({"prefill": "tp1", "decode": "tp2", "colocated": "tp2"}) == 2
+    assert 0 < plan.shape.prefill_share < 1
+
+
+def test_goals_cell_by_cell():
+    def summary(label, pred, oracle, static, model="qwen3-30b-a3b", workload="swe", load=16):
+        return {
+            "label": label,
+            "variant": "",
+            "regime": {"model": model, "workload": workload, "load_per_gpu": load},
+            "speedup": {"predictive": pred, "oracle": oracle, "best-static": static},
+        }
+
+    rows = [
+        summary("seed-ok", 1.35, 1.36, 1.30),
+        summary("seed-short", 1.10, 1.12, 1.10),
+        summary("below-colocation", 0.95, 0.96, 0.9, model="qwen2.5-7b"),
+        summary("far-from-oracle", 1.0, 1.2, 1.0, model="qwen2.5-7b"),
+        summary("below-static", 1.0, 1.0, 1.05, model="qwen2.5-7b"),
+    ]
+    met = goals(rows)
+    assert met["missed"]["seed_1.3x"] == ["seed-short"]
+    assert met["missed"]["vs_colocate_0.98"] == ["below-colocation"]
+    assert met["missed"]["vs_oracle_5pct"] == ["far-from-oracle"]
+    assert met["missed"]["vs_best_static_2pct"] == ["below-static"]
+    assert met["seed_setting_cells"] == 2
+    assert met["seed_setting_predictive_min"] == pytest.approx(1.10)
+    assert not any(met["met"].values())
+
+
+def test_grids_and_filters():
+    regimes = full_grid()
+    models = {r.model for r in regimes}
+    assert models == {"qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b", "qwen3-235b-a22b"}
+    main = [r for r in regimes if not r.variant and r.load_per_gpu in LOADS]
+    assert len(main) == 4 * len(WORKLOADS) * 2 * len(LOADS)
+    assert {r.load_per_gpu for r in regimes} == {*LOADS, 128}
+    assert {r.variant for r in regimes} >= {"tool x4", "growth x0.5", "kv-store"}
+    assert len(set(regimes)) == len(regimes)
+    picked = select(get_grid("quick"), models=["qwen2.5-7b"], workloads=["search"])
+    assert [r.label for r in picked] == ["qwen2.5-7b search sync 4/GPU"]
+    with pytest.raises(ConfigError, match="no regime left"):
+        select(regimes, models=["nope"])
+    with pytest.raises(ConfigError, match="unknown grid"):
+        get_grid("huge")
+    with pytest.raises(ConfigError, match="unknown model"):
+        Regime("gpt-9", "swe", "sync", 4).validate()
+
+
+def test_replays_use_the_shipped_traces():
+    regime = Regime("qwen2.5-7b", "replay:mini-swe-agent", "sync", 4)
+    scenario, trace = regime.workload_source()
+    assert scenario is None and trace.endswith("mini-swe-agent-swebench.parquet")
+    plan = plan_regime(regime, MapConfig(regimes=[regime]))
+    assert np.isfinite(plan.shape.decode_context_tokens)
