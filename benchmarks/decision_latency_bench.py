@@ -112,13 +112,15 @@ def measure(
     _timed(model, "predict", parts["predict"])
     _timed(controller.policy, "decide", parts["decide"])
     totals, sequential, live_counts, events = [], [], [], []
+    ticked = len(log)  # events the controller has handed over so far
     for _ in range(ticks):
         sim.advance(sim.env.now + 1.0)
         before = len(log)
         t0 = time.perf_counter()
         controller.tick()
         totals.append(time.perf_counter() - t0)
-        events.append(before - seen)
+        events.append(before - ticked)
+        ticked = before
         live_counts.append(model.tracker_.live_count())
         if ref is not None:
             sequential.append(feed_reference())
