@@ -148,8 +148,14 @@ def test_grids_and_filters():
     regimes = full_grid()
     models = {r.model for r in regimes}
     assert models == {"qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b", "qwen3-235b-a22b"}
-    main = [r for r in regimes if not r.variant and r.load_per_gpu in LOADS]
-    assert len(main) == 4 * len(WORKLOADS) * 2 * len(LOADS)
+    sync = [r for r in regimes if not r.variant and r.mode == "sync" and r.load_per_gpu in LOADS]
+    assert len(sync) == 4 * len(WORKLOADS) * len(LOADS)
+    seed_async = {
+        (r.workload, r.load_per_gpu)
+        for r in regimes
+        if r.mode == "async" and r.model == "qwen3-30b-a3b"
+    }
+    assert {("swe", 16), ("swe", 64), ("mixed", 64), ("search", 64)} <= seed_async
     assert {r.load_per_gpu for r in regimes} == {*LOADS, 128}
     assert {r.variant for r in regimes} >= {"tool x4", "growth x0.5", "kv-store"}
     assert len(set(regimes)) == len(regimes)

@@ -1,12 +1,19 @@
 """Named grids of the regime map: ``quick`` (tests, a first look), ``demo`` and ``full``.
 
-The full grid is sized to run in well under an hour on two CPU cores (about 4,600
-CPU-seconds, measured at ~80 µs per simulated turn for colocation and ~290 µs with the
-oracle): for each of the four models, every workload (the five scenarios and a replay
-of the mini-swe-agent trace) x sync/async x 4, 16 and 64 trajectories per GPU; 128 per
-GPU for the workloads with few turns (search, math-tool, tau2; sync); and one knob at a
-time at mixed, sync, 16 per GPU: tool latency x0.25 and x4, context growth x0.5 and x2,
-and the host-DRAM KV store instead of re-prefill.
+The full grid is sized for about half an hour on two idle CPU cores (~3,400 CPU-seconds:
+a regime costs ~1.6-2.7 ms of CPU per simulated turn over all its runs, measured; a
+simulated turn costs ~50-80 µs colocated and ~280 µs with the oracle forecaster):
+
+* every model x every workload (the five scenarios and a replay of the mini-swe-agent
+  trace) x sync x 4, 16 and 64 trajectories per GPU;
+* async at 16 per GPU for every model and scenario, and at 64 per GPU for the seed's
+  setting (Qwen3-30B-A3B on swe, mixed and search);
+* 128 per GPU (sync) for the workloads with few turns (search, math-tool, tau2);
+* one knob at a time at mixed, sync, 16 per GPU: tool latency x0.25 and x4, context
+  growth x0.5 and x2, and the host-DRAM KV store instead of re-prefill.
+
+Async runs twice as many trajectories as they keep in flight; swe-like workloads have
+~35 turns per trajectory, which is why they are not run async at every load.
 """
 
 from __future__ import annotations
@@ -30,8 +37,14 @@ KNOB_AXES = {
 GRIDS = ("quick", "demo", "full")
 
 
+SEED_MODEL, SEED_WORKLOADS = "qwen3-30b-a3b", ("swe", "mixed", "search")
+
+
 def full_grid(models: Sequence[str] = MODELS) -> list[Regime]:
-    regimes = product_regimes(models, WORKLOADS, ("sync", "async"), LOADS)
+    regimes = product_regimes(models, WORKLOADS, ("sync",), LOADS)
+    regimes += product_regimes(models, SCENARIOS, ("async",), (16,))
+    if SEED_MODEL in models:
+        regimes += product_regimes([SEED_MODEL], SEED_WORKLOADS, ("async",), (64,))
     regimes += product_regimes(models, FEW_TURNS, ("sync",), (128,))
     for model in models:
         regimes += variants(Regime(model, "mixed", "sync", 16), **KNOB_AXES)

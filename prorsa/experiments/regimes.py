@@ -11,8 +11,9 @@ mode. For every regime the map runs, on the same trajectories (one seed):
 * **best-static**: an exhaustive search over (prefill layout, decode layout, split) for
   each role's candidate layouts (prefill: those no other layout beats on prefill tokens/s
   per GPU with as few GPUs; decode: the ``decode_candidates`` with the most decode
-  tokens/s per GPU at the workload's operating point) and every split (a coarse grid then
-  its refinement when a pair has more than ``exhaustive_up_to`` splits);
+  tokens/s per GPU at the workload's operating point) and every split (when a pair has
+  more than ``exhaustive_up_to`` splits: about six evenly spaced, then every split between
+  the best one's neighbours);
 * **predictive, mpc and oracle** with the layouts the planner
   (:mod:`prorsa.policy.layout_plan`) picks from the family's options at the workload's
   operating point; they move slots between roles, the layouts stay fixed for the run.
@@ -35,7 +36,6 @@ from prorsa.experiments.cells import Cell
 from prorsa.experiments.families import ModelFamily, get_family
 from prorsa.experiments.knobs import WorkloadKnobs
 from prorsa.experiments.sweep import BACKENDS, Sweep
-from prorsa.policy.best_static import search_best_static
 from prorsa.policy.layout_plan import LayoutOption, LayoutPlan, WorkloadShape, plan_layouts
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class MapConfig:
     forecaster: str = "lightgbm-trajectory"
     dynamic_policies: tuple[str, ...] = DYNAMIC_POLICIES
     decode_candidates: int = 2  # decode layouts best-static searches (best first)
-    exhaustive_up_to: int = 7  # splits tried one by one; beyond, coarse grid + refinement
+    exhaustive_up_to: int = 7  # splits all tried; beyond, a coarse grid + its refinement
     group_size: int = 8
     families: dict[str, ModelFamily] = field(default_factory=dict)  # overrides by name
     workers: int = 0
@@ -286,16 +286,18 @@ def _static_layouts(prefill: str, decode: str) -> dict[str, str]:
 
 
 def _split_grid(slots: int, exhaustive_up_to: int) -> list[int]:
-    """The prefill-slot counts :func:`search_best_static` evaluates first."""
+    """The prefill-slot counts a search evaluates first: all of them up to
+    ``exhaustive_up_to``, else about six evenly spaced (both ends included)."""
     candidates = list(range(1, slots))
     if len(candidates) <= exhaustive_up_to:
         return candidates
-    stride = max(len(candidates) // 8, 1)
+    stride = -(-len(candidates) // 5)
     return sorted(set(candidates[::stride]) | {1, slots - 1})
 
 
 def _refinement(seen: dict[int, float], slots: int, exhaustive_up_to: int) -> list[int]:
-    """The counts between the best grid point's neighbours not yet evaluated."""
+    """Every count between the best grid point's neighbours not yet evaluated (the
+    makespan need not be unimodal in the split, so the whole bracket is tried)."""
     if slots - 1 <= exhaustive_up_to:
         return []
     grid = sorted(seen)
@@ -317,8 +319,8 @@ def _static_cell(cfg: MapConfig, plan: RegimePlan, pair: tuple[str, str], x: int
 def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run every regime of ``cfg``; returns ``{"regimes": [summary, ...], "cells": {...}}``.
 
-    Three batches through one sweep: colocation at every layout, the dynamic policies and
-    the coarse static grids; the grids' refinements; (rarely) splits a search still wants.
+    Two batches through one sweep: colocation at every layout, the dynamic policies and
+    the coarse static grids; then the grids' refinements.
     """
     cfg.validate()
     plans = [plan_regime(r, cfg) for r in cfg.regimes]
@@ -359,10 +361,7 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
         )
         for (key, x), run in zip(refine, refined, strict=True):
             seen[key][x] = run["objective"]
-        searches = {
-            key: _finish_search(cfg, sweep, counter, plans[key[0]], key[1], seen[key])
-            for key in grids
-        }
+        searches = {key: _best_split(plans[key[0]], key[1], seen[key]) for key in grids}
     by_plan: dict[int, dict] = {
         i: {"colocate": {}, "policies": {}, "static": []} for i in range(len(plans))
     }
@@ -403,26 +402,17 @@ class _Progress:
         return sweep.map(cells, report)
 
 
-def _finish_search(
-    cfg: MapConfig, sweep: Sweep, counter: _Progress, plan: RegimePlan, pair, seen: dict
-) -> dict:
-    """The best split of one (prefill, decode) pair from the splits evaluated."""
-    slots = plan.slots(_static_layouts(*pair))
-
-    def evaluate(x: int) -> float:
-        if x not in seen:  # only if the batches missed a split the search wants
-            seen[x] = counter.map(sweep, [_static_cell(cfg, plan, pair, x)])[0]["objective"]
-        return seen[x]
-
-    best, objectives = search_best_static(evaluate, slots, exhaustive_up_to=cfg.exhaustive_up_to)
+def _best_split(plan: RegimePlan, pair: tuple[str, str], seen: dict[int, float]) -> dict:
+    """The best split of one (prefill, decode) pair among those evaluated."""
+    best = min(seen, key=lambda x: (seen[x], x))
     layouts = _static_layouts(*pair)
     return {
         "prefill_layout": pair[0],
         "decode_layout": pair[1],
         "prefill_slots": best,
         "prefill_gpus": best * plan.slot_gpus(layouts),
-        "objective": objectives[best],
-        "objective_by_prefill_slots": objectives,
+        "objective": seen[best],
+        "objective_by_prefill_slots": dict(sorted(seen.items())),
     }
 
 

@@ -1,0 +1,168 @@
+"""The regime map and the three mechanism experiments, with the issue's goals.
+
+Runs ``prorsa explore``'s full grid (or ``--quick``) through the sweep runner (local Ray
+with one worker per CPU, or ``--address``), resumable from
+benchmarks/results/regimes/cells.jsonl, and writes:
+
+* benchmarks/results/regimes.json: per regime the speedups of best-static, predictive,
+  mpc and oracle over colocation at its best layout (and over colocation at TP1 or the
+  smallest TP, labelled), the headline per model, the goals cell by cell, the mechanisms;
+* benchmarks/results/regimes/: report.md, a heatmap per model, mechanism plots;
+* docs/img/regimes-*.png and the README's headline table (between its
+  ``regime-map`` markers), so the README shows the map's summary, never typed by hand.
+
+    .venv/bin/python benchmarks/regimes_bench.py              # full map (~40 min, 2 cores)
+    .venv/bin/python benchmarks/regimes_bench.py --quick      # minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import RESULTS, save
+from prorsa.experiments import mechanisms
+from prorsa.experiments.grids import get_grid, select
+from prorsa.experiments.regime_report import headline, headline_markdown, write_map_report
+from prorsa.experiments.regimes import MapConfig, Regime, goals, is_seed_setting, run_map
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = RESULTS / "regimes"
+IMG = REPO / "docs" / "img"
+README = REPO / "README.md"
+START, END = "<!-- regime-map:start -->", "<!-- regime-map:end -->"
+
+
+def compact(summary: dict) -> dict:
+    """A regime's summary without per-split detail (regimes.json stays readable)."""
+    keep = (
+        "label",
+        "regime",
+        "variant",
+        "gpus",
+        "shape",
+        "planned_layouts",
+        "colocate_best",
+        "colocate_baseline",
+        "planner_colocated_regret",
+        "best_static",
+        "speedup",
+        "speedup_vs_baseline",
+    )
+    out = {k: summary[k] for k in keep}
+    if out["best_static"]:
+        out["best_static"] = {
+            k: v for k, v in out["best_static"].items() if k != "objective_by_prefill_slots"
+        }
+    out["colocate"] = {k: v["objective"] for k, v in summary["colocate"].items()}
+    out["policies"] = {
+        name: {
+            k: p.get(k)
+            for k in (
+                "objective",
+                "switches",
+                "completion_s_p99",
+                "busy_fraction",
+                "cache_hit_rate",
+            )
+            if k in p
+        }
+        for name, p in summary["policies"].items()
+    }
+    return out
+
+
+def update_readme(summaries: list[dict]) -> bool:
+    """Replace the README's block between the regime-map markers with the headline."""
+    text = README.read_text()
+    if START not in text or END not in text:
+        return False
+    block = (
+        f"{START}\n{headline_markdown(summaries)}\n\n"
+        "![Qwen3-30B-A3B regime map](docs/img/regimes-qwen3-30b-a3b.png)\n"
+        f"{END}"
+    )
+    README.write_text(re.sub(re.escape(START) + ".*?" + re.escape(END), block, text, flags=re.S))
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="the quick grid (minutes)")
+    parser.add_argument("--models", default="", help="only these models, comma-separated")
+    parser.add_argument("--forecaster", default="lightgbm-trajectory")
+    parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
+    parser.add_argument("--address", default=None, help="Ray cluster to run cells on")
+    parser.add_argument("--fresh", action="store_true", help="ignore finished cells")
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    args = parser.parse_args()
+    regimes = get_grid("quick" if args.quick else "full")
+    if args.models:
+        regimes = select(regimes, models=[m for m in args.models.split(",") if m])
+    cfg = MapConfig(
+        regimes=regimes,
+        forecaster=args.forecaster,
+        workers=args.workers,
+        address=args.address,
+        cells_path=OUT / "cells.jsonl",
+        resume=not args.fresh,
+    )
+    started = time.perf_counter()
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] > 30 or done == total:
+            last[0] = now
+            print(f"{done}/{total} cells, {now - started:,.0f} s", flush=True)
+
+    result = run_map(cfg, progress=progress)
+    map_s = time.perf_counter() - started
+    summaries = result["regimes"]
+    write_map_report(result, OUT, title="Regime map (benchmarks/regimes_bench.py)")
+    IMG.mkdir(parents=True, exist_ok=True)
+    for png in OUT.glob("heatmap-*.png"):
+        shutil.copy(png, IMG / png.name.replace("heatmap-", "regimes-"))
+
+    mech = {}
+    mech["a"] = mechanisms.brief(mechanisms.interference(OUT))
+    mech["b"] = mechanisms.brief(mechanisms.stage_layouts(OUT))
+    seed_sync = [s for s in summaries if is_seed_setting(s) and s["regime"]["mode"] == "sync"] or [
+        s for s in summaries if s["regime"]["mode"] == "sync"
+    ]
+    mech_c_regime = Regime(**seed_sync[0]["regime"])
+    mech_cfg = MapConfig(regimes=[mech_c_regime], forecaster=args.forecaster, workers=1)
+    mech["c"] = mechanisms.brief(mechanisms.completion_tail(OUT, seed_sync[0], mech_cfg))
+    for name in mechanisms.MECHANISMS:
+        shutil.copy(OUT / f"mechanism-{name}.png", IMG / f"mechanism-{name}.png")
+
+    met = goals(summaries)
+    readme = False if (args.no_readme or args.quick) else update_readme(summaries)
+    path = save(
+        "regimes",
+        {
+            "quick": args.quick,
+            "forecaster": args.forecaster,
+            "regimes": [compact(s) for s in summaries],
+            "headline": headline(summaries),
+            "goals": met,
+            "mechanisms": mech,
+            "cells": result["cells"],
+            "map_wall_s": map_s,
+            "wall_s": time.perf_counter() - started,
+        },
+    )
+    print(headline_markdown(summaries))
+    print(json.dumps(met, indent=1))
+    print(f"map {map_s:,.0f} s; saved {path}; README updated: {readme}")
+
+
+if __name__ == "__main__":
+    main()
