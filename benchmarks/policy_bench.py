@@ -2,10 +2,13 @@
 
 The full table: swe, search, math-tool, mixed and a replay of the shared mini-swe-agent
 slice; 16 and 64 engines; sync and async; 5 seeds; colocate, best-static, threshold,
-predictive, mpc, oracle and rl. Goals reported against: predictive >= 1.1x over
-colocation on swe and mixed, never worse than best-static by more than 2%, within 10% of
-oracle. Also observe + forecast + decide latency p50/p99 at 512 engines and 10,000 live
-trajectories. Writes benchmarks/results/policy.json (and report.md + plots next to it).
+predictive, mpc, oracle and rl. Speedups here are against colocation at each block's one
+layout (TP1 for Qwen2.5-7B, DP8/EP8 all-to-all for the MoE block), labelled as such;
+benchmarks/regimes_bench.py reports them against colocation at its best layout. Goals
+reported against: predictive >= 1.1x over colocation on swe and mixed, never worse than
+best-static by more than 2%, within 10% of oracle. Also observe + forecast + decide
+latency p50/p99 at 512 engines and 10,000 live trajectories. Writes
+benchmarks/results/policy.json (and report.md + plots next to it).
 
     .venv/bin/python benchmarks/policy_bench.py            # full (tens of minutes)
     .venv/bin/python benchmarks/policy_bench.py --quick    # 2 seeds, 16 engines, sync
@@ -166,20 +169,25 @@ def main() -> None:
     )
     block("16-heavy", heavy, "16-heavy", "Policy benchmark, 16 engines, 128 trajectories per GPU")
     # Where disaggregation is known to pay: an MoE model with data-parallel attention, whose
-    # colocated prefill stalls every rank. 4 slots of 8 H200s (32 GPUs): prefill at TP8,
-    # decode as 8 TP1 engines, colocated as one DP8 engine.
+    # colocated prefill stalls every rank. 4 slots of 8 H200s (32 GPUs) priced by the
+    # measured layout costs: prefill as 8 TP1 engines per slot, decode and colocated as one
+    # DP8/EP8 engine with DeepEP all-to-all (colocation's best layout for mixed at 16-64
+    # trajectories per GPU in the regime map; see benchmarks/regimes_bench.py for speedups
+    # against colocation at its best layout everywhere). role_tp sizes the static search's
+    # 8-GPU slots.
+    moe_layouts = {"prefill": "tp1", "decode": "tp1-dp8-ep8-a2a", "colocated": "tp1-dp8-ep8-a2a"}
     moe = CompareConfig(
         workloads=[("search", None), ("mixed", None)],
         policies=POLICIES,
         modes=["sync"],
         seeds=2 if args.quick else 3,
         engines=4,
-        profile="h200-qwen3-30b-a3b-tp1-roofline",
+        profile="h200-qwen3-30b-a3b-tp1",
         trajectories=1024,
         forecaster=args.forecaster,
         cluster_overrides={
-            "role_tp": {"prefill": 8, "decode": 1, "colocated": 1},
-            "dp_attention_ranks": 8,
+            "layouts": moe_layouts,
+            "role_tp": {"prefill": 8, "decode": 8, "colocated": 8},
         },
     )
     block("moe", moe, "4x8-moe-dp8", "Policy benchmark, MoE with data-parallel attention")

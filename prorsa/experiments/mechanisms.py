@@ -421,6 +421,7 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
             c,
             np.arange(1, len(c) + 1) / len(c),
             color=f"C{i}",
+            ls=("-", "--", ":")[i % 3],
             label=(f"{name}: makespan {s['makespan_s']:.0f} s, p50 {s['completion_s_p50']:.0f} s"),
         )
         ax.axvline(s["makespan_s"], color=f"C{i}", ls=":", lw=0.8)

@@ -157,7 +157,7 @@ def regime_table(rows: list[dict]) -> str:
     """Every regime: colocation at its best layout, the planner's layouts, best-static's
     split and every speedup (and predictive's against colocation at TP1, labelled)."""
     head = (
-        "| regime | colocation@best | planned P / D / C | best-static | "
+        "| regime | colocation@best | planned P / D / C | best-static split | "
         "best-static | predictive | mpc | oracle | predictive vs coloc@TP1 |"
     )
     lines = [head, "|" + "---|" * 9]
