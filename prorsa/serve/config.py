@@ -60,6 +60,13 @@ class ServeConfig:
         default=900.0,
         **_help("End a session (traj_end) after this long without a turn or finish_session."),
     )
+    stream_legs: bool = field(
+        default=False,
+        **_help(
+            "Stream each leg from its engine (live first-token events) instead of one call "
+            "per leg (lower overhead; first-token times from the engine's own clock)."
+        ),
+    )
     profile: str | None = field(
         default=None, **_help("Cost profile for the policy's throughput numbers (CPU fit).")
     )

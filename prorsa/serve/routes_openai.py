@@ -14,9 +14,10 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 from prorsa.serve.http_errors import HTTPError, json_object
-from prorsa.serve.routes_tokens import check_model, session_id, token_ids
+from prorsa.serve.routes_tokens import check_model, json_response, session_id, token_ids
 from prorsa.serve.sampling import TEXT_ONLY_KEYS, Sampling, parse_sampling
 
 router = APIRouter()
@@ -65,8 +66,8 @@ def _token_text(request: Request, token: int, as_ids: bool) -> str:
     return _tokenizer(request).decode([token])
 
 
-@router.post("/v1/completions")
-async def completions(request: Request) -> dict[str, Any]:
+async def completions(request: Request) -> Response:
+    """``POST /v1/completions`` (a plain Starlette route, like the token route)."""
     body = await json_object(request)
     sampling_fields = _split(body, _COMPLETION_FIELDS)
     check_model(request, body.get("model"))
@@ -100,15 +101,20 @@ async def completions(request: Request) -> dict[str, Any]:
     if body.get("return_token_ids"):
         choice["token_ids"] = result.output_token_ids
         choice["prompt_token_ids"] = prompt
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": request.app.state.model_names[0],
-        "choices": [choice],
-        "usage": _usage(result),
-        "prorsa": {"weight_version": result.weight_version, "path": result.path},
-    }
+    return json_response(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": request.app.state.model_names[0],
+            "choices": [choice],
+            "usage": _usage(result),
+            "prorsa": {"weight_version": result.weight_version, "path": result.path},
+        }
+    )
+
+
+router.add_route("/v1/completions", completions, methods=["POST"])
 
 
 @router.post("/v1/chat/completions")

@@ -53,7 +53,17 @@ def serve(
     """
     config.validate()
     check_port_free(config.host, config.port)
-    return asyncio.run(_serve(config, on_ready, fleet))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(_serve(config, on_ready, fleet))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when installed (a faster loop for the HTTP and Ray plumbing)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve(config: ServeConfig, on_ready: Callable[[Any], None] | None, fleet: Any) -> int:
@@ -199,7 +209,8 @@ class BackgroundServer:
 
     def _main(self) -> None:
         try:
-            asyncio.run(self._run())
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(self._run())
         except BaseException as exc:  # reported to start(); the thread ends
             self.error = exc
 

@@ -141,7 +141,9 @@ class RolloutService:
             )
         pools = self.fleet.pools()
         for engine in pools.engines():
-            engine.client = BarrierClient(engine.client, self.barrier)
+            engine.client = BarrierClient(
+                engine.client, self.barrier, stream_legs=config.stream_legs
+            )
             pools.set_role(engine.engine_id, parse_role(roles[engine.engine_id]), at=0.0)
         if config.telemetry_dir:
             from prorsa.telemetry import Recorder
