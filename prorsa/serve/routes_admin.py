@@ -165,8 +165,13 @@ async def prorsa_update_weights(request: Request) -> dict[str, Any]:
 
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> dict[str, Any]:
-    await _service(request).begin_weight_update()
-    await _service(request).collective_rpc("start_weight_update")
+    service = _service(request)
+    await service.begin_weight_update()
+    try:
+        await service.collective_rpc("start_weight_update")
+    except BaseException:
+        await service.cancel_weight_update()  # never leave serving paused behind an error
+        raise
     return {"message": "Weight update started"}
 
 
@@ -179,7 +184,11 @@ async def finish_weight_update(request: Request) -> dict[str, Any]:
     version = body.get("weight_version")
     if isinstance(version, str) and version.isdigit():
         version = int(version)
-    await service.collective_rpc("finish_weight_update")
+    try:
+        await service.collective_rpc("finish_weight_update")
+    except BaseException:
+        await service.cancel_weight_update()
+        raise
     summary = await service.finish_weight_update(version)
     return {"message": "Weight update finished", **summary}
 

@@ -393,6 +393,15 @@ class RolloutService:
             self.metrics.observe_sync(window.summary)
         return window.summary
 
+    async def cancel_weight_update(self) -> None:
+        """Close an open update window without a new version (the push failed)."""
+        if self._external_update is None:
+            return
+        manager, window = self._external_update
+        self._external_update = None
+        window.detail.update(external=True, cancelled=True)
+        await manager.__aexit__(None, None, None)
+
     @property
     def weight_update_open(self) -> bool:
         return self._external_update is not None

@@ -42,6 +42,7 @@ class WeightedFakeEngine:
         self.updates: list[tuple[str, int]] = []
         self.stale_refused = 0
         self.rpc_calls: list[str] = []
+        self.failing_rpcs: set[str] = set()
 
     # ------------------------------------------------------------------ serving
     async def generate_stream(
@@ -161,6 +162,8 @@ class WeightedFakeEngine:
 
     async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None) -> list[Any]:
         self.rpc_calls.append(method)
+        if method in self.failing_rpcs:
+            raise RuntimeError(f"worker has no method {method!r}")
         return [f"{method} on engine {self.engine_id}"]
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:

@@ -28,7 +28,7 @@ PROMPT = [5, 6, 7, 8]
 async def client(tmp_path, **config) -> AsyncIterator[tuple[httpx.AsyncClient, object]]:
     config = {"admin_token": TOKEN, **config}
     async with fake_service(tmp_path, **config) as (svc, fakes):
-        transport = httpx.ASGITransport(app=create_app(svc))
+        transport = httpx.ASGITransport(app=create_app(svc), raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://prorsa") as http:
             yield http, (svc, fakes)
 
@@ -269,3 +269,23 @@ def test_metrics_report_roles_versions_and_latencies(tmp_path):
     assert "prorsa_time_to_first_token_seconds_count 1.0" in lines
     assert "prorsa_weight_syncs_total 1.0" in lines
     assert 'prorsa_http_requests_total{route="/inference/v1/generate",status="200"} 1.0' in lines
+
+
+def test_weight_transfer_window_never_stays_open_after_an_error(tmp_path):
+    async def go():
+        async with client(tmp_path) as (http, (svc, fakes)):
+            for fake in fakes:
+                fake.failing_rpcs.add("start_weight_update")
+            failed = await http.post("/start_weight_update", headers=ADMIN)
+            stray = await http.post("/update_weights", json={"update_info": {}}, headers=ADMIN)
+            served = await asyncio.wait_for(
+                http.post("/inference/v1/generate",
+                          json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}),
+                10,
+            )  # fmt: skip
+            return failed, stray, served, svc.weight_version
+
+    failed, stray, served, version = run(go())
+    assert failed.status_code == 500 and "start_weight_update" in failed.json()["error"]["message"]
+    assert stray.status_code == 409  # no window is open any more
+    assert served.status_code == 200 and version == 0
