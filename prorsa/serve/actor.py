@@ -15,10 +15,10 @@ from prorsa.serve.config import ServeConfig
 class RolloutServiceActor:
     """The actor body: :meth:`start` once, then the service's API by name."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, fleet: Any = None) -> None:
         from prorsa.serve.service import RolloutService
 
-        self.service = RolloutService(config)
+        self.service = RolloutService(config, fleet=fleet)
 
     async def start(self) -> dict[str, Any]:
         await self.service.start()
@@ -61,12 +61,13 @@ class RolloutServiceActor:
         await self.service.shutdown()
 
 
-def rollout_service_actor(config: ServeConfig, **ray_options: Any) -> Any:
+def rollout_service_actor(config: ServeConfig, *, fleet: Any = None, **ray_options: Any) -> Any:
     """Create (not start) the actor; ``ray.get(handle.start.remote())`` starts engines.
 
-    ``ray_options`` go to ``.options()`` (e.g. ``name``, ``num_cpus``).
+    ``fleet``: an engine fleet to adopt instead of starting one. ``ray_options`` go to
+    ``.options()`` (e.g. ``name``, ``num_cpus``).
     """
     import ray
 
     cls = ray.remote(max_concurrency=1000, num_cpus=0)(RolloutServiceActor)
-    return cls.options(**ray_options).remote(config)
+    return cls.options(**ray_options).remote(config, fleet)
