@@ -31,7 +31,7 @@ from benchmarks._common import RESULTS, save
 from prorsa.experiments import mechanisms
 from prorsa.experiments.grids import get_grid, select
 from prorsa.experiments.regime_report import headline, headline_markdown, write_map_report
-from prorsa.experiments.regimes import MapConfig, Regime, goals, is_seed_setting, run_map
+from prorsa.experiments.regimes import MapConfig, Regime, goals, run_map
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = RESULTS / "regimes"
@@ -134,12 +134,12 @@ def main() -> None:
     mech = {}
     mech["a"] = mechanisms.brief(mechanisms.interference(OUT))
     mech["b"] = mechanisms.brief(mechanisms.stage_layouts(OUT))
-    seed_sync = [s for s in summaries if is_seed_setting(s) and s["regime"]["mode"] == "sync"] or [
-        s for s in summaries if s["regime"]["mode"] == "sync"
-    ]
-    mech_c_regime = Regime(**seed_sync[0]["regime"])
-    mech_cfg = MapConfig(regimes=[mech_c_regime], forecaster=args.forecaster, workers=1)
-    mech["c"] = mechanisms.brief(mechanisms.completion_tail(OUT, seed_sync[0], mech_cfg))
+    # (c) on the seed's setting: Qwen3-30B-A3B, mixed, sync, 16 per GPU (if mapped)
+    wanted = Regime("qwen3-30b-a3b", "mixed", "sync", 16)
+    sync = [s for s in summaries if s["regime"]["mode"] == "sync"]
+    tail_of = next((s for s in sync if Regime(**s["regime"]) == wanted), sync[0])
+    mech_cfg = MapConfig(regimes=[Regime(**tail_of["regime"])], forecaster=args.forecaster)
+    mech["c"] = mechanisms.brief(mechanisms.completion_tail(OUT, tail_of, mech_cfg))
     for name in mechanisms.MECHANISMS:
         shutil.copy(OUT / f"mechanism-{name}.png", IMG / f"mechanism-{name}.png")
 

@@ -141,3 +141,53 @@ def test_operating_point_grows_with_load_and_respects_capacity():
     assert batches[-1] == pytest.approx(cap / cost.tp)
     with pytest.raises(ConfigError):
         operating_point(cost, shape, 0)
+
+
+# ---- the start plan --------------------------------------------------------------------
+
+
+def shape(**kw):
+    base = dict(
+        prefill_tokens=10_000,
+        decode_tokens=10_000,
+        tool_s=10.0,
+        decode_context_tokens=8_000,
+        turns=10,
+        reprefill_own_cache_tokens=12_000,
+        reprefill_no_cache_tokens=100_000,
+    )
+    return WorkloadShape(**{**base, **kw})
+
+
+def test_split_prefill_factor_follows_reuse_and_cache():
+    from prorsa.policy.layout_plan import split_prefill_factor
+
+    s = shape()
+    assert split_prefill_factor(s, "kv-store", 0.0) == 1.0
+    assert split_prefill_factor(s, "pull", 0.0) == 1.0
+    assert split_prefill_factor(s, "reprefill", 1.0) == pytest.approx(1.2)
+    assert split_prefill_factor(s, "reprefill", 0.0) == pytest.approx(10.0)
+    assert split_prefill_factor(s, "reprefill", 0.5) == pytest.approx(5.6)
+
+
+def test_start_plan_splits_only_where_the_split_is_faster():
+    from prorsa.policy.layout_plan import plan_start
+
+    # a colocated prefill token costs "wide" ten times a prefill GPU's: split pays with a
+    # KV store; under re-prefill without room to cache, the recomputation eats the gain
+    options = [
+        option("small", 1, prefill=50_000, decode=2_000, colocated_us=20, kv=1e3),
+        option("wide", 4, prefill=20_000, decode=4_000, colocated_us=200, kv=1e3),
+    ]
+    plan = plan_layouts(options, shape().prefill_share, total_gpus=16)
+    assert (plan.prefill, plan.decode, plan.colocated) == ("small", "wide", "wide")
+    store = plan_start(
+        plan, options, shape(), total_gpus=16, load_per_gpu=16, reuse_mode="kv-store"
+    )
+    assert store.start == "split" and store.split_s < store.colocated_s
+    assert store.split_prefill_factor == 1.0 and 0 < store.prefill_fraction < 1
+    again = plan_start(plan, options, shape(), total_gpus=16, load_per_gpu=16)
+    assert again.start == "colocated" and again.split_prefill_factor > 9
+    # decode-only work: nothing to gain from a split
+    quiet = shape(prefill_tokens=10, reprefill_own_cache_tokens=10, reprefill_no_cache_tokens=10)
+    assert plan_start(plan, options, quiet, total_gpus=16, load_per_gpu=16).start == "colocated"

@@ -377,7 +377,14 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
     times under colocation at its best layout, best-static and predictive; the makespan is
     the slowest trajectory, so how much of it is the tail after most have finished."""
     from prorsa.experiments.cells import run_cell
-    from prorsa.experiments.regimes import Regime, _cell, _same, _static_layouts, plan_regime
+    from prorsa.experiments.regimes import (
+        Regime,
+        _cell,
+        _dynamic_cell,
+        _same,
+        _static_layouts,
+        plan_regime,
+    )
 
     regime = Regime(**summary["regime"])
     if regime.mode != "sync":
@@ -393,7 +400,7 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
             cfg, plan, "static", layouts, params={"prefill_gpus": static["prefill_gpus"]}
         )
     if "predictive" in summary["policies"]:
-        cells["predictive"] = _cell(cfg, plan, "predictive", plan.planned.as_layouts())
+        cells["predictive"] = _dynamic_cell(cfg, plan, "predictive")
     runs = {name: run_cell(replace(cell, series=True)) for name, cell in cells.items()}
     stats = {}
     for name, run in runs.items():

@@ -16,7 +16,8 @@ mode. For every regime the map runs, on the same trajectories (one seed):
   the best one's neighbours);
 * **predictive, mpc and oracle** with the layouts the planner
   (:mod:`prorsa.policy.layout_plan`) picks from the family's options at the workload's
-  operating point; they move slots between roles, the layouts stay fixed for the run.
+  operating point, starting colocated or split as the planner's start plan says; they
+  move slots between roles, the layouts stay fixed for the run.
 
 Cells run through :class:`~prorsa.experiments.sweep.Sweep` (Ray tasks, local by default or
 on a cluster with ``address``), streamed to a JSONL file and skipped on a re-run.
@@ -36,7 +37,14 @@ from prorsa.experiments.cells import Cell
 from prorsa.experiments.families import ModelFamily, get_family
 from prorsa.experiments.knobs import WorkloadKnobs
 from prorsa.experiments.sweep import BACKENDS, Sweep
-from prorsa.policy.layout_plan import LayoutOption, LayoutPlan, WorkloadShape, plan_layouts
+from prorsa.policy.layout_plan import (
+    LayoutOption,
+    LayoutPlan,
+    StartPlan,
+    WorkloadShape,
+    plan_layouts,
+    plan_start,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +166,7 @@ class RegimePlan:
     shape: WorkloadShape
     options: tuple[LayoutOption, ...]
     planned: LayoutPlan  # the dynamic policies' layouts
+    start: StartPlan  # and the mode they start in
     colocated: tuple[str, ...]  # layouts colocation is run at
     static_pairs: tuple[tuple[str, str], ...]  # (prefill, decode) best-static searches
 
@@ -224,12 +233,21 @@ def plan_regime(regime: Regime, cfg: MapConfig) -> RegimePlan:
         for p in prefill_candidates(splittable)
         for d in decode_candidates(splittable, cfg.decode_candidates)
     ]
+    start = plan_start(
+        planned,
+        splittable,
+        shape,
+        total_gpus=family.gpus,
+        load_per_gpu=regime.load_per_gpu,
+        reuse_mode=regime.reuse_mode,
+    )
     return RegimePlan(
         regime=regime,
         family=family,
         shape=shape,
         options=tuple(options),
         planned=planned,
+        start=start,
         colocated=tuple(o.name for o in fits),
         static_pairs=tuple(pairs),
     )
@@ -273,6 +291,12 @@ def _cell(
         growth_scale=regime.growth_scale,
         record=dynamic,
     )
+
+
+def _dynamic_cell(cfg: MapConfig, plan: RegimePlan, policy: str) -> Cell:
+    """A dynamic policy on the planner's layouts, starting in the planner's mode."""
+    params = {"start": plan.start.start, "prefill_fraction": plan.start.prefill_fraction}
+    return _cell(cfg, plan, policy, plan.planned.as_layouts(), params=params)
 
 
 def _same(layout: str) -> dict[str, str]:
@@ -337,7 +361,7 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
             for layout in plan.colocated:
                 fixed.append((i, "colocate", layout, _cell(cfg, plan, "colocate", _same(layout))))
             for policy in cfg.dynamic_policies:
-                fixed.append((i, policy, "", _cell(cfg, plan, policy, plan.planned.as_layouts())))
+                fixed.append((i, policy, "", _dynamic_cell(cfg, plan, policy)))
         grids = {
             (i, pair): _split_grid(plan.slots(_static_layouts(*pair)), cfg.exhaustive_up_to)
             for i, plan in enumerate(plans)
@@ -464,6 +488,7 @@ def summarise_regime(plan: RegimePlan, runs: dict) -> dict:
         "gpus": plan.family.gpus,
         "shape": {**asdict(plan.shape), "prefill_share": plan.shape.prefill_share},
         "planned_layouts": plan.planned.as_layouts(),
+        "planned_start": asdict(plan.start),
         "colocate": colocate,
         "colocate_best": {"layout": best_layout, "objective": best},
         "colocate_baseline": {"layout": baseline_layout, "objective": baseline},

@@ -42,6 +42,9 @@ class ClusterSpec:
     colocated_prefill_factor: float | None = None
     # Decode tokens/s per GPU of colocated engines when their layout differs from decode's.
     colocated_decode_tokens_per_s_per_gpu: float | None = None
+    # How a prefill engine gets a trajectory's earlier context (ClusterConfig.reuse_mode):
+    # under "reprefill" it recomputes what its own prefix cache lacks.
+    reuse_mode: str = "reprefill"
 
     def switch_latency_between(self, old: str, new: str) -> float:
         """Seconds a slot serves nothing when moving from role ``old`` to ``new``."""

@@ -54,6 +54,11 @@ class WorkloadShape:
     tool_s: float
     decode_context_tokens: float  # context a decoded token attends to (output-weighted)
     turns: float
+    # Split under re-prefill (stock vLLM + NIXL): a prefill engine that still caches the
+    # trajectory's earlier prefills computes the previous turn's output (decoded
+    # elsewhere) and the new tokens; one that caches nothing computes the whole context.
+    reprefill_own_cache_tokens: float = 0.0
+    reprefill_no_cache_tokens: float = 0.0
 
     @property
     def prefill_share(self) -> float:
@@ -69,12 +74,15 @@ class WorkloadShape:
             raise ConfigError("a workload shape needs at least one trajectory")
         output = np.array([s.total_output_tokens for s in specs], dtype=float)
         weighted = sum(float(np.dot(s.context_by_turn, s.output_tokens)) for s in specs)
+        own = [s.total_new_tokens + float(np.sum(s.output_tokens[:-1])) for s in specs]
         return cls(
             prefill_tokens=float(np.mean([s.total_new_tokens for s in specs])),
             decode_tokens=float(output.mean()),
             tool_s=float(np.mean([s.total_tool_s for s in specs])),
             decode_context_tokens=weighted / max(float(output.sum()), 1.0),
             turns=float(np.mean([s.num_turns for s in specs])),
+            reprefill_own_cache_tokens=float(np.mean(own)),
+            reprefill_no_cache_tokens=float(np.mean([s.context_by_turn.sum() for s in specs])),
         )
 
 
@@ -143,3 +151,75 @@ def plan_layouts(
     decode = best_for_role(usable, "decode", prefill_share)
     colocated = best_for_role(usable, "colocated", prefill_share)
     return LayoutPlan(prefill.name, decode.name, colocated.name)
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """The mode a dynamic policy starts in, before its first forecast."""
+
+    start: str  # "colocated" or "split"
+    prefill_fraction: float  # of the GPUs, when split
+    colocated_s: float  # relative time of the work, colocated
+    split_s: float  # relative time of the work at the best split
+    split_prefill_factor: float  # prefill tokens a split computes per colocated one
+
+
+def split_prefill_factor(shape: WorkloadShape, reuse_mode: str, cache_share: float) -> float:
+    """Prefill tokens a split computes for each one colocated engines compute.
+
+    Colocated engines keep a trajectory's context in their prefix cache between turns;
+    so do the decode engines of a split, but under ``reprefill`` (stock vLLM + NIXL: KV
+    moves prefill -> decode only) a prefill engine reuses only its own prefix cache. A
+    ``cache_share`` of the live contexts fits there; the rest is recomputed whole.
+    ``pull`` and ``kv-store`` give the prefill engine the earlier context (factor 1).
+    """
+    if reuse_mode != "reprefill" or shape.prefill_tokens <= 0:
+        return 1.0
+    share = min(max(cache_share, 0.0), 1.0)
+    own = max(shape.reprefill_own_cache_tokens, shape.prefill_tokens)
+    none = max(shape.reprefill_no_cache_tokens, own)
+    return (share * own + (1 - share) * none) / shape.prefill_tokens
+
+
+def plan_start(
+    plan: LayoutPlan,
+    options: Sequence[LayoutOption],
+    shape: WorkloadShape,
+    *,
+    total_gpus: int,
+    load_per_gpu: float,
+    reuse_mode: str = "reprefill",
+) -> StartPlan:
+    """Colocated or split from the start, from the same per-GPU numbers as the plan.
+
+    Work per token of the workload, in GPU-seconds: colocated, ``p * c + (1 - p) / d``
+    pooled over every GPU; split, prefill ``p * f / prefill_tps`` on a share ``s`` of the
+    GPUs and decode ``(1 - p) / decode_tps`` on the rest, which finishes when the busier
+    side does: ``max(prefill / s, decode / (1 - s))`` over the shares whole slots allow
+    (``f``: :func:`split_prefill_factor`, with the prefill engines' KV as the share of
+    live contexts they can cache). The split starts only where it is faster.
+    """
+    by_name = {o.name: o for o in options}
+    p = shape.prefill_share
+    colocated = by_name[plan.colocated]
+    colocated_s = mixed_gpu_s_per_token(colocated, p)
+    prefill, decode = by_name[plan.prefill], by_name[plan.decode]
+    slot = max(prefill.gpus, decode.gpus, colocated.gpus)
+    slots = total_gpus // slot
+    live_tokens = load_per_gpu * total_gpus * max(shape.decode_context_tokens, 1.0)
+    best = (float("inf"), 0.5, 1.0)
+    for k in range(1, slots):
+        share = k / slots
+        cache = share * total_gpus * prefill.kv_tokens_per_gpu / live_tokens
+        factor = split_prefill_factor(shape, reuse_mode, cache)
+        prefill_s = p * factor / max(prefill.prefill_tokens_per_s_per_gpu, 1e-12)
+        decode_s = (1 - p) / max(decode.decode_tokens_per_s_per_gpu, 1e-12)
+        best = min(best, (max(prefill_s / share, decode_s / (1 - share)), share, factor))
+    split_s, share, factor = best
+    return StartPlan(
+        start="split" if split_s < colocated_s else "colocated",
+        prefill_fraction=share,
+        colocated_s=colocated_s,
+        split_s=split_s,
+        split_prefill_factor=factor,
+    )

@@ -70,6 +70,7 @@ def cluster_spec(config: ClusterConfig, profiles: dict, min_dwell_s: float) -> C
         min_dwell_s=min_dwell_s,
         dp_attention_ranks=config.dp_attention_ranks,
         reshard_latency_s=config.reshard_latency_s,
+        reuse_mode=config.reuse_mode,
     )
 
 
@@ -92,6 +93,7 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
         min_dwell_s=min_dwell_s,
         dp_attention_ranks=colocated.dp_ranks,
         reshard_latency_s=config.reshard_latency_s,
+        reuse_mode=config.reuse_mode,
         role_layouts=dict(layouts),
         colocated_prefill_factor=_prefill_interference(colocated, prefill_tps),
         colocated_decode_tokens_per_s_per_gpu=colocated_tps,

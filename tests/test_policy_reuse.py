@@ -1,0 +1,52 @@
+"""Leaving colocation under re-prefill: the split also recomputes the cached contexts."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorsa.policy.base import ClusterSpec
+from prorsa.policy.demand import choose_mode, split_recompute_slots
+from prorsa.policy.types import ClusterObservation, SlotView
+
+
+def spec(reuse_mode: str) -> ClusterSpec:
+    return ClusterSpec(
+        num_slots=4,
+        slot_gpus=1,
+        role_tp={"prefill": 1, "decode": 1, "colocated": 1},
+        prefill_tokens_per_s_per_gpu=10_000.0,
+        decode_tokens_per_s_per_gpu=2_000.0,
+        switch_latency_s=0.0,
+        min_dwell_s=0.0,
+        colocated_prefill_factor=1.5,
+        reuse_mode=reuse_mode,
+    )
+
+
+def colocated(idle_tokens: int) -> ClusterObservation:
+    slots = tuple(
+        SlotView(i, "colocated", None, 1, 1, 0, 8, 0, 1_000_000, True, 0.0) for i in range(4)
+    )
+    return ClusterObservation(
+        time_s=10.0,
+        slots=slots,
+        trajectory_state={"in_tool": 100, "decoding": 32},
+        trajectory_tokens={"in_tool": idle_tokens, "decoding": 100_000},
+        prefill_tokens_per_s={},
+        decode_tokens_per_s={},
+    )
+
+
+def test_recompute_counts_idle_contexts_only_under_reprefill():
+    obs = colocated(idle_tokens=3_000_000)
+    assert split_recompute_slots(obs, spec("reprefill"), 30.0) == pytest.approx(10.0)
+    assert split_recompute_slots(obs, spec("kv-store"), 30.0) == 0.0
+    assert split_recompute_slots(obs, spec("pull"), 30.0) == 0.0
+
+
+def test_reprefill_keeps_colocation_where_a_kv_store_would_split():
+    # prefill needs 1.6 slots, decode 1.8: colocated short 0.2 slots, a 2/2 split none
+    kwargs = dict(current_prefill=1, payback_s=30.0, switch_cost_weight=1.0)
+    obs = colocated(idle_tokens=600_000)  # two more prefill slots over 30 s, split
+    assert choose_mode(obs, spec("kv-store"), 1.6, 1.8, **kwargs) == 2
+    assert choose_mode(obs, spec("reprefill"), 1.6, 1.8, **kwargs) is None
