@@ -458,6 +458,9 @@ def run_metrics(run: dict) -> dict:
         "busy_fraction": m.get("busy_fraction"),
         "gpu_seconds_by_role": m.get("gpu_seconds_by_role"),
         "cache_hit_rate": cached / (cached + computed) if cached + computed else None,
+        "prefill_tokens_computed": computed,
+        "decode_tokens": m.get("decode_tokens"),
+        "end_s": m.get("end_s"),
         "kv_store_hit_rate": m.get("kv_store_hit_rate"),
         "wall_s": run.get("wall_s"),
     }
