@@ -37,9 +37,10 @@ def colocated(idle_tokens: int) -> ClusterObservation:
     )
 
 
-def test_recompute_counts_idle_contexts_only_under_reprefill():
-    obs = colocated(idle_tokens=3_000_000)
+def test_recompute_counts_live_contexts_only_under_reprefill():
+    obs = colocated(idle_tokens=2_900_000)  # + 100,000 decoding
     assert split_recompute_slots(obs, spec("reprefill"), 30.0) == pytest.approx(10.0)
+    assert split_recompute_slots(obs, spec("reprefill")) == pytest.approx(30.0)  # 10 s cycle
     assert split_recompute_slots(obs, spec("kv-store"), 30.0) == 0.0
     assert split_recompute_slots(obs, spec("pull"), 30.0) == 0.0
 
@@ -47,6 +48,6 @@ def test_recompute_counts_idle_contexts_only_under_reprefill():
 def test_reprefill_keeps_colocation_where_a_kv_store_would_split():
     # prefill needs 1.6 slots, decode 1.8: colocated short 0.2 slots, a 2/2 split none
     kwargs = dict(current_prefill=1, payback_s=30.0, switch_cost_weight=1.0)
-    obs = colocated(idle_tokens=600_000)  # two more prefill slots over 30 s, split
+    obs = colocated(idle_tokens=100_000)  # two more prefill slots in a 10 s turn cycle
     assert choose_mode(obs, spec("kv-store"), 1.6, 1.8, **kwargs) == 2
     assert choose_mode(obs, spec("reprefill"), 1.6, 1.8, **kwargs) is None

@@ -129,21 +129,28 @@ def colocated_shortage(spec: ClusterSpec, need_p: float, need_d: float) -> float
     return max(need_p * spec.prefill_interference + need_d - spec.num_slots, 0.0)
 
 
-def split_recompute_slots(obs: ClusterObservation, spec: ClusterSpec, window_s: float) -> float:
+#: How soon a live agentic trajectory comes back for its next turn: a decode of a few
+#: hundred tokens plus a tool call of 1-4 s median with a tail to tens of seconds (the
+#: design's reference numbers, docs: DESIGN section 1).
+TURN_CYCLE_S = 10.0
+
+
+def split_recompute_slots(
+    obs: ClusterObservation, spec: ClusterSpec, window_s: float = TURN_CYCLE_S
+) -> float:
     """Prefill slots a split would add under re-prefill (stock vLLM + NIXL).
 
     Colocated (and decode) engines keep a trajectory's context between turns; a prefill
-    engine reuses only its own prefix cache. Moving to a split, the contexts of the
-    trajectories between turns (in a tool, or queued) come back to prefill engines that
-    do not hold them; counted as recomputed once within ``window_s``. Zero when prefill
-    engines can read earlier context (``pull``, ``kv-store``).
+    engine reuses only its own prefix cache. Moving to a split, every live trajectory
+    that comes back for another turn brings its context to a prefill engine that does
+    not hold it; counted as recomputed once per ``window_s`` (a turn cycle). Zero when
+    prefill engines can read earlier context (``pull``, ``kv-store``).
     """
     if spec.reuse_mode != "reprefill":
         return 0.0
-    tokens = obs.trajectory_tokens
-    idle = float(tokens.get("in_tool", 0) + tokens.get("queued", 0))
+    live = sum(v for state, v in obs.trajectory_tokens.items() if state != "done")
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
-    return idle / max(window_s, 1e-9) / max(per_slot, 1e-9)
+    return float(live) / max(window_s, 1e-9) / max(per_slot, 1e-9)
 
 
 def choose_mode(
@@ -162,14 +169,14 @@ def choose_mode(
     or None to stay in the current mode (a split policy then tunes its split). A change
     must save more unserved slot-seconds over ``payback_s`` than it costs: the switching
     slots' latency plus rebuilding the contexts cached on the decode-side slots it moves.
-    Leaving colocation under re-prefill, the split's prefill also recomputes the contexts
-    between turns (:func:`split_recompute_slots`).
+    Leaving colocation under re-prefill, the split's prefill also recomputes the live
+    trajectories' contexts (:func:`split_recompute_slots`).
     """
     n = spec.num_slots
     c_short = colocated_shortage(spec, need_p, need_d)
     if colocated_now(obs):
         # A split must also recompute what the colocated engines cache (re-prefill).
-        need_p = need_p + split_recompute_slots(obs, spec, payback_s)
+        need_p = need_p + split_recompute_slots(obs, spec)
     best_x = min(range(1, n), key=lambda x: (split_shortage(x, n, need_p, need_d), x))
     pd_short = split_shortage(best_x, n, need_p, need_d)
     if colocated_now(obs):
