@@ -148,8 +148,16 @@ def test_grids_and_filters():
     regimes = full_grid()
     models = {r.model for r in regimes}
     assert models == {"qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b", "qwen3-235b-a22b"}
-    sync = [r for r in regimes if not r.variant and r.mode == "sync" and r.load_per_gpu in LOADS]
+    sync = [
+        r
+        for r in regimes
+        if not r.variant
+        and r.mode == "sync"
+        and r.load_per_gpu in LOADS
+        and r.workload in WORKLOADS
+    ]
     assert len(sync) == 4 * len(WORKLOADS) * len(LOADS)
+    assert {r.workload for r in regimes} == {*WORKLOADS, "replay:tau2-telecom"}
     seed_async = {
         (r.workload, r.load_per_gpu)
         for r in regimes

@@ -10,7 +10,8 @@ simulated turn costs ~50-80 µs colocated and ~280 µs with the oracle forecaste
   setting (Qwen3-30B-A3B on swe, mixed and search);
 * 128 per GPU (sync) for the workloads with few turns (search, math-tool, tau2);
 * one knob at a time at mixed, sync, 16 per GPU: tool latency x0.25 and x4, context
-  growth x0.5 and x2, and the host-DRAM KV store instead of re-prefill.
+  growth x0.5 and x2, and the host-DRAM KV store instead of re-prefill; the KV store on
+  swe too; and a replay of the tau2-telecom trace (sync, 16 per GPU).
 
 Async runs twice as many trajectories as they keep in flight; swe-like workloads have
 ~35 turns per trajectory, which is why they are not run async at every load.
@@ -48,6 +49,9 @@ def full_grid(models: Sequence[str] = MODELS) -> list[Regime]:
     regimes += product_regimes(models, FEW_TURNS, ("sync",), (128,))
     for model in models:
         regimes += variants(Regime(model, "mixed", "sync", 16), **KNOB_AXES)
+        # swe keeps ~97% of each turn's context cached: where KV reuse decides the most
+        regimes += variants(Regime(model, "swe", "sync", 16), reuse_mode=("kv-store",))
+        regimes.append(Regime(model, "replay:tau2-telecom", "sync", 16))
     return regimes
 
 
