@@ -55,7 +55,7 @@ def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predic
         grid[i, j] = value
         static = s["speedup"].get("best-static")
         text[i][j] = f"{value:.2f}" + (f"\n({static:.2f})" if static is not None else "")
-    fig, ax = plt.subplots(figsize=(1.6 + 1.15 * len(loads), 0.9 + 0.55 * len(keys)))
+    fig, ax = plt.subplots(figsize=(max(4.8, 2.4 + 1.15 * len(loads)), 1.4 + 0.55 * len(keys)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.4, aspect="auto")
     for i in range(len(keys)):
         for j in range(len(loads)):
@@ -65,7 +65,10 @@ def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predic
     ax.set_yticks(range(len(keys)), [f"{workload_label(w)} {m}" for w, m in keys])
     ax.set_xlabel("trajectories per GPU")
     gpus = rows[0]["gpus"] if rows else "?"
-    ax.set_title(f"{model}, {gpus} GPUs: {policy} (best-static) / colocation@best", fontsize=9)
+    ax.set_title(
+        f"{model}, {gpus} GPUs\nspeedup of {policy} (best-static) over colocation@best",
+        fontsize=9,
+    )
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="speedup (x)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
