@@ -75,14 +75,14 @@ def forward_logprobs(model_dir, tokens):
 
 
 def test_logprobs_match_the_model_and_parse_as_vllm_responses(http, tiny_model_dir):
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponse
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensResponse
 
     disagg = generate(http, "lp-d", PROMPT, {"mode": "disaggregated"}, max_tokens=8,
                       logprobs=2, prompt_logprobs=0, ignore_eos=True)  # fmt: skip
     pinned = generate(http, "lp-p", PROMPT, {"mode": "disaggregated", "engine_id": 2},
                       max_tokens=8, logprobs=0, ignore_eos=True)  # fmt: skip
     for body in (disagg, pinned):
-        GenerateResponse.model_validate(body)  # vLLM's own response model accepts it
+        GenerateTokensResponse.model_validate(body)  # vLLM's own response model accepts it
     tokens = disagg["choices"][0]["token_ids"]
     expected, argmax = forward_logprobs(tiny_model_dir, PROMPT + tokens)
     n = len(PROMPT) - 1
