@@ -193,7 +193,9 @@ def test_role_switch_in_flight_loses_and_duplicates_nothing(fleet, reference, tm
     assert sorted(r.trajectory_id for r in results) == [f"r{i}" for i in range(6)]
     for prompt, result in zip(prompts, results, strict=True):
         assert result.output_token_ids == reference(prompt, max_tokens)
-    assert sum(r.reroutes for r in results) == summary["aborted"]
+    # A leg told to abort may finish first (then it is not served again): at most one
+    # re-route per aborted leg, and at least one.
+    assert 1 <= sum(r.reroutes for r in results) <= summary["aborted"]
     rerouted = [r for r in results if r.reroutes]
     # Re-served on another decode-side engine (the decode engine 2 or the colocated 3).
     assert all(r.decode_engine_id in (2, COLOCATED) for r in rerouted)
