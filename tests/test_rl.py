@@ -77,8 +77,11 @@ def test_switch_guard_holds_and_rations():
     assert not guard.allows(105.0)  # within the hold after the initial layout
     assert guard.allows(110.0)  # one change of credit at the start
     guard.record(110.0)
-    assert not guard.allows(125.0)  # hold passed, but the second change needs t >= 160
-    assert guard.allows(160.0)
+    assert not guard.allows(125.0)  # hold passed, but the bucket refills only by t = 170
+    assert guard.allows(170.0)
+    # A long quiet spell banks one change only: a burst of two is refused.
+    guard.record(1000.0)
+    assert not guard.allows(1010.0)
     with pytest.raises(ConfigError):
         SwitchGuard(max_changes_per_min=0.0)
 

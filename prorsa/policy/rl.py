@@ -43,8 +43,9 @@ class TargetPolicy(SplitPolicy):
     """Holds a target (colocated or a split) and revisits it every ``decision_interval_s``.
 
     The first decision (before any work arrives) sets the initial layout, which costs no
-    switch; later changes go through a :class:`SwitchGuard` and are refused while any
-    slot is still switching. Subclasses implement :meth:`choose` (an index into
+    switch. Later, at each decision point the agent is asked only when a change would pass
+    the safety rule (a :class:`SwitchGuard`, and no slot still switching); otherwise the
+    target holds without asking. Subclasses implement :meth:`choose` (an index into
     :data:`TARGETS`).
 
     Args:
@@ -90,7 +91,6 @@ class TargetPolicy(SplitPolicy):
             self.cluster_,
             since_change_s=self.guard_.since_change_s(obs.time_s),
             min_hold_s=self.min_hold_s,
-            can_change=self._may_change(obs),
         )
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
@@ -109,11 +109,12 @@ class TargetPolicy(SplitPolicy):
             return self._allocation(self.target_, f"{name}: hold {self.target_.label}")
         while self.next_decision_s_ <= now + 1e-9:
             self.next_decision_s_ += self.decision_interval_s
+        # The agent is only asked when the safety rule would let a change through.
+        if not self.may_change(obs):
+            return self._allocation(self.target_, f"{name}: guard holds {self.target_.label}")
         target = TARGETS[self.choose(obs)]
         if target is HOLD or self._same(target, self.target_):
             return self._allocation(self.target_, f"{name}: hold {self.target_.label}")
-        if not self._may_change(obs):
-            return self._allocation(self.target_, f"{name}: guard holds {self.target_.label}")
         self.guard_.record(now)
         self.target_ = target
         return self._allocation(target, f"{name}: change to {target.label}")
@@ -123,9 +124,11 @@ class TargetPolicy(SplitPolicy):
         """Target changes after the initial layout."""
         return self.guard_.changes
 
-    def _may_change(self, obs: ClusterObservation) -> bool:
+    def may_change(self, obs: ClusterObservation, at_s: float | None = None) -> bool:
+        """True when a target change at ``at_s`` (default: the observation's time) would
+        pass the safety rule: no slot is switching and the guard allows it."""
         switching = any(s.role == SWITCHING for s in obs.slots)
-        return not switching and self.guard_.allows(obs.time_s)
+        return not switching and self.guard_.allows(obs.time_s if at_s is None else at_s)
 
     def _same(self, a: Target, b: Target) -> bool:
         if a.mode != b.mode:

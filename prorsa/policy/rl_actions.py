@@ -43,7 +43,9 @@ class Target:
 
 
 # Seconds between the agent's decisions (controller ticks in between hold the target).
-DECISION_INTERVAL_S = 10.0
+# Decision points where the safety rule would refuse a change are skipped altogether, so
+# the agent is asked about once per half minute at most.
+DECISION_INTERVAL_S = 30.0
 
 HOLD = Target("hold")
 COLOCATED = Target("colocated")
@@ -59,10 +61,11 @@ TARGETS: tuple[Target, ...] = (
 
 @dataclass
 class SwitchGuard:
-    """Rations target changes: at most one per ``min_hold_s``, and on average at most
-    ``max_changes_per_min`` (plus one change of credit from the start)."""
+    """Rations target changes: none within ``min_hold_s`` of the last one, and a token
+    bucket refilled at ``max_changes_per_min`` that holds at most one change (full at the
+    start), so a run of ``m`` minutes sees at most ``1 + m * max_changes_per_min``."""
 
-    min_hold_s: float = 10.0
+    min_hold_s: float = 30.0
     max_changes_per_min: float = 1.0
 
     def __post_init__(self) -> None:
@@ -74,18 +77,24 @@ class SwitchGuard:
 
     def reset(self, start_s: float) -> None:
         """Start a run at ``start_s``; the initial layout counts as the last change."""
-        self.start_s = start_s
         self.last_change_s = start_s
         self.changes = 0
+        self._tokens = 1.0
+        self._tokens_at_s = start_s
+
+    def _tokens_now(self, now_s: float) -> float:
+        refill = self.max_changes_per_min * max(now_s - self._tokens_at_s, 0.0) / 60.0
+        return min(self._tokens + refill, 1.0)
 
     def allows(self, now_s: float) -> bool:
         """True when a target change at ``now_s`` respects both limits."""
         if now_s - self.last_change_s < self.min_hold_s - 1e-9:
             return False
-        credit = 1.0 + self.max_changes_per_min * (now_s - self.start_s) / 60.0
-        return self.changes + 1 <= credit + 1e-9
+        return self._tokens_now(now_s) >= 1.0 - 1e-9
 
     def record(self, now_s: float) -> None:
+        self._tokens = self._tokens_now(now_s) - 1.0
+        self._tokens_at_s = now_s
         self.last_change_s = now_s
         self.changes += 1
 

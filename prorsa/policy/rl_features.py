@@ -41,7 +41,6 @@ OBS_FEATURES: tuple[str, ...] = (
     "progress",  # completed / total trajectories of the run
     # The safety rule.
     "since_change",  # seconds since the last target change / (3 x min hold), clipped
-    "can_change",  # 1 when the rule would let a change through now
 )
 
 # Decode batch size per GPU treated as "full" (the demand sizing's target batch).
@@ -65,7 +64,6 @@ def observation_vector(
     *,
     since_change_s: float = 0.0,
     min_hold_s: float = SwitchGuard.min_hold_s,
-    can_change: bool = True,
 ) -> np.ndarray:
     """Encode ``obs`` as :data:`OBS_FEATURES` (float32, each in [0, 1])."""
     gpus = max(obs.total_gpus, 1)
@@ -116,6 +114,5 @@ def observation_vector(
         share("in_tool"),
         obs.completed_trajectories / total if total else 0.0,
         min(since_change_s / max(3.0 * min_hold_s, 1e-9), 1.0),
-        1.0 if can_change else 0.0,
     ]
     return np.clip(np.asarray(vec, dtype=np.float32), 0.0, 1.0)

@@ -3,8 +3,9 @@
 An episode is one simulated rollout drawn from a :class:`~prorsa.runtime.sim.rl_domain.
 DomainConfig` (cluster family and size, load, scenario, sync/async). The first action
 picks the initial layout (free, before any work arrives); each later action is the agent's
-decision at the next decision tick, applied through the same :class:`ExternalPolicy`
-machinery, safety rule included, that the deployed ``rl`` policy uses.
+decision at the next decision point where the safety rule would let a change through
+(the others hold without asking, as in the deployed policy), applied through the same
+:class:`ExternalPolicy` machinery that the deployed ``rl`` policy uses.
 
 Reward (switch-cost aware, relative to colocation on the same workload sample):
 
@@ -109,23 +110,29 @@ class AllocationEnv(gym.Env):
                 self.episode, self.policy, build_driver(self.episode.workload())
             )
             self.sim.start()
-            until = self.policy.next_decision_s_
+            tick = self.policy.next_decision_s_
         else:
-            until = self.policy.next_decision_s_ + self.decision_interval_s
+            tick = self.policy.next_decision_s_ + self.decision_interval_s
         before_s, switching_before = self.sim.env.now, self.policy.switching_slot_s_
-        done = self.sim.advance(until - _BEFORE_TICK_S)
+        # Run to the next decision point the safety rule would let a change through (the
+        # policy holds without asking at the others), or to the end.
+        while True:
+            done = self.sim.advance(tick - _BEFORE_TICK_S)
+            obs = self.sim.actuator.observe()
+            if done or self.policy.may_change(obs, at_s=tick):
+                break
+            tick += self.decision_interval_s
         self.steps += 1
         now = self.sim.env.now
         switching = self.policy.switching_slot_s_ - switching_before
         scale = self.reference_s
         reward = -(now - before_s) / scale
         reward -= self.switch_penalty * switching / (self.episode.num_slots * scale)
-        obs = self.policy.features(self.sim.actuator.observe())
         truncated = not done and self.steps >= self.max_steps
         info = {"time_s": now}
         if done or truncated:
             info.update(self._summary(now))
-        return obs, float(reward), bool(done), bool(truncated), info
+        return self.policy.features(obs), float(reward), bool(done), bool(truncated), info
 
     def _summary(self, end_s: float) -> dict:
         metrics = self.sim.finish().metrics

@@ -70,10 +70,10 @@ class TrainConfig:
         **_help("reward weight of switching slot-seconds (per slot, per colocated run time)"),
         default=1.0,
     )
-    n_steps: int = field(**_help("PPO rollout length per worker"), default=256)
-    batch_size: int = field(**_help("PPO minibatch size"), default=128)
+    n_steps: int = field(**_help("PPO rollout length per worker"), default=128)
+    batch_size: int = field(**_help("PPO minibatch size"), default=64)
     learning_rate: float = field(**_help("Adam learning rate"), default=3e-4)
-    ent_coef: float = field(**_help("entropy bonus (exploration)"), default=0.01)
+    ent_coef: float = field(**_help("entropy bonus (exploration)"), default=0.005)
     gamma: float = field(
         **_help("discount (near 1: the makespan counts to the end)"), default=0.999
     )
@@ -81,7 +81,7 @@ class TrainConfig:
         **_help("hidden layers of policy and value nets"), default=(64, 64)
     )
     eval_every: int = field(
-        **_help("steps between validation scores (training curve)"), default=5_000
+        **_help("steps between validation scores (training curve)"), default=2_000
     )
     eval_episodes: int = field(**_help("validation episodes per score"), default=8)
     tracking_uri: str | None = field(
