@@ -183,3 +183,29 @@ def test_replays_use_the_shipped_traces():
     assert scenario is None and trace.endswith("mini-swe-agent-swebench.parquet")
     plan = plan_regime(regime, MapConfig(regimes=[regime]))
     assert np.isfinite(plan.shape.decode_context_tokens)
+
+
+def test_a_failing_cell_is_recorded_not_fatal(tmp_path, monkeypatch):
+    import prorsa.experiments.cells as cells
+
+    real = cells.run_cell
+
+    def flaky(cell):
+        if cell.policy == "mpc":
+            raise ValueError("rank over max_batch")
+        return real(cell)
+
+    monkeypatch.setattr(cells, "run_cell", flaky)
+    (summary,) = run_map(toy_config(tmp_path))["regimes"]
+    assert summary["failed_cells"] == ["mpc"]
+    assert summary["policies"]["mpc"]["error"] == "ValueError: rank over max_batch"
+    assert summary["speedup"]["mpc"] == 0.0 and summary["speedup"]["oracle"] > 0
+    saved = [json.loads(line)["result"] for line in (tmp_path / "cells.jsonl").open()]
+    assert sum("error" in r for r in saved) == 1
+
+    def broken(cell):
+        raise ConfigError("bad cell")
+
+    monkeypatch.setattr(cells, "run_cell", broken)
+    with pytest.raises(ConfigError, match="bad cell"):
+        run_map(toy_config(tmp_path / "again"))

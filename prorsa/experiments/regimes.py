@@ -355,6 +355,7 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
         results_path=cfg.cells_path,
         resume=cfg.resume,
         backend=cfg.backend,
+        fn=run_cell_recorded,
     ) as sweep:
         fixed: list[tuple[int, str, str, Cell]] = []  # (plan index, kind, name, cell)
         for i, plan in enumerate(plans):
@@ -407,6 +408,27 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
     }
 
 
+def run_cell_recorded(cell: Cell) -> dict:
+    """``run_cell``, with a failure inside the simulation recorded as the cell's result
+    (objective infinite, the error named) so one failing cell does not end a map of
+    thousands; configuration errors still stop the map."""
+    from prorsa.errors import ProrsaError
+    from prorsa.experiments.cells import run_cell
+
+    try:
+        return run_cell(cell)
+    except ProrsaError:
+        raise
+    except Exception as exc:  # a simulator failure: keep it, named, in the results
+        logger.warning("cell %s failed: %s: %s", cell.policy, type(exc).__name__, exc)
+        return {
+            "cell": asdict(cell),
+            "metrics": {},
+            "objective": float("inf"),
+            "error": f"{type(exc).__name__}: {exc}",
+        }
+
+
 class _Progress:
     """One running count over the sweep's batches."""
 
@@ -445,8 +467,10 @@ def _best_split(plan: RegimePlan, pair: tuple[str, str], seen: dict[int, float])
 
 
 def run_metrics(run: dict) -> dict:
-    """The few numbers of a run the map keeps."""
+    """The few numbers of a run the map keeps (``error`` for a cell that failed)."""
     m = run["metrics"]
+    if "error" in run:
+        return {"objective": float("inf"), "error": run["error"]}
     cached, computed = m.get("prefill_tokens_cached", 0), m.get("prefill_tokens_computed", 0)
     return {
         "objective": run["objective"],
@@ -474,6 +498,8 @@ def summarise_regime(plan: RegimePlan, runs: dict) -> dict:
     best = colocate[best_layout]["objective"]
     baseline_layout = plan.family.baseline_layout
     baseline = colocate.get(baseline_layout, {}).get("objective")
+    if baseline is not None and baseline == float("inf"):
+        baseline = None
     static = min(runs["static"], key=lambda s: s["objective"]) if runs["static"] else None
     policies = {name: run_metrics(run) for name, run in runs["policies"].items()}
     if static is not None:
@@ -504,6 +530,15 @@ def summarise_regime(plan: RegimePlan, runs: dict) -> dict:
         "best_static": static,
         "static_searches": runs["static"],
         "policies": policies,
+        # cells whose simulation failed (kept with their error in the cells file)
+        "failed_cells": [f"colocate@{n}" for n, c in colocate.items() if "error" in c]
+        + [n for n, p in policies.items() if "error" in p]
+        + [
+            f"static {s['prefill_layout']}/{s['decode_layout']} x{x}"
+            for s in runs["static"]
+            for x, v in s["objective_by_prefill_slots"].items()
+            if v == float("inf")
+        ],
         "speedup": speedup,
         "speedup_vs_baseline": (
             {name: baseline / p["objective"] for name, p in policies.items()} if baseline else {}
