@@ -1,0 +1,42 @@
+"""Simulator failures the regime map found (recorded as failed cells there).
+
+A data-parallel engine admits a prefill to the rank with the least prefill load
+(``DPEngine._least_loaded_rank(with_prefill=True)`` ignores the rank's batch cap); when
+the prefill ends, the turn joins that same rank (``req.rank`` is kept) even if its decode
+batch is already full, while the engine-wide cap (``max_batch_per_rank * ranks``) still
+lets it in. The rank then holds ``max_batch + 1`` sequences and the layout cost refuses
+the step. Seen with Qwen3-235B-A22B, decode ``tp2-dp4-ep8`` (4 ranks of 256), 2,048
+search trajectories on one decode slot.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prorsa.experiments.cells import Cell, run_cell
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="DP rank admitted over max_batch")
+def test_dp_decode_rank_never_exceeds_its_batch_cap():
+    cell = Cell(
+        scenario="search",
+        trace=None,
+        mode="sync",
+        policy="static",
+        seed=0,
+        engines=4,
+        profile="h200-qwen3-235b-a22b-tp4",
+        trajectories=2048,
+        max_in_flight=2048,
+        policy_params={"prefill_gpus": 24},
+        cluster_overrides={
+            "layouts": {
+                "prefill": "tp2-dp2-ep4",
+                "decode": "tp2-dp4-ep8",
+                "colocated": "tp2-dp4-ep8",
+            }
+        },
+        series=False,
+        record=False,
+    )
+    assert run_cell(cell)["objective"] > 0
