@@ -85,7 +85,7 @@ class SimCluster:
         self.placement = DecodePlacement()
         self.local_prefill_threshold = config.local_prefill_threshold
         self._heap = env.heap
-        self._sequence = env.sequence
+        self._queue = env.queue
         self._tool_end_cb = self._tool_end
         self._no_overhead = config.request_overhead_s <= 0
         self.slots: list[Slot] = []
@@ -518,16 +518,12 @@ class SimCluster:
             traj.tokens = tokens
             if record:
                 self._write(self._pack(now, traj.key, k, ev.TOOL_START, -1, 0, 0, 0, 0))
-            heappush(
-                self._heap,
-                (
-                    now + traj.tool_latency_s[k],
-                    PRIORITY_ARRIVAL,
-                    next(self._sequence),
-                    self._tool_end_cb,
-                    (traj,),
-                ),
-            )
+            end = now + traj.tool_latency_s[k]
+            event = (PRIORITY_ARRIVAL, self._tool_end_cb, (traj,))
+            if self._queue.setdefault(end, event) is event:
+                heappush(self._heap, end)
+            else:
+                self.env.tie(end, event)
             return
         count["done"] += 1
         traj.state = "done"

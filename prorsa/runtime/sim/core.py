@@ -1,12 +1,18 @@
-"""Discrete-event core: one environment owns the clock, the event heap, ids and RNGs.
+"""Discrete-event core: one environment owns the clock, the event queue, ids and RNGs.
 
-Events are ``(time, priority, sequence, callback, args)`` on a binary heap; the sequence
-number makes ties deterministic (first scheduled, first run), so the same seed always
-yields the same run. Nothing here is global: two environments never interact.
+Events run in ``(time, priority, order scheduled)`` order, so ties are deterministic and
+the same seed always yields the same run. Nothing here is global: two environments never
+interact.
 
-The simulator's engines and cluster push onto :attr:`Environment.heap` directly (see
-:meth:`Environment.schedule` for the tuple), because a method call per event is a
-measurable share of a simulated turn; everything else calls :meth:`schedule`.
+The queue is a binary heap of *distinct times* (plain floats) plus a dict from each time to
+its event ``(priority, callback, args)``, or to a list of them in the order they were
+scheduled when several share the time. A heap of floats compares far faster than one of
+tuples, and the heap is popped once per simulated event; ties (rare but real: a whole
+batch launched at t=0, identical engines) are resolved by priority, then scheduling order,
+exactly as a ``(time, priority, sequence)`` tuple would be.
+
+The simulator's engines and cluster schedule events inline (see :meth:`Environment.push`
+for the two lines they repeat); everything else calls :meth:`Environment.schedule`.
 """
 
 from __future__ import annotations
@@ -25,29 +31,30 @@ PRIORITY_ARRIVAL = 1
 PRIORITY_PLAN = 2
 PRIORITY_CONTROL = 3
 
+#: One scheduled event: ``(priority, callback, args)``.
+Event = tuple[int, Callable[..., Any], tuple]
+
 
 class StopSimulation(Exception):
     """Raised inside a callback to end :meth:`Environment.run` early."""
 
 
 class Environment:
-    """Clock, event heap, id counters and random generators of one simulation.
+    """Clock, event queue, id counters and random generators of one simulation.
 
     Attributes:
-        heap: the event heap of ``(time, priority, next(sequence), callback, args)``;
-            hot paths may ``heapq.heappush`` onto it directly with a time not before
-            :attr:`now`.
-        sequence: the tie-breaking counter (``next(env.sequence)`` for each pushed event).
+        heap: the distinct times that have events, as a binary heap of floats.
+        queue: time -> its event, or the list of its events in scheduling order.
     """
 
-    __slots__ = ("_ids", "_stopped", "heap", "now", "rng", "seed", "sequence")
+    __slots__ = ("_ids", "_stopped", "heap", "now", "queue", "rng", "seed")
 
     def __init__(self, seed: int = 0) -> None:
         self.now = 0.0
         self.seed = seed
         self.rng = np.random.default_rng(seed)
-        self.heap: list[tuple] = []
-        self.sequence = itertools.count()
+        self.heap: list[float] = []
+        self.queue: dict[float, Event | list[Event]] = {}
         self._ids: dict[str, itertools.count] = {}
         self._stopped = False
 
@@ -61,16 +68,61 @@ class Environment:
         """Run ``callback(*args)`` at ``time`` (never in the past)."""
         if time < self.now:
             time = self.now
-        heapq.heappush(self.heap, (time, priority, next(self.sequence), callback, args))
+        self.push(time, (priority, callback, args))
+
+    def push(self, time: float, event: Event) -> None:
+        """Queue ``event`` at ``time`` (not before :attr:`now`). Hot paths inline it as::
+
+        if queue.setdefault(time, event) is event:
+            heappush(heap, time)
+        else:
+            env.tie(time, event)
+        """
+        if self.queue.setdefault(time, event) is event:
+            heapq.heappush(self.heap, time)
+        else:
+            self.tie(time, event)
+
+    def tie(self, time: float, event: Event) -> None:
+        """Queue ``event`` at a time that already has events (after them, in order)."""
+        queue = self.queue
+        found = queue[time]
+        if type(found) is list:
+            found.append(event)
+        else:
+            queue[time] = [found, event]
 
     def peek(self) -> float:
         """Time of the next event, or ``inf`` when none is left."""
-        return self.heap[0][0] if self.heap else float("inf")
+        return self.heap[0] if self.heap else float("inf")
+
+    def _next(self) -> Event:
+        """Remove and return the next event (its time becomes :attr:`now`)."""
+        time = self.heap[0]
+        event = self.queue.pop(time)
+        self.now = time
+        if type(event) is not list:
+            heapq.heappop(self.heap)
+            return event
+        return self._next_of_tie(time, event)
+
+    def _next_of_tie(self, time: float, events: list[Event]) -> Event:
+        """The first event of the lowest priority among ``events`` (all at ``time``); the
+        rest stay queued at ``time``."""
+        best = 0
+        for i in range(1, len(events)):
+            if events[i][0] < events[best][0]:
+                best = i
+        event = events.pop(best)
+        if len(events) == 1:
+            self.queue[time] = events[0]
+        else:
+            self.queue[time] = events
+        return event
 
     def step(self) -> None:
         """Process exactly one event."""
-        time, _prio, _seq, callback, args = heapq.heappop(self.heap)
-        self.now = time
+        _prio, callback, args = self._next()
         callback(*args)
 
     def run(self, until: float | None = None) -> float:
@@ -79,22 +131,23 @@ class Environment:
         Returns the simulated time reached.
         """
         heap = self.heap
+        queue = self.queue
         pop = heapq.heappop
+        limit = float("inf") if until is None else until
         self._stopped = False
         try:
-            if until is None:
-                while heap and not self._stopped:
-                    time, _prio, _seq, callback, args = pop(heap)
-                    self.now = time
-                    callback(*args)
-            else:
-                while heap and not self._stopped:
-                    if heap[0][0] > until:
-                        self.now = until
-                        break
-                    time, _prio, _seq, callback, args = pop(heap)
-                    self.now = time
-                    callback(*args)
+            while heap and not self._stopped:
+                time = heap[0]
+                if time > limit:
+                    self.now = limit
+                    break
+                event = queue.pop(time)
+                self.now = time
+                if type(event) is list:
+                    event = self._next_of_tie(time, event)
+                else:
+                    pop(heap)
+                event[1](*event[2])
         except StopSimulation:
             pass
         return self.now
@@ -112,4 +165,5 @@ class Environment:
 
     @property
     def pending(self) -> int:
-        return len(self.heap)
+        """Events queued and not yet run."""
+        return sum(len(e) if type(e) is list else 1 for e in self.queue.values())

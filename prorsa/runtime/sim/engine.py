@@ -183,7 +183,7 @@ class SimEngine:
         "_heap",
         "_heap_seq",
         "_plan_cb",
-        "_sequence",
+        "_queue",
         "accepting",
         "at_boundary",
         "boundary_pending",
@@ -247,7 +247,7 @@ class SimEngine:
     ) -> None:
         self.env = env
         self._heap = env.heap
-        self._sequence = env.sequence
+        self._queue = env.queue
         # Bound once: a bound method is otherwise built for every scheduled event.
         self._plan_cb = self._plan_event
         self._end_step_cb = self._end_step
@@ -284,7 +284,7 @@ class SimEngine:
         self.version = 0
         self.plan_pending = False
         self.boundary_pending = False
-        self.at_boundary = False  # inside _end_step/_end_epoch, which re-plan right after
+        self.at_boundary = False  # retiring finished sequences; a re-plan follows
         self.epoch_start = 0.0
         self.epoch_k = 0
         self.epoch_batch = 0
@@ -368,7 +368,11 @@ class SimEngine:
                 # Planned at PRIORITY_PLAN so that work arriving at the same instant is
                 # batched into one step, as a real scheduler would see it.
                 now = self.env.now
-                heappush(self._heap, (now, PRIORITY_PLAN, next(self._sequence), self._plan_cb, ()))
+                event = (PRIORITY_PLAN, self._plan_cb, ())
+                if self._queue.setdefault(now, event) is event:
+                    heappush(self._heap, now)
+                else:
+                    self.env.tie(now, event)
         elif phase == EPOCH and not self.boundary_pending:
             self._cut_epoch()
 
@@ -382,16 +386,12 @@ class SimEngine:
         if boundary < k_max:
             self.epoch_k = boundary
             self.version += 1
-            heappush(
-                self._heap,
-                (
-                    start + end_offset,
-                    PRIORITY_COMPLETE,
-                    next(self._sequence),
-                    self._end_epoch_cb,
-                    (self.version,),
-                ),
-            )
+            end = start + end_offset
+            event = (PRIORITY_COMPLETE, self._end_epoch_cb, (self.version,))
+            if self._queue.setdefault(end, event) is event:
+                heappush(self._heap, end)
+            else:
+                self.env.tie(end, event)
 
     def _plan_event(self) -> None:
         self.plan_pending = False
@@ -441,16 +441,12 @@ class SimEngine:
             self.step_chunks = chunks
             self.step_started = now
             self.version += 1
-            heappush(
-                self._heap,
-                (
-                    now + duration,
-                    PRIORITY_COMPLETE,
-                    next(self._sequence),
-                    self._end_step_cb,
-                    (self.version,),
-                ),
-            )
+            end = now + duration
+            event = (PRIORITY_COMPLETE, self._end_step_cb, (self.version,))
+            if self._queue.setdefault(end, event) is event:
+                heappush(self._heap, end)
+            else:
+                self.env.tie(end, event)
         elif running:
             batch = len(running)
             heap = self._finish_heap
@@ -480,16 +476,12 @@ class SimEngine:
             self.epoch_batch = shape_batch
             self.epoch_ctx = shape_ctx
             self.version += 1
-            heappush(
-                self._heap,
-                (
-                    now + self.costs.run_time(shape_batch, shape_ctx, k),
-                    PRIORITY_COMPLETE,
-                    next(self._sequence),
-                    self._end_epoch_cb,
-                    (self.version,),
-                ),
-            )
+            end = now + self.costs.run_time(shape_batch, shape_ctx, k)
+            event = (PRIORITY_COMPLETE, self._end_epoch_cb, (self.version,))
+            if self._queue.setdefault(end, event) is event:
+                heappush(self._heap, end)
+            else:
+                self.env.tie(end, event)
         else:
             self.phase = IDLE
             self.events.on_engine_idle(self)
@@ -520,12 +512,10 @@ class SimEngine:
                 self._prefill_done(req)
         self.step_chunks = []
         self.phase = IDLE
-        self.at_boundary = True
         if self._finish_heap and self._finish_heap[0][0] <= self.steps:
             self._complete_finished()
-        else:
-            self._after_free()
-        self.at_boundary = False
+        elif self.incoming:
+            self.pump_incoming()
         self._plan()
 
     def _end_epoch(self, version: int) -> None:
@@ -541,12 +531,10 @@ class SimEngine:
             self.ctx_sum += grown
             self.kv_used += grown
         self.phase = IDLE
-        self.at_boundary = True
         if self._finish_heap[0][0] <= self.steps:
             self._complete_finished()
-        else:
-            self._after_free()
-        self.at_boundary = False
+        elif self.incoming:
+            self.pump_incoming()
         self._plan()
 
     # ------------------------------------------------------- cost-model hooks
@@ -662,11 +650,14 @@ class SimEngine:
         return ctx
 
     def _complete_finished(self) -> None:
+        """At a step boundary: retire the sequences that decoded their last token."""
         heap = self._finish_heap
         steps = self.steps
         cache = self.cache
         on_decode_end = self.events.on_decode_end
         leave = self._leave
+        # The boundary re-plans right after: nothing freed here needs a plan of its own.
+        self.at_boundary = True
         while heap and heap[0][0] <= steps:
             entry = heappop(heap)
             req = entry[2]
@@ -677,7 +668,9 @@ class SimEngine:
             self.kv_used -= ctx
             cache.put(req.traj.traj_key, ctx)
             on_decode_end(req, self)
-        self._after_free()
+        self.at_boundary = False
+        if self.incoming:
+            self.pump_incoming()
 
     def _preempt_last(self) -> None:
         req = next(reversed(self.running))
