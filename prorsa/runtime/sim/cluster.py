@@ -206,7 +206,7 @@ class SimCluster:
         if decode is None or not decode.accepting or decode.role not in DECODE_SIDE:
             decode = self._decode_for(traj)  # the sticky engine no longer serves decode
         req.decode_engine = decode
-        on_decode = decode.cache.peek(traj.traj_key)
+        on_decode = decode.cache.entries.get(traj.traj_key, 0)
         # A colocated engine always prefills its own turns (prefill_locally's first rule).
         local = decode.role == "colocated" or prefill_locally(
             decode.role,

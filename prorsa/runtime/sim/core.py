@@ -12,7 +12,9 @@ batch launched at t=0, identical engines) are resolved by priority, then schedul
 exactly as a ``(time, priority, sequence)`` tuple would be.
 
 The simulator's engines and cluster schedule events inline (see :meth:`Environment.push`
-for the two lines they repeat); everything else calls :meth:`Environment.schedule`.
+for the lines they repeat); everything else calls :meth:`Environment.schedule`. An engine
+whose decode epoch is cut short withdraws the epoch's end (:meth:`Environment.withdraw`)
+instead of leaving it to run as a no-op; its time stays in the heap and is skipped.
 """
 
 from __future__ import annotations
@@ -92,12 +94,26 @@ class Environment:
         else:
             queue[time] = [found, event]
 
+    def withdraw(self, time: float, event: Event) -> None:
+        """Drop ``event`` (queued at ``time``) when it is the only event there; otherwise
+        it stays and its callback must recognise it as stale."""
+        queue = self.queue
+        if queue.get(time) is event:
+            del queue[time]
+
+    def _skip_withdrawn(self) -> None:
+        heap, queue = self.heap, self.queue
+        while heap and heap[0] not in queue:
+            heapq.heappop(heap)
+
     def peek(self) -> float:
         """Time of the next event, or ``inf`` when none is left."""
+        self._skip_withdrawn()
         return self.heap[0] if self.heap else float("inf")
 
     def _next(self) -> Event:
         """Remove and return the next event (its time becomes :attr:`now`)."""
+        self._skip_withdrawn()
         time = self.heap[0]
         event = self.queue.pop(time)
         self.now = time
@@ -141,7 +157,10 @@ class Environment:
                 if time > limit:
                     self.now = limit
                     break
-                event = queue.pop(time)
+                event = queue.pop(time, None)
+                if event is None:  # withdrawn
+                    pop(heap)
+                    continue
                 self.now = time
                 if type(event) is list:
                     event = self._next_of_tie(time, event)

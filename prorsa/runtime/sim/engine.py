@@ -138,19 +138,29 @@ class StepCosts:
         d0 = self.da + self.db * batch + self.dc * ctx_sum
         slope = self.dc * batch
         floor = self.floor
-        if d0 < floor:
-            at_floor = k_max if slope <= 0 else min(k_max, math.ceil((floor - d0) / slope))
-            if elapsed < at_floor * floor:
-                guess = int(elapsed / floor)
-            else:
-                guess = at_floor + _series_steps(
-                    elapsed - at_floor * floor, d0 + slope * at_floor, slope
-                )
+        tol = elapsed + 1e-12
+        if d0 >= floor:
+            # No step at the floor: run_time(k) is k*d0 + slope*k*(k-1)/2, the same
+            # operations run_time performs in this case, inline.
+            k = _series_steps(elapsed, d0, slope)
+            k = 0 if k < 0 else (k_max if k > k_max else k)
+            while k > 0 and k * d0 + slope * (k * (k - 1)) / 2 > tol:
+                k -= 1
+            while k < k_max:
+                after = (k + 1) * d0 + slope * ((k + 1) * k) / 2
+                if after > tol:
+                    return k + 1, after
+                k += 1
+            return k_max, -1.0
+        at_floor = k_max if slope <= 0 else min(k_max, math.ceil((floor - d0) / slope))
+        if elapsed < at_floor * floor:
+            guess = int(elapsed / floor)
         else:
-            guess = _series_steps(elapsed, d0, slope)
+            guess = at_floor + _series_steps(
+                elapsed - at_floor * floor, d0 + slope * at_floor, slope
+            )
         k = min(max(guess, 0), k_max)
         run_time = self.run_time
-        tol = elapsed + 1e-12
         while k > 0:
             at = run_time(batch, ctx_sum, k)
             if at <= tol:
@@ -179,6 +189,8 @@ class SimEngine:
     __slots__ = (
         "_end_epoch_cb",
         "_end_step_cb",
+        "_epoch_end",
+        "_epoch_event",
         "_finish_heap",
         "_heap",
         "_heap_seq",
@@ -252,6 +264,8 @@ class SimEngine:
         self._plan_cb = self._plan_event
         self._end_step_cb = self._end_step
         self._end_epoch_cb = self._end_epoch
+        self._epoch_end = 0.0  # when the current epoch's end event is queued
+        self._epoch_event: tuple | None = None
         self.events = events
         self.engine_id = engine_id
         self.slot_id = slot_id
@@ -374,24 +388,26 @@ class SimEngine:
                 else:
                     self.env.tie(now, event)
         elif phase == EPOCH and not self.boundary_pending:
-            self._cut_epoch()
-
-    def _cut_epoch(self) -> None:
-        start = self.epoch_start
-        k_max = self.epoch_k
-        boundary, end_offset = self.costs.cut(
-            self.env.now - start, k_max, self.epoch_batch, self.epoch_ctx
-        )
-        self.boundary_pending = True
-        if boundary < k_max:
-            self.epoch_k = boundary
-            self.version += 1
-            end = start + end_offset
-            event = (PRIORITY_COMPLETE, self._end_epoch_cb, (self.version,))
-            if self._queue.setdefault(end, event) is event:
-                heappush(self._heap, end)
-            else:
-                self.env.tie(end, event)
+            # Cut the epoch at the end of the step in progress.
+            start = self.epoch_start
+            k_max = self.epoch_k
+            boundary, end_offset = self.costs.cut(
+                self.env.now - start, k_max, self.epoch_batch, self.epoch_ctx
+            )
+            self.boundary_pending = True
+            if boundary < k_max:
+                self.epoch_k = boundary
+                self.version += 1
+                # Withdraw the epoch's old end (Environment.withdraw, inline).
+                queue = self._queue
+                if queue.get(self._epoch_end) is self._epoch_event:
+                    del queue[self._epoch_end]
+                end = start + end_offset
+                event = (PRIORITY_COMPLETE, self._end_epoch_cb, (self.version,))
+                if queue.setdefault(end, event) is event:
+                    heappush(self._heap, end)
+                else:
+                    self.env.tie(end, event)
 
     def _plan_event(self) -> None:
         self.plan_pending = False
@@ -414,22 +430,34 @@ class SimEngine:
         if self.prefill_queue:
             self._admit_prefills()
         if self.prefill_active:
-            chunks = self._select_chunks()
             events = self.events
-            for req, _ in chunks:
-                if req.prefill_left == req.prefill_tokens:
-                    events.on_prefill_start(req, self)
             if self.per_rank:
+                chunks = self._select_chunks()
+                for req, _ in chunks:
+                    if req.prefill_left == req.prefill_tokens:
+                        events.on_prefill_start(req, self)
                 duration = self._step_s(chunks)
             else:
+                # _select_chunks and _step_s written out in one pass (the reports to the
+                # cluster read nothing the pricing changes, and come in the same order).
                 costs = self.costs
                 pb, pc = costs.pb, costs.pc
                 prefill_s = 0.0
-                for req, n in chunks:
+                chunks = []
+                budget = self.budget - len(running)
+                if budget < 1:
+                    budget = 1
+                for req in self.prefill_active:
+                    if budget <= 0:
+                        break
+                    left = req.prefill_left
+                    n = left if left < budget else budget
+                    chunks.append((req, n))
+                    budget -= n
+                    if left == req.prefill_tokens:
+                        events.on_prefill_start(req, self)
                     # costs.chunk(n, prior), written out
-                    prefill_s += pb * n + pc * n * (
-                        req.cached + req.prefill_tokens - req.prefill_left + n / 2
-                    )
+                    prefill_s += pb * n + pc * n * (req.cached + req.prefill_tokens - left + n / 2)
                 if running:
                     decode_s = costs.da + costs.db * len(running) + costs.dc * self.ctx_sum
                     duration = costs.mix + prefill_s + decode_s - costs.da
@@ -471,13 +499,21 @@ class SimEngine:
             self.epoch_k = k
             if self.per_rank:
                 shape_batch, shape_ctx = self._epoch_shape()
+                run_s = self.costs.run_time(shape_batch, shape_ctx, k)
             else:
                 shape_batch, shape_ctx = batch, self.ctx_sum
+                costs = self.costs
+                d0 = costs.da + costs.db * batch + costs.dc * shape_ctx
+                if d0 >= costs.floor:
+                    # StepCosts.run_time when no step is at the floor, inline
+                    run_s = k * d0 + costs.dc * batch * (k * (k - 1)) / 2
+                else:
+                    run_s = costs.run_time(batch, shape_ctx, k)
             self.epoch_batch = shape_batch
             self.epoch_ctx = shape_ctx
             self.version += 1
-            end = now + self.costs.run_time(shape_batch, shape_ctx, k)
-            event = (PRIORITY_COMPLETE, self._end_epoch_cb, (self.version,))
+            end = self._epoch_end = now + run_s
+            event = self._epoch_event = (PRIORITY_COMPLETE, self._end_epoch_cb, (self.version,))
             if self._queue.setdefault(end, event) is event:
                 heappush(self._heap, end)
             else:
@@ -492,9 +528,10 @@ class SimEngine:
         now = self.env.now
         self.busy_s += now - self.step_started
         running = self.running
+        per_rank = self.per_rank
         if running:
             self.steps += 1
-            if self.per_rank:
+            if per_rank:
                 self._grow(1)
             else:
                 grown = len(running)
@@ -509,7 +546,16 @@ class SimEngine:
                     active.popleft()
                 else:
                     active.remove(req)
-                self._prefill_done(req)
+                if per_rank:
+                    self._prefill_done(req)
+                elif req.local or req.recomputing:
+                    # _prefill_done, inline: KV stays here, this engine decodes the turn.
+                    req.recomputing = False
+                    self.events.on_prefill_end(req, self, local=True)
+                    self.decode_waiting.append(req)
+                else:
+                    self.held_for_transfer += 1
+                    self.events.on_prefill_end(req, self, local=False)
         self.step_chunks = []
         self.phase = IDLE
         if self._finish_heap and self._finish_heap[0][0] <= self.steps:
@@ -605,7 +651,7 @@ class SimEngine:
                 cached = 0
             else:
                 group_key = traj.group_key
-                shared = cache.peek(group_key) if group_key else 0
+                shared = cache.entries.get(group_key, 0) if group_key else 0
                 # At least one token is always computed: the engine needs fresh logits.
                 cached = max(pinned, shared, req.pulled)
                 if cached > footprint - 1:

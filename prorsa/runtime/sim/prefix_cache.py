@@ -13,33 +13,36 @@ from collections import OrderedDict
 class PrefixCache:
     """Evictable cached prefixes: key -> tokens, least recently used first."""
 
-    __slots__ = ("_entries", "evicted_tokens", "total")
+    __slots__ = ("entries", "evicted_tokens", "total")
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[str, int] = OrderedDict()
+        #: key -> tokens, least recently used first (hot paths read it directly: a
+        #: ``peek`` is ``entries.get(key, 0)``)
+        self.entries: OrderedDict[str, int] = OrderedDict()
         self.total = 0
         self.evicted_tokens = 0
 
     def peek(self, key: str) -> int:
         """Cached tokens under ``key`` without touching recency."""
-        return self._entries.get(key, 0)
+        return self.entries.get(key, 0)
 
     def take(self, key: str) -> int:
         """Remove and return ``key``'s tokens (they become in-use, not evictable)."""
-        tokens = self._entries.pop(key, 0)
+        tokens = self.entries.pop(key, 0)
         self.total -= tokens
         return tokens
 
     def put(self, key: str, tokens: int) -> None:
         """Insert or refresh ``key`` as most recently used with ``tokens`` (max of old/new)."""
-        old = self._entries.pop(key, 0)
-        tokens = max(tokens, old)
-        self._entries[key] = tokens
+        old = self.entries.pop(key, 0)
+        if old > tokens:
+            tokens = old
+        self.entries[key] = tokens
         self.total += tokens - old
 
     def evict_until(self, free_needed: int, free_now: int) -> int:
         """Evict LRU entries until ``free_now`` (+ evicted) covers ``free_needed``."""
-        entries = self._entries
+        entries = self.entries
         while free_now < free_needed and entries:
             _, tokens = entries.popitem(last=False)
             self.total -= tokens
@@ -49,8 +52,8 @@ class PrefixCache:
 
     def clear(self) -> None:
         self.evicted_tokens += self.total
-        self._entries.clear()
+        self.entries.clear()
         self.total = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
