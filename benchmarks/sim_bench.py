@@ -1,143 +1,295 @@
-"""Simulator speed: wall time, simulated seconds per wall second, turns per wall second.
+"""Simulator speed: microseconds per simulated turn, real-time factor, peak memory, scaling.
 
-(a) 64 engines, 2,048 swe trajectories, sync; (b) 512 engines, 16,384 mixed trajectories,
-sync. Goal for (a): at least 500x faster than real time on one core. Also reports peak
-memory, how wall time grows from 64 to 512 engines, and where the time goes (cProfile of
-(a)). Writes benchmarks/results/sim.json.
+Cases (colocated engines, one synchronous step, full telemetry unless noted):
 
-    .venv/bin/python benchmarks/sim_bench.py
+* (a) 64 engines, 2,048 swe trajectories; goal <= 10 us per turn (>= 500x real time);
+* (b) 512 engines, 16,384 mixed trajectories; goal <= 12 us per turn, peak RSS <= 400 MB;
+* (a) and (b) without telemetry;
+* (dp) Qwen3-30B-A3B on 64 GPUs as eight tp1-dp8-ep8 layout engines (priced per
+  data-parallel rank), 2,048 swe trajectories;
+* scaling: turns per wall-second at 16, 64, 256, 512 and 1,024 engines, 32 mixed
+  trajectories per engine (plotted to results/sim_scaling.png);
+* where the time of (a) goes (cProfile).
+
+Every measurement runs in a fresh process (so peak RSS is that case's own). With
+``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base <commit>``) each
+measurement alternates between that code and this one, so both see the same machine load;
+the machine's load average is recorded, and the minimum over repeats is the number closest
+to an idle machine. CPU time is reported beside wall time: on a shared machine it is the
+better estimate of the idle wall time. Writes results/sim.json.
+
+    .venv/bin/python benchmarks/sim_bench.py [--baseline /tmp/base] [--repeats 3]
 """
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
-import resource
+import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import save
-from prorsa.policy import make_policy
-from prorsa.runtime.sim.config import ClusterConfig
-from prorsa.runtime.sim.drivers import SyncDriver
-from prorsa.runtime.sim.simulation import Simulation
-from prorsa.workload import get_scenario
-
+ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "h200-qwen2.5-7b-tp1"
-CASES = {
-    "a_64_engines_2048_swe": ("swe", 64, 2048),
-    "b_512_engines_16384_mixed": ("mixed", 512, 16_384),
+MOE = "h200-qwen3-30b-a3b-tp1"
+DP8 = "tp1-dp8-ep8"
+CASES: dict[str, dict] = {
+    "a_64_engines_2048_swe": {"scenario": "swe", "engines": 64, "trajectories": 2048},
+    "b_512_engines_16384_mixed": {"scenario": "mixed", "engines": 512, "trajectories": 16_384},
+    "dp_8x_tp1-dp8-ep8_2048_swe": {
+        "scenario": "swe",
+        "engines": 8,
+        "trajectories": 2048,
+        "profile": MOE,
+        "layouts": {"prefill": "tp1", "decode": DP8, "colocated": DP8},
+    },
 }
+SCALING_ENGINES = (16, 64, 256, 512, 1024)
+PER_ENGINE = 32  # mixed trajectories per engine in the scaling curve (as in case b)
+GOALS = {"a_us_per_turn": 10.0, "b_us_per_turn": 12.0, "b_peak_rss_mb": 400.0, "a_real_time": 500}
 
 
-def run_case(scenario: str, engines: int, trajectories: int, *, record: bool) -> dict:
-    specs = get_scenario(scenario).sample(trajectories, seed=0, group_size=8)
+# ----------------------------------------------------------------------------- worker
+def _worker(root: str, case: dict) -> dict:
+    """Run one case with the code under ``root`` (in this fresh process)."""
+    sys.path.insert(0, root)
+    import resource
+
+    from prorsa.policy import make_policy
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.sim.drivers import SyncDriver
+    from prorsa.runtime.sim.simulation import Simulation
+    from prorsa.workload import get_scenario
+
+    def rss_mb() -> float:
+        return (
+            int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGESIZE") / 2**20
+        )
+
+    specs = get_scenario(case["scenario"]).sample(case["trajectories"], seed=0, group_size=8)
     turns = sum(s.num_turns for s in specs)
-    sim = Simulation(
-        ClusterConfig(profile=PROFILE, num_slots=engines),
-        make_policy("colocate"),
-        SyncDriver([specs]),
-        record=record,
+    config = ClusterConfig(
+        profile=case.get("profile", PROFILE),
+        num_slots=case["engines"],  # a layout engine fills its slot (8 GPUs for dp8)
+        layouts=case.get("layouts", {}),
     )
-    start = time.perf_counter()
-    cpu0 = time.process_time()
+    sim = Simulation(config, make_policy("colocate"), SyncDriver([specs]), record=case["record"])
+    rss_before = rss_mb()
+    if case.get("profile_top"):
+        return _profile(sim, case["profile_top"])
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     result = sim.run()
-    wall = time.perf_counter() - start
-    cpu = time.process_time() - cpu0
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     makespan = float(result.metrics["makespan_s"])
     return {
-        "scenario": scenario,
-        "engines": engines,
-        "trajectories": trajectories,
         "turns": turns,
-        "telemetry": record,
-        "events": result.telemetry.num_rows if record else None,
+        "events": result.telemetry.num_rows if case["record"] else None,
         "makespan_s": makespan,
         "wall_s": wall,
         "cpu_s": cpu,
-        "sim_s_per_wall_s": makespan / wall,
-        "turns_per_wall_s": turns / wall,
-        "wall_us_per_turn": wall / turns * 1e6,
+        "us_per_turn_wall": wall / turns * 1e6,
+        "us_per_turn_cpu": cpu / turns * 1e6,
+        "real_time_factor_cpu": makespan / cpu,
+        "rss_before_run_mb": rss_before,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
-def profile_case(scenario: str, engines: int, trajectories: int) -> list[dict]:
-    specs = get_scenario(scenario).sample(trajectories, seed=0, group_size=8)
-    sim = Simulation(
-        ClusterConfig(profile=PROFILE, num_slots=engines),
-        make_policy("colocate"),
-        SyncDriver([specs]),
-        record=True,
-    )
+def _profile(sim, top: int) -> dict:
+    import cProfile
+    import pstats
+
     prof = cProfile.Profile()
     prof.enable()
     sim.run()
     prof.disable()
-    buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf).sort_stats("tottime")
-    rows = []
+    stats = pstats.Stats(prof)
     total = stats.total_tt
-    for (filename, line, func), (_, ncalls, tottime, cumtime, _) in sorted(
-        stats.stats.items(), key=lambda kv: kv[1][2], reverse=True
-    )[:15]:
-        rows.append(
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {
+        "profile": [
             {
-                "function": f"{Path(filename).name}:{line}({func})",
+                "function": f"{Path(f).name}:{line}({func})",
                 "calls": ncalls,
-                "self_s": tottime,
                 "self_share": tottime / total,
-                "cumulative_s": cumtime,
+                "cumulative_share": cumtime / total,
             }
+            for (f, line, func), (_, ncalls, tottime, cumtime, _) in rows
+        ]
+    }
+
+
+# ----------------------------------------------------------------------------- driver
+def _measure(root: Path, case: dict) -> dict:
+    """One case in a fresh interpreter running the code under ``root``."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", str(root), json.dumps(case)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"case {case} under {root} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _summary(runs: list[dict]) -> dict:
+    """Minimum and median over repeats (minimum: closest to an idle machine)."""
+    first = runs[0]
+    out = {k: first[k] for k in ("turns", "events", "makespan_s")}
+    for key in ("us_per_turn_cpu", "us_per_turn_wall", "peak_rss_mb", "rss_before_run_mb"):
+        values = [r[key] for r in runs]
+        out[key] = min(values)
+        out[key + "_median"] = statistics.median(values)
+    cpu_s = out["us_per_turn_cpu"] * first["turns"] / 1e6
+    out["real_time_factor_cpu"] = first["makespan_s"] / cpu_s
+    out["turns_per_cpu_s"] = 1e6 / out["us_per_turn_cpu"]
+    out["repeats"] = len(runs)
+    return out
+
+
+def _duel(case: dict, repeats: int, baseline: Path | None) -> dict:
+    """Repeats of ``case``, alternating with the baseline's code when given."""
+    runs: dict[str, list[dict]] = {"current": [], "baseline": []}
+    loads = []
+    for i in range(repeats):
+        order = [("current", ROOT)]
+        if baseline is not None:
+            order.append(("baseline", baseline))
+            if i % 2:
+                order.reverse()
+        for name, root in order:
+            loads.append(os.getloadavg()[0])
+            runs[name].append(_measure(root, case))
+    result = {"current": _summary(runs["current"]), "load_average": [min(loads), max(loads)]}
+    if baseline is not None:
+        base = result["baseline"] = _summary(runs["baseline"])
+        cur = result["current"]
+        if base["makespan_s"] != cur["makespan_s"]:
+            raise RuntimeError(f"{case}: the baseline simulates a different run")
+        result["speedup_cpu_min"] = base["us_per_turn_cpu"] / cur["us_per_turn_cpu"]
+        result["speedup_cpu_median"] = (
+            base["us_per_turn_cpu_median"] / cur["us_per_turn_cpu_median"]
         )
-    return rows
+        result["speedup_cpu_paired_median"] = statistics.median(
+            b["us_per_turn_cpu"] / c["us_per_turn_cpu"]
+            for b, c in zip(runs["baseline"], runs["current"], strict=True)
+        )
+    return result
+
+
+def _plot(scaling: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    engines = [int(e) for e in scaling]
+    for who, style in (("current", "o-"), ("baseline", "s--")):
+        if all(who in r for r in scaling.values()):
+            rate = [1e6 / r[who]["us_per_turn_cpu"] for r in scaling.values()]
+            ax.plot(engines, rate, style, label=f"{who} (CPU time)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(engines, [str(e) for e in engines])
+    ax.set_xlabel("engines (32 mixed trajectories each, full telemetry)")
+    ax.set_ylabel("simulated turns per second")
+    ax.set_title("Simulator throughput by cluster size")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
-    results = {}
-    for name, (scenario, engines, n) in CASES.items():
-        results[name] = run_case(scenario, engines, n, record=True)
-        results[name + "_no_telemetry"] = run_case(scenario, engines, n, record=False)
-        r = results[name]
-        print(
-            f"{name}: wall {r['wall_s']:.2f} s, simulated {r['makespan_s']:.0f} s "
-            f"-> {r['sim_s_per_wall_s']:.0f}x real time, {r['turns_per_wall_s']:,.0f} turns/s "
-            f"({r['wall_us_per_turn']:.1f} us/turn); without telemetry "
-            f"{results[name + '_no_telemetry']['sim_s_per_wall_s']:.0f}x"
-        )
-    a, b = results["a_64_engines_2048_swe"], results["b_512_engines_16384_mixed"]
-    scaling = {
-        "engines_ratio": b["engines"] / a["engines"],
-        "turns_ratio": b["turns"] / a["turns"],
-        "wall_ratio": b["wall_s"] / a["wall_s"],
-        "wall_per_turn_ratio": b["wall_us_per_turn"] / a["wall_us_per_turn"],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, help="another checkout to compare against")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the main cases")
+    parser.add_argument("--scaling-repeats", type=int, default=1)
+    args = parser.parse_args()
+    from benchmarks._common import RESULTS, save
+
+    baseline = args.baseline.resolve() if args.baseline else None
+    started = time.time()
+    cases = {}
+    for name, case in CASES.items():
+        for record in (True, False) if not name.startswith("dp") else (True,):
+            key = name if record else name + "_no_telemetry"
+            cases[key] = _duel({**case, "record": record}, args.repeats, baseline)
+            _print(key, cases[key])
+    scaling = {}
+    for engines in SCALING_ENGINES:
+        case = {"scenario": "mixed", "engines": engines, "trajectories": PER_ENGINE * engines}
+        scaling[str(engines)] = _duel({**case, "record": True}, args.scaling_repeats, baseline)
+        _print(f"scaling {engines} engines", scaling[str(engines)])
+    profile = _measure(ROOT, {**CASES["a_64_engines_2048_swe"], "record": True, "profile_top": 15})
+    plot = RESULTS / "sim_scaling.png"
+    _plot(scaling, plot)
+    a = cases["a_64_engines_2048_swe"]["current"]
+    b = cases["b_512_engines_16384_mixed"]["current"]
+    goals = {
+        "a_us_per_turn_cpu<=10": a["us_per_turn_cpu"] <= GOALS["a_us_per_turn"],
+        "a_real_time>=500x": a["real_time_factor_cpu"] >= GOALS["a_real_time"],
+        "b_us_per_turn_cpu<=12": b["us_per_turn_cpu"] <= GOALS["b_us_per_turn"],
+        "b_peak_rss_mb<=400": b["peak_rss_mb"] <= GOALS["b_peak_rss_mb"],
     }
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    hot = profile_case("swe", 64, 2048)
-    goal = a["sim_s_per_wall_s"] >= 500
     path = save(
         "sim",
         {
-            "cases": results,
-            "scaling_64_to_512": scaling,
-            "peak_rss_mb": peak_mb,
-            "profile_a_top": hot,
-            "goal_a_500x_real_time": goal,
+            "method": (
+                "each number is one case in a fresh process; min (and median) over repeats; "
+                "with a baseline, runs alternate between the two checkouts"
+            ),
+            "baseline": str(baseline) if baseline else None,
+            "baseline_commit": _commit(baseline) if baseline else None,
+            "cases": cases,
+            "scaling": scaling,
+            "scaling_plot": plot.name,
+            "profile_a_top": profile["profile"],
+            "goals": goals,
+            "bench_minutes": (time.time() - started) / 60,
         },
     )
-    print(
-        f"64 -> 512 engines: {scaling['turns_ratio']:.1f}x the turns took "
-        f"{scaling['wall_ratio']:.1f}x the wall time ({scaling['wall_per_turn_ratio']:.2f}x per "
-        f"turn); peak RSS {peak_mb:,.0f} MB"
-    )
     print("where the time goes in (a):")
-    for row in hot[:8]:
+    for row in profile["profile"][:8]:
         print(f"  {row['self_share']:5.1%}  {row['function']}  ({row['calls']:,} calls)")
-    print(f"goal (a) >= 500x real time: {'met' if goal else 'NOT met'}; saved {path}")
+    print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
+    print(f"saved {path} and {plot}")
+
+
+def _print(name: str, result: dict) -> None:
+    cur = result["current"]
+    line = (
+        f"{name}: {cur['us_per_turn_cpu']:.1f} us/turn CPU ({cur['us_per_turn_wall']:.1f} wall), "
+        f"{cur['real_time_factor_cpu']:.0f}x real time, peak RSS {cur['peak_rss_mb']:.0f} MB"
+    )
+    if "baseline" in result:
+        base = result["baseline"]
+        line += (
+            f"; baseline {base['us_per_turn_cpu']:.1f} us/turn, {base['peak_rss_mb']:.0f} MB "
+            f"-> {result['speedup_cpu_min']:.2f}x (paired median "
+            f"{result['speedup_cpu_paired_median']:.2f}x)"
+        )
+    load = result["load_average"]
+    print(f"{line}  [load {load[0]:.1f}-{load[1]:.1f}]", flush=True)
+
+
+def _commit(root: Path) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip()
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        print(json.dumps(_worker(sys.argv[2], json.loads(sys.argv[3]))))
+    else:
+        sys.path.insert(0, str(ROOT))
+        main()
