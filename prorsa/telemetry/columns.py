@@ -51,6 +51,7 @@ CLUSTER_KEY = 0
 #: always converted through: ids and token counts are exact up to 2**53).
 _ROW = struct.Struct(f"={_WIDTH}d")
 _ROW_BYTES = _ROW.size
+_pack = _ROW.pack
 _ZERO_ROW = bytes(_ROW_BYTES)
 #: Events per sealed chunk (about 2.4 MB of typed columns).
 SEAL_ROWS = 1 << 16
@@ -297,22 +298,32 @@ class EventLog:
         if detail:
             self._detail_rows.append(self._sealed + len(buf) // _ROW_BYTES)
             self._detail_text.append(detail)
-        values = (
-            time,
-            key,
-            turn,
-            kind,
-            engine_id,
-            context_tokens,
-            new_tokens,
-            cached_tokens,
-            output_tokens,
-        )
         try:
-            buf.extend(_ROW.pack(*values))
+            packed = _pack(
+                time,
+                key,
+                turn,
+                kind,
+                engine_id,
+                context_tokens,
+                new_tokens,
+                cached_tokens,
+                output_tokens,
+            )
         except (struct.error, OverflowError, TypeError):
-            self._odd[self._sealed + len(buf) // _ROW_BYTES] = values
-            buf.extend(_ZERO_ROW)
+            self._odd[self._sealed + len(buf) // _ROW_BYTES] = (
+                time,
+                key,
+                turn,
+                kind,
+                engine_id,
+                context_tokens,
+                new_tokens,
+                cached_tokens,
+                output_tokens,
+            )
+            packed = _ZERO_ROW
+        buf.extend(packed)
 
     def row_writer(self) -> tuple[Callable[..., bytes], Callable[[bytes], None]]:
         """``(pack, write)`` for hot paths: ``write(pack(time, key, turn, kind, engine_id,
