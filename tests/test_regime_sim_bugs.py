@@ -40,3 +40,27 @@ def test_dp_decode_rank_never_exceeds_its_batch_cap():
         record=False,
     )
     assert run_cell(cell)["objective"] > 0
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason="DP rank admitted over max_batch")
+def test_dp_rank_over_its_cap_in_a_mixed_step():
+    # The same admission, seen in a step with prefill: the per-rank attention table is
+    # indexed past max_batch (Qwen3-30B-A3B, decode tp1-dp4-ep4, 4,096 search trajectories).
+    cell = Cell(
+        scenario="search",
+        trace=None,
+        mode="sync",
+        policy="static",
+        seed=0,
+        engines=8,
+        profile="h200-qwen3-30b-a3b-tp1",
+        trajectories=4096,
+        max_in_flight=4096,
+        policy_params={"prefill_gpus": 28},
+        cluster_overrides={
+            "layouts": {"prefill": "tp1", "decode": "tp1-dp4-ep4", "colocated": "tp1-dp4-ep4"}
+        },
+        series=False,
+        record=False,
+    )
+    assert run_cell(cell)["objective"] > 0
