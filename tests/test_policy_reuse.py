@@ -51,3 +51,17 @@ def test_reprefill_keeps_colocation_where_a_kv_store_would_split():
     obs = colocated(idle_tokens=100_000)  # two more prefill slots in a 10 s turn cycle
     assert choose_mode(obs, spec("kv-store"), 1.6, 1.8, **kwargs) == 2
     assert choose_mode(obs, spec("reprefill"), 1.6, 1.8, **kwargs) is None
+
+
+def test_leaving_colocation_counts_every_slot_that_reshards():
+    from dataclasses import replace
+
+    base = replace(spec("kv-store"), switch_latency_s=1.0, reshard_latency_s=1.0)
+    same = replace(base, role_layouts={"prefill": "tp1", "decode": "dp8", "colocated": "dp8"})
+    other = replace(base, role_layouts={"prefill": "tp1", "decode": "dp8", "colocated": "tp4"})
+    kwargs = dict(current_prefill=1, payback_s=30.0, switch_cost_weight=1.0)
+    obs = colocated(idle_tokens=0)
+    # saves 0.2 slots x 30 s = 6 slot-s; two prefill slots reshard (2 x 2 s = 4): split
+    assert choose_mode(obs, same, 1.6, 1.8, **kwargs) == 2
+    # the two decode slots reshard as well (4 more slot-s): not worth it
+    assert choose_mode(obs, other, 1.6, 1.8, **kwargs) is None

@@ -170,7 +170,8 @@ def choose_mode(
     must save more unserved slot-seconds over ``payback_s`` than it costs: the switching
     slots' latency plus rebuilding the contexts cached on the decode-side slots it moves.
     Leaving colocation under re-prefill, the split's prefill also recomputes the live
-    trajectories' contexts (:func:`split_recompute_slots`).
+    trajectories' contexts (:func:`split_recompute_slots`). When decode and colocated run
+    different layouts, every slot reshards, not only the prefill ones.
     """
     n = spec.num_slots
     c_short = colocated_shortage(spec, need_p, need_d)
@@ -179,14 +180,26 @@ def choose_mode(
         need_p = need_p + split_recompute_slots(obs, spec)
     best_x = min(range(1, n), key=lambda x: (split_shortage(x, n, need_p, need_d), x))
     pd_short = split_shortage(best_x, n, need_p, need_d)
+    # Decode <-> colocated is a relabel only when both roles run one layout; otherwise
+    # those slots restart resharded too and lose the contexts they cache.
+    layouts = spec.role_layouts or spec.role_tp
+    relabel = layouts.get("decode") == layouts.get("colocated")
     if colocated_now(obs):
         saved = (c_short - pd_short) * payback_s
         latency = best_x * spec.switch_latency_between("colocated", "prefill")
-        lost = latency + decode_slot_rebuild_s(obs, spec, best_x)
+        moved = best_x
+        if not relabel:
+            latency += (n - best_x) * spec.switch_latency_between("colocated", "decode")
+            moved = n
+        lost = latency + decode_slot_rebuild_s(obs, spec, moved)
         return best_x if saved > switch_cost_weight * lost else None
     current_short = split_shortage(current_prefill, n, need_p, need_d)
     saved = (current_short - c_short) * payback_s
-    # Prefill slots move (decode slots only change how the router uses them).
+    # Prefill slots move (decode slots only change how the router uses them, if relabelled).
     latency = current_prefill * spec.switch_latency_between("prefill", "colocated")
-    lost = latency + decode_slot_rebuild_s(obs, spec, current_prefill)
+    moved = current_prefill
+    if not relabel:
+        latency += (n - current_prefill) * spec.switch_latency_between("decode", "colocated")
+        moved = n
+    lost = latency + decode_slot_rebuild_s(obs, spec, moved)
     return "colocated" if saved > switch_cost_weight * lost else None
