@@ -320,9 +320,7 @@ class PDRouter:
             if not (engine.accepting and engine.role is Role.PREFILL):
                 return None  # wait for the pinned prefill engine
             prefill_pool = [engine]
-        if request.mode == "disaggregated" and not prefill_pool:
-            return None
-        local = request.mode != "disaggregated" and prefill_locally(
+        local = prefill_locally(
             decode.role,
             bool(prefill_pool),
             self._appended(request),
