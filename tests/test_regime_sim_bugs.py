@@ -1,22 +1,20 @@
-"""Simulator failures the regime map found (recorded as failed cells there).
+"""Simulator failures the regime map found, kept as regression tests.
 
-A data-parallel engine admits a prefill to the rank with the least prefill load
+A data-parallel engine used to admit a prefill to the rank with the least prefill load
 (``DPEngine._least_loaded_rank(with_prefill=True)`` ignores the rank's batch cap); when
 the prefill ends, the turn joins that same rank (``req.rank`` is kept) even if its decode
 batch is already full, while the engine-wide cap (``max_batch_per_rank * ranks``) still
 lets it in. The rank then holds ``max_batch + 1`` sequences and the layout cost refuses
 the step. Seen with Qwen3-235B-A22B, decode ``tp2-dp4-ep8`` (4 ranks of 256), 2,048
-search trajectories on one decode slot.
+search trajectories on one decode slot. Each rank now schedules its own batch: a turn
+waits for room on its rank.
 """
 
 from __future__ import annotations
 
-import pytest
-
 from prorsa.experiments.cells import Cell, run_cell
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="DP rank admitted over max_batch")
 def test_dp_decode_rank_never_exceeds_its_batch_cap():
     cell = Cell(
         scenario="search",
@@ -42,7 +40,6 @@ def test_dp_decode_rank_never_exceeds_its_batch_cap():
     assert run_cell(cell)["objective"] > 0
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason="DP rank admitted over max_batch")
 def test_dp_rank_over_its_cap_in_a_mixed_step():
     # The same admission, seen in a step with prefill: the per-rank attention table is
     # indexed past max_batch (Qwen3-30B-A3B, decode tp1-dp4-ep4, 4,096 search trajectories).

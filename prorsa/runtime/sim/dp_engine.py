@@ -103,13 +103,34 @@ class DpSimEngine(SimEngine):
 
     # ------------------------------------------------------------- ranks
     def _least_loaded_rank(self, with_prefill: bool) -> int:
-        best, best_load = 0, math.inf
+        """The rank with the least load; without prefill, -1 when every rank is full."""
+        best, best_load = -1, math.inf
         cap = self.costs.max_batch_per_rank
         for i, batch in enumerate(self.rank_batch):
             load = batch + (self.prefill_rank_load[i] if with_prefill else 0)
             if load < best_load and (with_prefill or batch < cap):
                 best, best_load = i, load
         return best
+
+    def _admit_decodes(self) -> None:
+        """Each rank schedules its own batch (vLLM runs one scheduler per DP rank): a turn
+        prefilled on a rank waits for room on that rank, whatever room the others have;
+        one without a rank joins the least loaded rank with room. Order is kept."""
+        waiting = self.decode_waiting
+        cap = self.costs.max_batch_per_rank
+        rank_batch = self.rank_batch
+        blocked = []
+        while waiting:
+            req = waiting.popleft()
+            rank = req.rank if req.rank >= 0 else self._least_loaded_rank(with_prefill=False)
+            if rank < 0 or rank_batch[rank] >= cap:
+                blocked.append(req)
+                if rank < 0:
+                    break  # every rank is full: nothing behind it can join either
+                continue
+            req.rank = rank
+            self._join(req)
+        waiting.extendleft(reversed(blocked))
 
     def _join(self, req: SimTurn) -> None:
         if req.rank < 0:

@@ -423,10 +423,13 @@ class SimEngine:
         running = self.running
         waiting = self.decode_waiting
         if waiting:
-            max_batch = self.max_batch
-            join = self._join
-            while waiting and len(running) < max_batch:
-                join(waiting.popleft())
+            if self.per_rank:
+                self._admit_decodes()
+            else:
+                max_batch = self.max_batch
+                join = self._join
+                while waiting and len(running) < max_batch:
+                    join(waiting.popleft())
         if self.prefill_queue:
             self._admit_prefills()
         if self.prefill_active:
@@ -673,6 +676,12 @@ class SimEngine:
             self.events.on_prefill_end(req, self, local=False)
 
     # --------------------------------------------------------------- decode side
+    def _admit_decodes(self) -> None:
+        """Join waiting turns FCFS up to the batch cap (engines priced per rank override)."""
+        waiting = self.decode_waiting
+        while waiting and len(self.running) < self.max_batch:
+            self._join(waiting.popleft())
+
     def _join(self, req: SimTurn) -> None:
         steps = self.steps
         req.join_step = steps
