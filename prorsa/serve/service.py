@@ -86,9 +86,6 @@ class RolloutService:
         self.recorder: Any = None
         self.tokenizer: Any = None
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
-        self._switch_holds: set[str] = set()
-        self._switches: set[asyncio.Task] = set()
-        self.switches_done = 0
         self._external_update: Any = None
         self._sweeper: asyncio.Task | None = None
         self.started_s: float | None = None
@@ -163,7 +160,7 @@ class RolloutService:
         self.monitor.start()
         await self.monitor.poll_once()
         self.actuator = RayActuator(
-            _SwitchGate(self.router, self),
+            self.router,
             spec,
             drain_timeout_s=config.drain_timeout_s,
             monitor=self.monitor,
@@ -447,34 +444,21 @@ class RolloutService:
 
     # ------------------------------------------------------------------ role switches
     def hold_switches(self, reason: str) -> None:
-        self._switch_holds.add(reason)
+        """Refuse role switches (the controller's and operators') until released."""
+        self.router.hold_switches(reason)
 
     def release_switches(self, reason: str) -> None:
-        self._switch_holds.discard(reason)
+        self.router.release_switches(reason)
+
+    @property
+    def switches_done(self) -> int:
+        return self.router.switcher.completed if self.router is not None else 0
 
     def start_switch(
         self, engine_id: int, role: Any, drain_timeout_s: float | None = None
     ) -> asyncio.Task:
-        """Start a role switch unless weights change or engines sleep.
-
-        Raises:
-            ConfigError: switches are held (the caller retries later), or the router
-                refuses the switch.
-        """
-        if self._switch_holds:
-            raise ConfigError(
-                f"role switches are held ({', '.join(sorted(self._switch_holds))})",
-                hint="retry after the weight update or wake-up",
-            )
-        task = self.router.start_switch(engine_id, role, drain_timeout_s)
-        self._switches.add(task)
-        task.add_done_callback(self._switch_done)
-        return task
-
-    def _switch_done(self, task: asyncio.Task) -> None:
-        self._switches.discard(task)
-        if not task.cancelled() and task.exception() is None and not task.result().get("skipped"):
-            self.switches_done += 1
+        """Start a role switch; ``ConfigError`` when switches are held or refused."""
+        return self.router.start_switch(engine_id, role, drain_timeout_s)
 
     async def switch_role(
         self, engine_id: int, role: str, drain_timeout_s: float | None = None
@@ -483,8 +467,7 @@ class RolloutService:
         return await self.start_switch(engine_id, role, drain_timeout_s)
 
     async def wait_for_switches(self) -> None:
-        if self._switches:
-            await asyncio.gather(*list(self._switches), return_exceptions=True)
+        await self.router.wait_for_switches()
 
     # ------------------------------------------------------------------ engines
     def live_engines(self) -> list[int]:
@@ -540,7 +523,7 @@ class RolloutService:
             "paused": self.engines_paused_by_trainer,
             "sleeping": self.sleeping,
             "weight_sync": self.sync.window is not None,
-            "switches_running": len(self._switches),
+            "switches_running": self.router.switches_running,
             "switches_done": self.switches_done,
             "trajectory_states": counts,
             "trajectory_tokens": tokens,
@@ -565,22 +548,6 @@ class RolloutService:
                 self._sessions().expire()
             except Exception:  # never let the sweeper die silently
                 logger.exception("session sweep failed")
-
-
-class _SwitchGate:
-    """The router as the controller's actuator sees it, with switches through the service."""
-
-    def __init__(self, router: Any, service: RolloutService) -> None:
-        self._router = router
-        self._service = service
-
-    def start_switch(
-        self, engine_id: int, role: Any, drain_timeout_s: float | None = None
-    ) -> asyncio.Task:
-        return self._service.start_switch(engine_id, role, drain_timeout_s)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._router, name)
 
 
 def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:

@@ -219,3 +219,26 @@ def test_all_decode_engines_dead_gives_routing_error():
     engines[1].kill()
     with pytest.raises(RoutingError, match=r"no .*engine"):
         asyncio.run(router.generate(TurnRequest("t", prompt(10), 4)))
+
+
+def test_held_switches_are_refused_until_released_and_waited_for():
+    # A weight update holds switches: neither the controller's start_switch nor an
+    # operator's switch_role may move an engine until the hold is released.
+    router, _engines = make_router(["prefill", "decode", "decode"], step_s=0.01)
+
+    async def run():
+        router.hold_switches("weight_sync")
+        with pytest.raises(ConfigError, match="held \\(weight_sync\\)"):
+            router.start_switch(2, "prefill")
+        with pytest.raises(ConfigError, match="held"):
+            await router.switch_role(2, "prefill")
+        assert router.pools.get(2).role is Role.DECODE
+        router.release_switches("weight_sync")
+        task = router.start_switch(2, "prefill", drain_timeout_s=1)
+        assert router.switches_running == 1
+        await router.wait_for_switches()
+        return task.result()
+
+    summary = asyncio.run(run())
+    assert summary["error"] is None and router.pools.get(2).role is Role.PREFILL
+    assert router.switches_running == 0 and router.switcher.completed == 1

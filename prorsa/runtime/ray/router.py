@@ -116,6 +116,7 @@ class PDRouter:
         self._last_context: dict[str, int] = {}  # trajectory -> context + output of last turn
         self._ids = itertools.count()
         self._background: set[asyncio.Task] = set()
+        self._switch_tasks: set[asyncio.Task] = set()
         self.retries_total = 0
         self.reroutes_total = 0
         self.completed_trajectories = 0
@@ -142,7 +143,27 @@ class PDRouter:
         or a switch that would leave no decode-side engine.
         """
         coro = self.switcher.begin(engine_id, new_role, drain_timeout_s)
-        return asyncio.get_running_loop().create_task(coro)
+        task = asyncio.get_running_loop().create_task(coro)
+        self._switch_tasks.add(task)
+        task.add_done_callback(self._switch_tasks.discard)
+        return task
+
+    def hold_switches(self, reason: str) -> None:
+        """Refuse new role switches (``ConfigError``) until released for ``reason``."""
+        self.switcher.hold(reason)
+
+    def release_switches(self, reason: str) -> None:
+        self.switcher.release(reason)
+
+    @property
+    def switches_running(self) -> int:
+        """Switches started with :meth:`start_switch` and not finished."""
+        return len(self._switch_tasks)
+
+    async def wait_for_switches(self) -> None:
+        """Wait until every switch started with :meth:`start_switch` has ended."""
+        while self._switch_tasks:
+            await asyncio.gather(*list(self._switch_tasks), return_exceptions=True)
 
     def trajectory_states(self) -> tuple[dict[str, int], dict[str, int]]:
         """Live trajectories per lifecycle state, and their context tokens per state."""

@@ -58,6 +58,17 @@ class RoleSwitcher:
         self.clock = clock
         self.config = config
         self.on_cache_reset = on_cache_reset
+        # Reasons switches are refused now (a weight update, sleeping engines): a switch
+        # reloads or relabels an engine, which must not race a change of its weights.
+        self.holds: set[str] = set()
+        self.completed = 0  # switches that ran to the end (relabels included, skips not)
+
+    def hold(self, reason: str) -> None:
+        """Refuse new switches until :meth:`release` of the same ``reason``."""
+        self.holds.add(reason)
+
+    def release(self, reason: str) -> None:
+        self.holds.discard(reason)
 
     async def switch(
         self, engine_id: int, new_role: str | Role, drain_timeout_s: float | None = None
@@ -78,6 +89,11 @@ class RoleSwitcher:
         Splitting the synchronous part out lets a controller tick start several switches
         without awaiting and see them as ``switching`` at once.
         """
+        if self.holds:
+            raise ConfigError(
+                f"role switches are held ({', '.join(sorted(self.holds))})",
+                hint="retry after the weight update or wake-up",
+            )
         engine = self.pools.get(engine_id)
         target = parse_role(new_role)
         if not engine.alive:
@@ -132,6 +148,7 @@ class RoleSwitcher:
         for stage in ("stop_new_work", "drained"):
             self.telemetry.switch_event(switch.started_s, switch, stage, engine.engine_id)
         engine.switches += 1
+        self.completed += 1
         self.pools.set_role(engine.engine_id, parse_role(switch.to_role), switch.started_s)
         switch.mark_drained(switch.started_s)
         switch.mark_serving(switch.started_s)
@@ -158,6 +175,7 @@ class RoleSwitcher:
             final = parse_role(switch.to_role if error is None else switch.from_role)
             engine.switching_from = engine.switching_to = None
             engine.switches += error is None
+            self.completed += error is None
             now = self.clock()
             self.pools.set_role(engine.engine_id, final, now)
             if switch.drained_s is None:
