@@ -241,10 +241,12 @@ _BATCH_DTYPES = (
 class EventLog:
     """Append-only columnar events of one run; see the module doc.
 
-    Appends may come from several threads (each is one atomic ``bytearray.extend`` under
-    the GIL); one reader may slice the log while writers append, as long as it reads only
-    rows below a ``len(log)`` it took first. :meth:`seal` is for a single writer thread
-    with no concurrent reader (the simulator).
+    One writer at a time: registering a key and placing a detail row are read-then-write
+    steps, so callers that append from several threads serialise their appends (the
+    recorder does, under its lock; the simulator and the Ray router append from one
+    thread). One reader may slice the log while the writer appends, as long as it reads
+    only rows below a ``len(log)`` it took first. :meth:`seal` is for a writer with no
+    concurrent reader (the simulator).
     """
 
     def __init__(self, run_id: str = "run") -> None:
