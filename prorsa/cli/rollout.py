@@ -1,7 +1,14 @@
-"""``prorsa rollout``: a real multi-turn rollout on Ray + vLLM engines with real tools."""
+"""``prorsa rollout``: a real multi-turn rollout on Ray + vLLM engines with real tools.
+
+Its options are the fields of the configurations a simulation uses (workload, cluster,
+control loop), with the same defaults and help, plus the settings only real engines have
+(:class:`~prorsa.runtime.ray.rollout_config.RolloutConfig`). Simulator-only fields
+(layouts, link model, migration...) are not offered.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -9,79 +16,59 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prorsa.cli.common import console, err_console, friendly_errors, print_json
-from prorsa.cli.simulate import parse_params
+from prorsa.cli.options import config_command
 from prorsa.errors import ConfigError
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.runtime.ray.rollout_config import PARTS, SIMULATOR_ONLY, RolloutConfig
+from prorsa.workload.config import WorkloadConfig
 
-BACKENDS = ("ray-vllm",)
+#: Options not offered: simulator-only fields, the composed parts themselves (their
+#: fields are offered one by one) and ``tools`` (a comma-separated option below).
+EXCLUDED = (*SIMULATOR_ONLY, *(f"runtime.{part}" for part in PARTS), "runtime.tools")
 
 
 @friendly_errors
+@config_command(
+    work=WorkloadConfig,
+    cluster=ClusterConfig,
+    control=ControlConfig,
+    runtime=RolloutConfig,
+    exclude=EXCLUDED,
+)
 def rollout_cmd(
-    model: Path = typer.Option(..., help="model folder (`prorsa models make-tiny` makes one)"),
-    backend: str = typer.Option("ray-vllm", help="engine backend: ray-vllm"),
-    engines: int = typer.Option(3, help="vLLM engines (one slot each)"),
-    policy: str = typer.Option("colocate", help="allocation policy (see `prorsa policies`)"),
-    policy_param: list[str] = typer.Option([], "--param", help="policy parameter key=value"),
-    forecaster: str | None = typer.Option(None, help="forecaster for predictive / mpc"),
-    scenario: str = typer.Option("math-tool", help="swe, search, math-tool, mixed, tau2"),
-    trajectories: int = typer.Option(8, help="sync: one step of K; async: K in total"),
-    mode: str = typer.Option("sync", help="sync | async"),
-    group_size: int = typer.Option(4, help="GRPO samples per prompt (they share it)"),
-    in_flight: int = typer.Option(8, help="async: trajectories kept running"),
-    max_tokens: int = typer.Option(64, help="cap on output tokens per turn"),
-    max_turns: int | None = typer.Option(None, help="cap on turns per trajectory"),
-    max_model_len: int = typer.Option(1024, help="engine context length in tokens"),
-    tool_time_scale: float = typer.Option(0.1, help="multiply the scenario's tool latencies"),
-    tools: str = typer.Option("python,search,latency", help="tools the agent may call"),
-    interval_s: float = typer.Option(0.5, help="control interval"),
-    min_dwell_s: float = typer.Option(5.0, help="minimum time between switches of an engine"),
-    drain_timeout_s: float = typer.Option(5.0, help="drain time of a switch before aborts"),
-    switch_latency_s: float = typer.Option(0.1, help="switch latency policies assume"),
-    local_prefill_threshold: int = typer.Option(0, help="prefill smaller turns on decode"),
-    profile: str | None = typer.Option(None, help="cost profile for policy throughput numbers"),
-    seed: int = typer.Option(0),
+    work: WorkloadConfig,
+    cluster: ClusterConfig,
+    control: ControlConfig,
+    runtime: RolloutConfig,
+    tools: str = typer.Option(
+        ",".join(RolloutConfig.tools), help="tools the agent may call, comma-separated"
+    ),
     out: Path = typer.Option(Path("out/rollout"), help="output directory"),
     as_json: bool = typer.Option(False, "--json", help="print metrics as JSON"),
 ) -> None:
     """Run agent trajectories on real engines; writes telemetry and metrics.json to --out.
 
     The engines, KV handoffs, role switches, tools and timings are real; with a random
-    tiny model the tool choice and turn lengths come from the scenario's specs.
+    tiny model the tool choice and turn lengths come from the scenario's specs. On CPU
+    pass --profile cpu-tiny-llama-tp1 so policies size with this machine's numbers.
     """
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}", hint=f"choose one of {BACKENDS}")
+    from prorsa.runtime.ray.rollout import run_rollout
+
+    config = dataclasses.replace(
+        runtime,
+        work=work,
+        cluster=cluster,
+        control=control,
+        tools=tuple(t.strip() for t in tools.split(",") if t.strip()),
+    )
+    model = Path(config.model)
     if not model.is_dir():
         raise ConfigError(
             f"model folder {model} does not exist",
             hint="make one with `prorsa models make-tiny --out DIR`",
         )
-    from prorsa.runtime.ray.rollout import run_rollout
-    from prorsa.runtime.ray.rollout_config import RolloutConfig
-
-    config = RolloutConfig(
-        model=str(model.resolve()),
-        engines=engines,
-        policy=policy,
-        policy_params=parse_params(policy_param),
-        forecaster=forecaster,
-        scenario=scenario,
-        trajectories=trajectories,
-        group_size=group_size,
-        mode=mode,
-        max_in_flight=in_flight,
-        max_tokens=max_tokens,
-        max_turns=max_turns,
-        max_model_len=max_model_len,
-        tool_time_scale=tool_time_scale,
-        tools=tuple(t.strip() for t in tools.split(",") if t.strip()),
-        interval_s=interval_s,
-        min_dwell_s=min_dwell_s,
-        drain_timeout_s=drain_timeout_s,
-        switch_latency_s=switch_latency_s,
-        local_prefill_threshold=local_prefill_threshold,
-        profile=profile,
-        seed=seed,
-    )
+    config = dataclasses.replace(config, model=str(model.resolve()))
     config.validate()
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -92,7 +79,7 @@ def rollout_cmd(
         transient=True,
         disable=as_json,
     ) as bar:
-        task = bar.add_task(f"starting {engines} engines", total=trajectories)
+        task = bar.add_task(f"starting {config.engines} engines", total=work.trajectories)
 
         def progress(completed: int, total: int) -> None:
             bar.update(task, description="rolling out", completed=completed, total=total)
@@ -101,7 +88,8 @@ def rollout_cmd(
     if as_json:
         print_json(result.metrics)
     else:
-        console.print(summary_table(result.metrics, f"{policy} on {scenario} ({engines} engines)"))
+        title = f"{control.policy} on {work.scenario} ({config.engines} engines)"
+        console.print(summary_table(result.metrics, title))
         console.print(f"wrote {out}/telemetry.parquet, metrics.json and specs.jsonl")
     if result.errors:
         for line in result.errors[:5]:
@@ -130,5 +118,7 @@ def summary_table(m: dict, title: str) -> Table:
     table.add_row("switches", f"{m['switches_completed']} ({m['switch_s_total']:.2f} s)")
     table.add_row("tool calls", str(m["tool_calls"]))
     table.add_row("KV use from", ", ".join(m["kv_source"]))
+    if m.get("engines_lost"):
+        table.add_row("engines lost", ", ".join(str(e) for e in m["engines_lost"]))
     table.add_row("engines started in", f"{m.get('engine_start_s') or 0:.1f} s")
     return table

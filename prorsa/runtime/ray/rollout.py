@@ -5,7 +5,18 @@
 controller on the wall clock (dynamic policies only, as in the simulator), runs every
 trajectory through the :class:`~.agent.AgentLoop` (sync: all at once; async: a fixed
 number in flight), and writes ``telemetry/`` (recorder segments),
-``telemetry.parquet``, ``specs.jsonl`` and ``metrics.json`` to the output folder.
+``telemetry.parquet``, ``specs.jsonl``, ``metrics.json`` and ``run-manifest.json`` to the
+output folder.
+
+A run that ends early never looks finished. The output folder is checked before any
+engine starts. SIGINT and SIGTERM stop it the same way: trajectories in flight end with a
+``traj_end`` whose detail says ``"status": "interrupted"`` (or ``"failed"`` after an
+error) and how many of their turns ran, switches and the controller stop, the recorder is
+closed, what was recorded is written (each file whole or not at all) with the run status
+in ``telemetry.parquet``'s metadata, the manifest says ``interrupted`` with the signal,
+engines and Ray are shut down, and :class:`RolloutInterrupted` (a ``KeyboardInterrupt``)
+is raised. A run in which trajectories failed ends ``failed``. Readers
+(:func:`prorsa.telemetry.manifest.check_complete`) refuse such runs unless told otherwise.
 
 An existing :class:`~.cluster.EngineFleet` may be passed in (tests share one); otherwise
 one is started (and Ray with it, if needed) and shut down at the end.
@@ -14,12 +25,14 @@ one is started (and Ray with it, if needed) and shut down at the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +43,9 @@ from prorsa.errors import ConfigError
 from prorsa.policy import ClusterSpec, Policy, make_policy
 from prorsa.runtime.cluster.startup import first_allocation, idle_observation, make_controller
 from prorsa.runtime.controller import ForecastSource
+from prorsa.runtime.ray import cpu_profile  # noqa: F401  (registers the CPU profile)
 from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
 from prorsa.runtime.ray.agent import AgentLoop, TrajectoryOutcome
-from prorsa.runtime.ray.cpu_profile import CPU_PROFILE
 from prorsa.runtime.ray.monitor import LoadMonitor
 from prorsa.runtime.ray.rollout_config import RolloutConfig
 from prorsa.runtime.ray.rollout_metrics import rollout_metrics
@@ -57,18 +70,25 @@ class RolloutResult:
     decisions: list = field(default_factory=list)
     switches: list[dict[str, Any]] = field(default_factory=list)
     out_dir: Path | None = None
+    #: Trajectories that began (async mode starts them as slots free up).
+    started: int = 0
+    #: Trajectories cut short by a stop (signal) while running.
+    interrupted: int = 0
+    #: The signal that stopped the run, None when it ran to its end.
+    stopped_by: int | None = None
 
 
 def sample_specs(config: RolloutConfig, max_context_tokens: int) -> list[TrajectorySpec]:
     """The scenario's specs for this run, fitted to ``max_context_tokens``."""
     from prorsa.workload import get_scenario
 
-    profile = get_scenario(config.scenario)
+    work = config.work
+    profile = get_scenario(work.scenario)
     raw = profile.sample(
-        config.trajectories,
-        config.seed,
-        group_size=config.group_size,
-        id_prefix=f"{config.scenario}-s{config.seed}",
+        work.trajectories,
+        work.seed,
+        group_size=work.group_size,
+        id_prefix=f"{work.scenario}-s{work.seed}",
     )
     return fit_specs(
         raw,
@@ -81,15 +101,9 @@ def sample_specs(config: RolloutConfig, max_context_tokens: int) -> list[Traject
 
 def cluster_spec_for(config: RolloutConfig) -> ClusterSpec:
     """Static cluster facts for the policy, throughputs from the cost profile."""
-    from prorsa.runtime.cluster.config import ClusterConfig
     from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
 
-    sim_config = ClusterConfig(
-        profile=config.profile or CPU_PROFILE,
-        num_slots=config.engines,
-        switch_latency_s=config.switch_latency_s,
-    )
-    return cluster_spec(sim_config, load_profiles(sim_config), config.min_dwell_s)
+    return cluster_spec(config.cluster, load_profiles(config.cluster), config.control.min_dwell_s)
 
 
 def initial_roles(policy: Policy, spec: ClusterSpec, total: int, kv_capacity: int) -> list[str]:
@@ -108,6 +122,19 @@ def make_forecast_provider(name: str) -> ForecastSource:
     return make_provider(name)
 
 
+class RolloutInterrupted(KeyboardInterrupt):
+    """A rollout was stopped by SIGINT or SIGTERM after writing what it had.
+
+    A ``KeyboardInterrupt``, so callers and the CLI treat SIGTERM like Ctrl-C; ``result``
+    holds the partial :class:`RolloutResult` (also written to its folder).
+    """
+
+    def __init__(self, signum: int, result: RolloutResult | None = None) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.result = result
+
+
 def run_rollout(
     config: RolloutConfig,
     out_dir: str | os.PathLike[str],
@@ -121,27 +148,36 @@ def run_rollout(
     """Run one rollout; see the module docstring.
 
     Args:
-        config: what to run.
-        out_dir: folder for telemetry, specs and metrics (created).
+        config: what to run (validated here).
+        out_dir: folder for telemetry, specs, metrics and the run manifest (created;
+            checked before anything starts, and never the model folder or inside it).
         fleet: engines to use (left running); None starts and stops its own.
-        policy: a policy object instead of ``config.policy`` (tests).
-        forecaster: a forecast provider instead of ``config.forecaster``.
+        policy: a policy object instead of ``config.control.policy`` (tests).
+        forecaster: a forecast provider instead of ``config.control.forecaster``.
         specs: exact specs to run instead of sampling the scenario (must fit the engines).
         progress: ``progress(completed, total)`` once the engines are ready (0 completed),
             then after every finished trajectory.
+
+    Raises:
+        RolloutInterrupted: SIGINT or SIGTERM stopped the run (outputs written, marked).
+        ConfigError, OutputError: bad settings or output folder, before any engine starts.
     """
+    from prorsa.experiments.sweep import signals_interrupt
+    from prorsa.io import check_output
+    from prorsa.telemetry.manifest import run_manifest
+
     config.validate()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output(out_dir, kind="dir", inputs=[config.model])
     spec = cluster_spec_for(config)
-    policy = policy or make_policy(config.policy, **config.policy_params)
-    policy.reset(spec, config.seed)
+    control = config.control
+    policy = policy or make_policy(control.policy, **control.policy_params)
+    policy.reset(spec, config.work.seed)
     if forecaster is None and policy.needs_forecast:
-        if not config.forecaster:
+        if not control.forecaster:
             raise ConfigError(
-                f"policy {config.policy} needs a forecaster", hint="pass --forecaster NAME"
+                f"policy {control.policy} needs a forecaster", hint="pass --forecaster NAME"
             )
-        forecaster = make_forecast_provider(config.forecaster)
+        forecaster = make_forecast_provider(control.forecaster)
     work = list(specs) if specs is not None else sample_specs(config, config.max_model_len)
     roles = initial_roles(policy, spec, len(work), 0)
     owned = fleet is None
@@ -149,21 +185,56 @@ def run_rollout(
         raise ConfigError(
             f"the fleet has {len(fleet.clients)} engines; the rollout asks for {config.engines}"
         )
-    ray_started = False
-    if owned:
-        fleet, ray_started = start_fleet(config, roles, out)
-    try:
-        result = asyncio.run(_run(config, fleet, roles, policy, forecaster, work, out, progress))
-    finally:
+    out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM raises like Ctrl-C while engines start and stop (Ray installs a handler
+    # of its own that exits at once, so it is taken over again once Ray runs).
+    with (
+        signals_interrupt(),
+        run_manifest(out, command="rollout", run_id=config.run_id, planned=len(work)) as run,
+    ):
+        ray_started = False
         if owned:
-            fleet.shutdown()
-            if ray_started:
-                import ray
+            fleet, ray_started = start_fleet(config, roles, out)
+        with signals_interrupt():
+            try:
+                result = asyncio.run(
+                    _run(config, fleet, roles, policy, forecaster, work, out, progress)
+                )
+            finally:
+                if owned:
+                    fleet.shutdown()
+                    if ray_started:
+                        import ray
 
-                ray.shutdown()
-    result.metrics["engine_start_s"] = fleet.start_s
-    _write(out, result)
+                        ray.shutdown()
+        result.metrics["engine_start_s"] = fleet.start_s
+        _finish(run, result)
+        _write(out, result, run)
+    if result.stopped_by is not None:
+        raise RolloutInterrupted(result.stopped_by, result)
     return result
+
+
+def _finish(run: Any, result: RolloutResult) -> None:
+    """Set the manifest's final status and counts from what the run did."""
+    stopped, failed = result.stopped_by, len(result.errors)
+    run.counts.update(
+        trajectories_started=result.started,
+        trajectories_completed=len(result.outcomes),
+        trajectories_failed=failed,
+        trajectories_interrupted=result.interrupted,
+        engines_lost=len(result.metrics.get("engines_lost", [])),
+        events=result.telemetry.num_rows,
+    )
+    if stopped is not None:
+        run.finish("interrupted", f"stopped by {signal.Signals(stopped).name}")
+    elif failed:
+        run.finish("failed", f"{failed} trajectories failed; first: {result.errors[0]}")
+    elif len(result.outcomes) < run.counts.get("trajectories_planned", 0):
+        run.finish("failed", f"only {len(result.outcomes)} trajectories completed")
+    else:
+        run.finish("complete")
+    result.metrics.update(run_status=run.status, run_cause=run.cause)
 
 
 def start_fleet(config: RolloutConfig, roles: list[str], out: Path) -> tuple[Any, bool]:
@@ -229,8 +300,8 @@ async def _run(
     router = PDRouter(
         pools,
         RouterConfig(
-            local_prefill_threshold_tokens=config.local_prefill_threshold,
-            drain_timeout_s=config.drain_timeout_s,
+            local_prefill_threshold_tokens=config.cluster.local_prefill_threshold,
+            drain_timeout_s=config.cluster.drain_timeout_s,
         ),
         recorder=recorder,
     )
@@ -240,7 +311,7 @@ async def _run(
     actuator = RayActuator(
         router,
         spec,
-        drain_timeout_s=config.drain_timeout_s,
+        drain_timeout_s=config.cluster.drain_timeout_s,
         monitor=monitor,
         total_trajectories=len(specs),
     )
@@ -248,15 +319,15 @@ async def _run(
         policy,
         actuator,
         AsyncioClock(),
-        interval_s=config.interval_s,
-        min_dwell_s=config.min_dwell_s,
+        interval_s=config.control.interval_s,
+        min_dwell_s=config.control.min_dwell_s,
         forecaster=forecaster,
     )
     agent = AgentLoop(
         router,
         tokens,
         tools,
-        seed=config.seed,
+        seed=config.work.seed,
         vocabulary=vocabulary,
         pad_tool_latency=config.pad_tool_latency,
     )
@@ -268,16 +339,29 @@ async def _run(
         if progress is not None:
             progress(done, len(specs))
 
+    answers: list[Any] = [None] * len(specs)
     wall = time.perf_counter()
+    drive: asyncio.Task | None = None
+    stop = _StopOnSignal()
     try:
         await monitor.poll_once()  # KV capacity known before the first tick
         if controller is not None:
             controller.start()
         if progress is not None:
             progress(0, len(specs))  # engines are up: the rollout starts now
-        limit = len(specs) if config.mode == "sync" else config.max_in_flight
-        answers = await _drive(agent, specs, limit, finished)
+        limit = len(specs) if config.work.mode == "sync" else config.work.max_in_flight
+        drive = asyncio.ensure_future(_drive(agent, specs, limit, finished, answers))
+        with stop.cancels(drive):
+            try:
+                await drive
+            except asyncio.CancelledError:
+                if stop.signum is None:
+                    raise  # cancelled from outside: not a stop this run asked for
+                logger.warning("rollout stopped by signal %d; writing what it has", stop.signum)
     finally:
+        if drive is not None and not drive.done():
+            drive.cancel()  # an error or outside cancellation: end the trajectories first
+            await asyncio.gather(drive, return_exceptions=True)
         if controller is not None:
             controller.stop()
         await actuator.wait()
@@ -286,22 +370,25 @@ async def _run(
     wall = time.perf_counter() - wall
     outcomes = [a for a in answers if isinstance(a, TrajectoryOutcome)]
     errors = [
-        f"{s.trajectory_id}: {a!r}"
-        for s, a in zip(specs, answers, strict=True)
-        if not isinstance(a, TrajectoryOutcome)
+        f"{s.trajectory_id}: {a!r}" for s, a in zip(specs, answers, strict=True) if _failed(a)
     ]
     table = _read_back(out)
-    metrics = rollout_metrics(table, config.mode)
+    metrics = rollout_metrics(table, config.work.mode)
+    lost = set(actuator.engines_lost)
     metrics.update(
         wall_s=wall,
         trajectories_failed=len(errors),
         engines=len(roles),
         initial_roles=roles,
-        final_roles={e.engine_id: e.role.value for e in pools.engines()},
-        policy=config.policy if config.policy else type(policy).__name__,
-        scenario=config.scenario,
+        # Lost engines serve nothing: they are listed apart, never with a role.
+        final_roles={e.engine_id: e.role.value for e in pools.engines() if e.alive},
+        engines_lost=actuator.engines_lost,
+        policy=config.control.policy if config.control.policy else type(policy).__name__,
+        scenario=config.work.scenario,
         kv_source=sorted({monitor.reading(e).source for e in pools.engines() if e.alive}),
-        kv_capacity_tokens={e.engine_id: e.kv_capacity_tokens for e in pools.engines()},
+        kv_capacity_tokens={
+            e.engine_id: e.kv_capacity_tokens for e in pools.engines() if e.engine_id not in lost
+        },
         peak_kv_usage=monitor.peak_kv_usage,
         controller_ticks=len(controller.decisions) if controller else 0,
         router_retries=router.retries_total,
@@ -319,7 +406,50 @@ async def _run(
         decisions=controller.decisions if controller else [],
         switches=list(actuator.results),
         out_dir=out,
+        started=sum(a is not None for a in answers),
+        interrupted=sum(isinstance(a, asyncio.CancelledError) for a in answers),
+        stopped_by=stop.signum,
     )
+
+
+def _failed(answer: Any) -> bool:
+    return isinstance(answer, BaseException) and not isinstance(answer, asyncio.CancelledError)
+
+
+class _StopOnSignal:
+    """While :meth:`cancels` is active, the first SIGINT or SIGTERM cancels one task (the
+    trajectories) so the run winds down and writes what it has; a second signal also
+    cancels the task running the whole rollout (an impatient user stops the clean-up)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @contextlib.contextmanager
+    def cancels(self, task: asyncio.Task) -> Iterator[None]:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield  # only the main thread may handle signals
+            return
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            # Runs between bytecodes of the main thread: hand the work to the loop.
+            if self.signum is None:
+                self.signum = signum
+                loop.call_soon_threadsafe(task.cancel)
+            elif main is not None:
+                loop.call_soon_threadsafe(main.cancel)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in self.SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 async def _set_roles(pools: Any, roles: list[str]) -> None:
@@ -333,19 +463,32 @@ async def _set_roles(pools: Any, roles: list[str]) -> None:
 
 
 async def _drive(
-    agent: AgentLoop, specs: list[TrajectorySpec], limit: int, finished: Callable[[], None]
-) -> list[Any]:
-    """Run every spec, at most ``limit`` at a time (sync: all; async: the in-flight cap)."""
+    agent: AgentLoop,
+    specs: list[TrajectorySpec],
+    limit: int,
+    finished: Callable[[], None],
+    answers: list[Any],
+) -> None:
+    """Run every spec, at most ``limit`` at a time (sync: all; async: the in-flight cap).
+
+    ``answers[i]`` becomes spec ``i``'s outcome, its exception, or the
+    ``CancelledError`` that interrupted it; it stays None for a spec never started. It is
+    filled as trajectories end, so a cancelled drive still says what happened.
+    """
     gate = asyncio.Semaphore(limit)
 
-    async def one(spec: TrajectorySpec) -> TrajectoryOutcome:
+    async def one(i: int, spec: TrajectorySpec) -> None:
         async with gate:
             try:
-                return await agent.run(spec)
-            finally:
-                finished()
+                answers[i] = await agent.run(spec)
+            except asyncio.CancelledError as exc:
+                answers[i] = exc
+                raise
+            except Exception as exc:
+                answers[i] = exc
+            finished()
 
-    return await asyncio.gather(*(one(s) for s in specs), return_exceptions=True)
+    await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
 
 
 def _tokenizer(model: str) -> Any:
@@ -372,12 +515,17 @@ def _count(items) -> dict[str, int]:
     return out
 
 
-def _write(out: Path, result: RolloutResult) -> None:
+def _write(out: Path, result: RolloutResult, run: Any) -> None:
+    """Write the telemetry table (with the run's status in its metadata), the specs and
+    the metrics; each file whole or not at all."""
+    from prorsa.io import atomic_open, atomic_write_text
     from prorsa.telemetry import write_parquet
+    from prorsa.telemetry.manifest import mark_table
 
+    result.telemetry = mark_table(result.telemetry, run)
     write_parquet(result.telemetry, out / "telemetry.parquet")
-    with open(out / "specs.jsonl", "w") as fh:
+    with atomic_open(out / "specs.jsonl") as fh:
         for spec in result.specs:
             fh.write(json.dumps({**spec.to_dict(), "meta": spec.meta}, default=float) + "\n")
     payload = {**result.metrics, "errors": result.errors, "switches": result.switches}
-    (out / "metrics.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    atomic_write_text(out / "metrics.json", json.dumps(payload, indent=2, default=str) + "\n")
