@@ -4,7 +4,9 @@
 ``switch``, ``set_local_prefill_threshold``, ``note_allocation``) plus ``apply`` for a whole
 target map. Switches run as background tasks on the router's event loop, so the controller
 tick never blocks; an engine already switching is left alone (a switch in progress is never
-interrupted). :class:`AsyncioClock` is the matching ``Clock``. The observation is built by
+interrupted). An engine that dies is recorded as an ``allocation`` event (``reason:
+engine_lost``, the live GPUs per role after the loss) and listed in ``engines_lost``.
+:class:`AsyncioClock` is the matching ``Clock``. The observation is built by
 the cluster model's :func:`~prorsa.runtime.cluster.observation.build_observation`, as in
 the simulator; one engine is one slot.
 """
@@ -20,11 +22,14 @@ from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec
 from prorsa.policy.types import ClusterObservation, SlotView
 from prorsa.runtime.cluster.observation import build_observation
+from prorsa.runtime.cluster.telemetry import ALLOCATION
 from prorsa.runtime.ray.monitor import LoadMonitor, estimate
-from prorsa.runtime.ray.pools import Role, parse_role
+from prorsa.runtime.ray.pools import EngineState, Role, parse_role
 from prorsa.runtime.ray.router import PDRouter
 
 logger = logging.getLogger(__name__)
+
+SERVING_ROLES = (Role.PREFILL, Role.DECODE, Role.COLOCATED)
 
 
 class AsyncioClock:
@@ -72,6 +77,9 @@ class RayActuator:
         self.drain_timeout_s = drain_timeout_s
         self._tasks: dict[int, asyncio.Task] = {}
         self.results: list[dict[str, Any]] = []
+        #: Engines found dead during the run, in the order they were lost.
+        self.engines_lost: list[int] = []
+        router.pools.on_engine_lost(self._engine_lost)
 
     # ------------------------------------------------------------------ actuation
     def apply(self, target_roles: Mapping[int, str]) -> list[int]:
@@ -101,6 +109,22 @@ class RayActuator:
 
     def note_allocation(self, gpus: dict[str, int], reason: str) -> None:
         self.router.telemetry.allocation(self.router.now(), gpus, reason)
+
+    def _engine_lost(self, engine: EngineState) -> None:
+        """Record a lost engine: the cluster's allocation changed without an order."""
+        self.engines_lost.append(engine.engine_id)
+        counts = self.router.pools.counts()
+        gpus = {r.value: counts[r.value] * self.spec.slot_gpus for r in SERVING_ROLES}
+        role = engine.switching_from if engine.role is Role.SWITCHING else engine.role
+        self.router.telemetry.cluster(
+            self.router.now(),
+            ALLOCATION,
+            engine.engine_id,
+            gpus=gpus,
+            reason="engine_lost",
+            role=role.value if role is not None else None,
+        )
+        logger.warning("engine %d lost; live GPUs per role now %s", engine.engine_id, gpus)
 
     async def wait(self) -> list[dict[str, Any]]:
         """Wait for every switch started so far; returns their summaries."""

@@ -41,6 +41,8 @@ class TrajectoryOutcome:
     retries: int = 0
     reroutes: int = 0
     final_context_tokens: int = 0
+    #: ``complete``, ``failed`` (an error) or ``interrupted`` (cancelled: signal, stop).
+    status: str = "complete"
     error: str | None = None
 
 
@@ -124,18 +126,23 @@ class AgentLoop:
                     )
                     observation = await self._tool(spec, turn, call, len(context), outcome)
                     context += observation
-        except Exception as exc:
-            outcome.error = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:
+            # Cancellation (Ctrl-C, SIGTERM, a stopped run) is a BaseException: it must
+            # end the trajectory as interrupted, never as if its turns were all done.
+            outcome.status = "failed" if isinstance(exc, Exception) else "interrupted"
+            outcome.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise
         finally:
             outcome.final_context_tokens = len(context)
+            end = {"turns": outcome.turns, "planned_turns": spec.num_turns}
+            if outcome.status != "complete":
+                end.update(status=outcome.status, error=outcome.error)
             self.router.trajectory_event(
                 K.TRAJ_END,
                 spec.trajectory_id,
                 turn,
                 context_tokens=len(context),
-                turns=outcome.turns,
-                error=outcome.error,
+                **end,
                 **where,
             )
         return outcome

@@ -86,7 +86,11 @@ class LoadMonitor:
                 self.peak_kv_usage[engine.engine_id] = max(peak, usage)
             elif isinstance(answer, AttributeError | NotImplementedError):
                 self._unsupported.add(engine.engine_id)
-            elif not isinstance(answer, EngineUnavailable | TimeoutError):
+            elif isinstance(answer, EngineUnavailable):
+                # An idle engine's death shows here first; the router finds it only when
+                # it next sends work there.
+                self.pools.mark_dead(engine.engine_id)
+            elif not isinstance(answer, TimeoutError):
                 logger.debug("load of engine %d: %r", engine.engine_id, answer)
         self.polls += 1
 

@@ -130,6 +130,7 @@ class RolePools:
         self._changed = asyncio.Event()
         #: Bumped whenever an engine's role or liveness changes (routing re-reads the pools).
         self.roles_version = 0
+        self._lost_listeners: list[Callable[[EngineState], None]] = []
 
     # ------------------------------------------------------------------ queries
     def get(self, engine_id: int) -> EngineState:
@@ -181,12 +182,21 @@ class RolePools:
         self.notify()
 
     def mark_dead(self, engine_id: int) -> bool:
-        """Take the engine out of every pool. True when it was alive until now."""
+        """Take the engine out of every pool. True when it was alive until now; then
+        every :meth:`on_engine_lost` listener is told, once."""
         engine = self.get(engine_id)
         was_alive, engine.alive = engine.alive, False
         self.roles_version += 1
         self.notify()
+        if was_alive:
+            for listener in self._lost_listeners:
+                listener(engine)
         return was_alive
+
+    def on_engine_lost(self, listener: Callable[[EngineState], None]) -> None:
+        """Call ``listener(engine)`` when a live engine is marked dead (telemetry, metrics);
+        the engine's ``role`` is still the one it had."""
+        self._lost_listeners.append(listener)
 
     def lease(
         self, engine: EngineState, request_id: str, role: Role, trajectory_id: str, tokens: int

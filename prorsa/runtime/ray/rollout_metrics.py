@@ -68,9 +68,20 @@ def switch_summary(events: pa.Table | pd.DataFrame) -> dict[str, object]:
 
 
 def rollout_metrics(events: pa.Table | pd.DataFrame, mode: str = "sync") -> dict[str, object]:
-    """Makespan (sync) or throughput (async), TTFT/TPOT, stage times, tokens and switches."""
+    """Makespan (sync) or throughput (async), TTFT/TPOT, stage times, tokens and switches.
+
+    A partial run is flagged, not hidden: ``run_complete`` is False with the reasons in
+    ``partial_reasons`` (:func:`~prorsa.telemetry.manifest.check_complete` on the table),
+    and trajectories whose ``traj_end`` says they were interrupted or failed do not count
+    as completed.
+    """
+    from prorsa.telemetry.manifest import check_complete
+
+    completeness = check_complete(events, allow_partial=True)
     turns = turn_table(events)
     trajs = trajectory_table(events)
+    if len(trajs):
+        trajs = trajs.assign(done=trajs["done"] & ~_cut_short(events, trajs))
     done = trajs[trajs["done"]] if len(trajs) else trajs
     start = float(trajs["start_s"].min()) if len(trajs) else 0.0
     end = float(done["end_s"].max()) if len(done) else start
@@ -94,12 +105,31 @@ def rollout_metrics(events: pa.Table | pd.DataFrame, mode: str = "sync") -> dict
         "turn_paths": paths,
         "stages": stage_times(events),
         **switch_summary(events),
+        "run_complete": completeness.complete,
+        "partial_reasons": completeness.reasons,
     }
     if mode == "sync":
         metrics["makespan_s"] = span
     metrics["throughput_traj_per_hour"] = len(done) / span * 3600 if span > 0 else 0.0
     metrics["decode_tokens_per_s"] = decode_tokens / span if span > 0 else 0.0
     return metrics
+
+
+def _cut_short(events: pa.Table | pd.DataFrame, trajs: pd.DataFrame) -> pd.Series:
+    """Per row of ``trajs``: its ``traj_end`` says ``interrupted`` or ``failed``."""
+    from prorsa.telemetry.manifest import INCOMPLETE_TRAJECTORY_STATUSES
+
+    df = to_frame(events)
+    ends = df[df["kind"] == "traj_end"]
+    cut = {
+        (run, traj)
+        for run, traj, detail in zip(
+            ends["run_id"], ends["trajectory_id"], ends["detail"], strict=True
+        )
+        if detail and (json.loads(detail).get("status") in INCOMPLETE_TRAJECTORY_STATUSES)
+    }
+    keys = zip(trajs["run_id"], trajs["trajectory_id"], strict=True)
+    return pd.Series([key in cut for key in keys], index=trajs.index, dtype=bool)
 
 
 def _paths(events: pa.Table | pd.DataFrame) -> dict[str, int]:
