@@ -64,6 +64,9 @@ def dataset_cmd(
     horizons: str = typer.Option("1,2,5,10,30", help="forecast horizons (s)"),
     tick_s: float = typer.Option(1.0, help="control interval of the replay"),
     snapshot_every: int = typer.Option(2, help="per-trajectory snapshots every N ticks"),
+    allow_partial: bool = typer.Option(
+        False, help="use telemetry of runs that ended early (listed in the dataset's meta)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Replay simulated runs or telemetry tick by tick into a forecasting dataset."""
@@ -82,7 +85,12 @@ def dataset_cmd(
     tables = []
     with _progress("simulating", disable=as_json) as bar:
         if telemetry:
+            from prorsa.telemetry.manifest import check_complete
+
             tables = [read_telemetry(p)[0] for p in telemetry]
+            for path, table in zip(telemetry, tables, strict=True):
+                # The run manifest beside a file is found by its path only.
+                check_complete(table, allow_partial=allow_partial, location=path)
         else:
             plan = SimPlan(
                 scenarios=_list(from_sim),
@@ -105,6 +113,7 @@ def dataset_cmd(
             tick_s=tick_s,
             snapshot_every=snapshot_every,
             progress=lambda i, n: bar.update(task, completed=i, total=n),
+            allow_partial=allow_partial,
         )
     data.save(out)
     summary = {

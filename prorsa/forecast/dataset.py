@@ -179,6 +179,7 @@ def build_dataset(
     max_tasks: int = 8,
     max_snapshot_rows: int = 60_000,
     progress: Callable[[int, int], None] | None = None,
+    allow_partial: bool = False,
 ) -> ForecastDataset:
     """Replay telemetry (one or more event tables, each with one or more runs) into a dataset.
 
@@ -187,7 +188,15 @@ def build_dataset(
     ``snapshot_every``-th tick, or more sparsely in a run whose live trajectories would
     give more than about ``max_snapshot_rows`` of them (a busy run must not crowd out the
     others in the calibration data). ``progress(done, total)`` is called after each run.
+
+    A table from a run that ended early (its metadata says so, or trajectories have no
+    ``traj_end`` or one that says ``interrupted``/``failed``; see
+    :func:`~prorsa.telemetry.manifest.check_complete`) is refused: its cut-short
+    trajectories would teach forecasters that trajectories end sooner than they do. With
+    ``allow_partial`` it is used and listed in ``meta["partial_runs"]``.
     """
+    from prorsa.telemetry.manifest import check_complete
+
     horizons = check_horizons(horizons)
     if tick_s <= 0:
         raise ConfigError(f"tick_s must be > 0, got {tick_s}")
@@ -196,8 +205,11 @@ def build_dataset(
     tables = list(telemetry) if isinstance(telemetry, list | tuple) else [telemetry]
     if not tables:
         raise InputError("no telemetry given")
-    frames, sources = [], {}
+    frames, sources, partial = [], {}, {}
     for i, table in enumerate(tables):
+        completeness = check_complete(table, allow_partial=allow_partial)
+        if not completeness.complete:
+            partial[f"telemetry[{i}]"] = completeness.describe()
         df = event_frame(table, source=f"telemetry[{i}]")
         for run_id in df["run_id"].unique():
             if run_id in sources:
@@ -230,6 +242,7 @@ def build_dataset(
         "tasks": list(pipeline.tasks_),
         "feature_names": pipeline.feature_names_,
         "sources": sources,
+        "partial_runs": partial,
     }
     return ForecastDataset(
         pd.concat(tick_frames, ignore_index=True),
