@@ -125,9 +125,9 @@ def simulate(specs, policy_name, params, profile, link, switch_s, rollout_cfg, o
         # NIXL pulls run concurrently; the base is latency, not time the link is held.
         link_contention=False,
         reuse_mode="reprefill",  # the router re-prefills the last output on the prefill side
-        local_prefill_threshold=rollout_cfg.local_prefill_threshold,
+        local_prefill_threshold=rollout_cfg.cluster.local_prefill_threshold,
         switch_latency_s=switch_s,
-        drain_timeout_s=rollout_cfg.drain_timeout_s,
+        drain_timeout_s=rollout_cfg.cluster.drain_timeout_s,
     )
     policy = make_policy(policy_name, **params)
     forecaster = make_provider("ewma") if policy.needs_forecast else None
@@ -136,8 +136,8 @@ def simulate(specs, policy_name, params, profile, link, switch_s, rollout_cfg, o
         policy,
         SyncDriver([specs]),
         forecaster=forecaster,
-        interval_s=rollout_cfg.interval_s,
-        min_dwell_s=rollout_cfg.min_dwell_s,
+        interval_s=rollout_cfg.control.interval_s,
+        min_dwell_s=rollout_cfg.control.min_dwell_s,
         profiles={1: profile},
         run_id="sim",
     )
@@ -188,9 +188,10 @@ def main() -> None:
         tmp = Path(tmp)
         model = make_tiny_model(tmp / "model", seed=0)
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-        base = RolloutConfig(
-            model=str(model),
+        base = RolloutConfig.of(
+            str(model),
             engines=3,
+            profile="cpu-tiny-llama-tp1",
             scenario=args.scenario,
             trajectories=args.trajectories,
             group_size=args.group_size,
@@ -351,9 +352,7 @@ def main() -> None:
 
 
 def _with(config, **changes):
-    from dataclasses import replace
-
-    return replace(config, **changes)
+    return config.with_changes(**changes)
 
 
 def _compare(label: str, seed: int, reals: list[dict], sims: dict[str, dict]) -> dict:

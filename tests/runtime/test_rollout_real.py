@@ -36,8 +36,8 @@ def fleet(ray_session, tiny_model_dir, tmp_path_factory):
 
 def config(model, **overrides) -> RolloutConfig:
     base = dict(
-        model=str(model),
         engines=3,
+        profile="cpu-tiny-llama-tp1",
         scenario="search",
         trajectories=6,
         group_size=3,
@@ -48,7 +48,7 @@ def config(model, **overrides) -> RolloutConfig:
         min_dwell_s=0.0,
         drain_timeout_s=1.0,
     )
-    return RolloutConfig(**{**base, **overrides})
+    return RolloutConfig.of(str(model), **{**base, **overrides})
 
 
 def test_static_rollout_writes_complete_valid_telemetry(fleet, tiny_model_dir, tmp_path):
@@ -111,6 +111,33 @@ def test_threshold_policy_switches_roles_live_without_losing_turns(fleet, tiny_m
     print(f"\nthreshold: {m['switches_completed']} live switches, final roles {m['final_roles']}")
 
 
+def test_sigterm_mid_rollout_ends_interrupted_and_engines_keep_serving(
+    fleet, tiny_model_dir, tmp_path
+):
+    import signal
+
+    from prorsa.errors import PartialRunError
+    from prorsa.runtime.ray.rollout import RolloutInterrupted
+    from prorsa.telemetry.manifest import check_complete, read_manifest
+
+    cfg = config(tiny_model_dir, mode="async", max_in_flight=2, trajectories=6, group_size=2)
+
+    def progress(done: int, total: int) -> None:
+        if done == 1:
+            signal.raise_signal(signal.SIGTERM)
+
+    with pytest.raises(RolloutInterrupted, match="SIGTERM"):
+        run_rollout(cfg, tmp_path, fleet=fleet, progress=progress)
+    manifest = read_manifest(tmp_path)
+    assert manifest.status == "interrupted" and manifest.counts["trajectories_interrupted"] >= 1
+    table, _ = read_telemetry(tmp_path / "telemetry.parquet", validate=True)
+    ends = [json.loads(r["detail"]) for r in table.to_pylist() if r["kind"] == "traj_end"]
+    assert any(d.get("status") == "interrupted" and d["turns"] < d["planned_turns"] for d in ends)
+    with pytest.raises(PartialRunError):
+        check_complete(tmp_path / "telemetry.parquet")
+    # The shared engines were not harmed: the next test runs on them.
+
+
 def test_cli_async_predictive_rollout_then_no_orphans(fleet, tiny_model_dir, tmp_path, monkeypatch):
     import psutil
     from typer.testing import CliRunner
@@ -123,7 +150,8 @@ def test_cli_async_predictive_rollout_then_no_orphans(fleet, tiny_model_dir, tmp
     pids = fleet.pids()
     out = tmp_path / "cli"
     options = (
-        "rollout --engines 3 --policy predictive --forecaster ewma --param horizon_s=1.0 "
+        "rollout --engines 3 --profile cpu-tiny-llama-tp1 --policy predictive --forecaster ewma "
+        "--param horizon_s=1.0 "
         "--scenario math-tool --mode async --in-flight 2 --trajectories 4 --group-size 2 "
         "--max-tokens 12 --max-turns 3 --tool-time-scale 0.02 --interval-s 0.05 "
         "--min-dwell-s 0 --json"
