@@ -11,6 +11,7 @@ from rich.table import Table
 
 from prorsa.cli.common import console, friendly_errors, print_json
 from prorsa.cli.options import config_command, parse_params  # noqa: F401  (shared by commands)
+from prorsa.errors import ConfigError
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.workload.config import WorkloadConfig
@@ -22,39 +23,79 @@ def simulate_cmd(
     work: WorkloadConfig,
     cluster: ClusterConfig,
     control: ControlConfig,
+    arrivals: bool = typer.Option(
+        False,
+        "--arrivals",
+        help="with --trace: start every trajectory of the trace at its own arrival time "
+        "(open loop; --trajectories, --steps and --mode do not apply)",
+    ),
     out: Path = typer.Option(Path("out/simulate"), help="output directory"),
     as_json: bool = typer.Option(False, "--json", help="print metrics as JSON"),
 ) -> None:
-    """Simulate one rollout; writes telemetry.parquet and metrics.json to --out."""
+    """Simulate one rollout; writes telemetry.parquet, metrics.json and run-manifest.json
+    to --out (checked before the simulation starts; each file written whole)."""
+    from prorsa.experiments.sweep import signals_interrupt
+    from prorsa.io import atomic_write_text, check_output
+    from prorsa.policy.params import check_policy_params
+    from prorsa.runtime.sim.drivers import ArrivalDriver
     from prorsa.runtime.sim.scenario import RunRequest, simulate
+    from prorsa.telemetry.manifest import mark_table, run_manifest
     from prorsa.telemetry.reader import write_parquet
 
     if work.trace is not None:
         work.scenario = None  # a trace replaces the default scenario
+    out = check_output(out, kind="dir", inputs=[work.trace])
     request = RunRequest(work, cluster, control)
     request.validate()
-    total = work.trajectories * (work.steps if work.mode == "sync" else 1)
-    with Progress(
-        TextColumn("[bold]simulating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[sim]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=as_json,
-    ) as bar:
+    control.policy_params = check_policy_params(control.policy, control.policy_params)
+    driver = None
+    if arrivals:
+        if work.trace is None:
+            raise ConfigError("--arrivals replays a trace's arrival times", hint="add --trace F")
+        if work.mode != "sync":
+            raise ConfigError("--arrivals runs open loop; leave --mode at sync")
+        driver = ArrivalDriver.from_trace(work.trace)
+        total = driver.total
+    else:
+        total = work.trajectories * (work.steps if work.mode == "sync" else 1)
+    out.mkdir(parents=True, exist_ok=True)
+    with (
+        signals_interrupt(),  # SIGTERM ends the run like Ctrl-C: marked interrupted
+        run_manifest(out, command="simulate", run_id=request.run_id, planned=total) as run,
+        Progress(
+            TextColumn("[bold]simulating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[sim]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=as_json,
+        ) as bar,
+    ):
         task = bar.add_task("sim", total=total, sim="")
 
         def progress(sim_time: float, completed: int) -> None:
             bar.update(task, completed=completed, sim=f"t={sim_time:,.0f}s")
 
-        result = simulate(request, progress=progress)
-    out.mkdir(parents=True, exist_ok=True)
-    if result.telemetry is not None:
-        write_parquet(result.telemetry, out / "telemetry.parquet")
-    metrics = {"request": _describe(request), **result.metrics}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float) + "\n")
+        result = simulate(request, progress=progress, driver=driver)
+        run.counts.update(
+            trajectories_started=int(result.metrics["trajectories_started"]),
+            trajectories_completed=int(result.metrics["trajectories_completed"]),
+        )
+        if result.telemetry is not None:
+            run.counts["events"] = result.telemetry.num_rows
+        # The table says the run completed only if it did (a partial one is marked so).
+        done = run.counts["trajectories_completed"]
+        if done < total:
+            run.finish("failed", f"only {done} of {total} trajectories completed")
+        else:
+            run.finish("complete")
+        if result.telemetry is not None:
+            write_parquet(mark_table(result.telemetry, run), out / "telemetry.parquet")
+        metrics = {"request": _describe(request, arrivals), **result.metrics}
+        text = json.dumps(metrics, indent=2, default=float) + "\n"
+        atomic_write_text(out / "metrics.json", text)
     if as_json:
         print_json(metrics)
         return
@@ -62,13 +103,14 @@ def simulate_cmd(
     console.print(f"wrote {out / 'telemetry.parquet'} and {out / 'metrics.json'}")
 
 
-def _describe(request) -> dict:
+def _describe(request, arrivals: bool = False) -> dict:
     from dataclasses import asdict
 
     return {
         "work": asdict(request.work),
         "cluster": asdict(request.cluster),
         "control": asdict(request.control),
+        "arrivals": arrivals,
     }
 
 

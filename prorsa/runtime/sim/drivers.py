@@ -5,6 +5,8 @@
 * :class:`AsyncDriver` — asynchronous RL: keeps ``max_in_flight`` trajectories running,
   starting one whenever one ends; with a staleness bound, generation may run at most
   ``max_staleness`` trainer steps ahead of the trainer (metric: completed per hour).
+* :class:`ArrivalDriver` — open loop: each trajectory starts at its own arrival time, e.g.
+  a replayed request trace's (:meth:`ArrivalDriver.from_trace`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prorsa.errors import ConfigError
 from prorsa.runtime.sim.core import PRIORITY_ARRIVAL, Environment
@@ -199,6 +202,15 @@ class ArrivalDriver(Driver):
         self.arrival_s = arrival_s
         self.total = len(specs)
         self.result = DriverResult(mode="sync")
+
+    @classmethod
+    def from_trace(cls, trace: Any) -> ArrivalDriver:
+        """Every trajectory of ``trace`` (an event table or a telemetry path), each started
+        at the time it arrived in the trace (seconds from the trace's first event)."""
+        from prorsa.workload.replay import arrivals_from_trace
+
+        replay = arrivals_from_trace(trace)
+        return cls(replay.specs, [float(t) for t in replay.arrival_s])
 
     def known_specs(self) -> Sequence[Sequence[TrajectorySpec]]:
         return [self.specs]

@@ -108,13 +108,20 @@ class RunRequest:
 
 
 def simulate(
-    request: RunRequest, *, progress=None, forecaster_obj=None, keep_forecasts: bool = False
+    request: RunRequest,
+    *,
+    progress=None,
+    forecaster_obj=None,
+    keep_forecasts: bool = False,
+    driver=None,
 ) -> SimulationResult:
     """Run one simulation described by ``request`` (``keep_forecasts``: store each tick's
-    forecast in the decisions, for plots)."""
+    forecast in the decisions, for plots; ``driver``: start trajectories with this driver,
+    e.g. an ``ArrivalDriver`` replaying a trace's arrival times, instead of the one
+    ``request.work`` describes)."""
     request.validate()
     control = request.control
-    driver = build_driver(request.work)
+    driver = driver if driver is not None else build_driver(request.work)
     policy = make_policy(control.policy, **control.policy_params)
     forecaster = forecaster_obj
     # Some policies are defined by their forecaster (the oracle policy is MPC + oracle).

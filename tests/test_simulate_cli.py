@@ -1,0 +1,84 @@
+"""`prorsa simulate`: open-loop replay of a trace's arrivals, and safe outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+from typer.testing import CliRunner
+
+from prorsa.cli.main import app
+from prorsa.telemetry import read_telemetry, write_parquet
+from prorsa.telemetry.manifest import check_complete, read_manifest
+from prorsa.workload.replay import arrivals_from_trace
+
+runner = CliRunner()
+AZURE_SLICE = Path(__file__).resolve().parents[1] / "datasets/traces/azure-code-2023-slice.csv"
+
+
+@pytest.fixture(scope="module")
+def azure_trace(tmp_path_factory) -> Path:
+    """The shipped Azure code-trace slice (1,000 requests over ~9 minutes) as telemetry."""
+    from prorsa.telemetry.importers import import_trace
+
+    path = tmp_path_factory.mktemp("azure") / "azure.parquet"
+    write_parquet(import_trace(AZURE_SLICE, "azure").table, path)
+    return path
+
+
+def test_arrivals_replay_starts_each_trajectory_at_its_arrival(azure_trace, tmp_path):
+    out = tmp_path / "sim"
+    args = ["simulate", "--trace", str(azure_trace), "--arrivals", "--engines", "2"]
+    result = runner.invoke(app, [*args, "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    replay = arrivals_from_trace(azure_trace)
+    arrival = dict(zip((s.trajectory_id for s in replay.specs), replay.arrival_s, strict=True))
+    table, _ = read_telemetry(out / "telemetry.parquet")
+    first = table.filter(pc.equal(table.column("kind").cast("string"), "prefill_queued"))
+    starts: dict[str, float] = {}
+    for traj, at, turn in zip(
+        first.column("trajectory_id").to_pylist(),
+        first.column("time").to_pylist(),
+        first.column("turn").to_pylist(),
+        strict=True,
+    ):
+        if turn == 0:
+            starts[traj] = min(at, starts.get(traj, at))
+    assert set(starts) == set(arrival) and len(starts) == 1000
+    # Never before its arrival, and open loop: the last arrives minutes in, not at 0.
+    assert all(starts[t] >= arrival[t] - 1e-9 for t in starts)
+    assert max(arrival.values()) > 60 and max(starts.values()) >= max(arrival.values())
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["request"]["arrivals"] is True and metrics["trajectories_completed"] == 1000
+    assert metrics["makespan_s"] >= max(arrival.values())
+    manifest = read_manifest(out)
+    assert manifest.status == "complete" and manifest.counts["trajectories_planned"] == 1000
+    assert check_complete(out / "telemetry.parquet").complete
+
+
+def test_arrivals_needs_a_trace(tmp_path):
+    result = runner.invoke(app, ["simulate", "--arrivals", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "add --trace" in result.output
+
+
+@pytest.mark.parametrize("where", ["trace_itself", "folder_holding_trace"])
+def test_simulate_refuses_an_output_that_is_its_input_before_simulating(
+    azure_trace, tmp_path, where
+):
+    out = azure_trace if where == "trace_itself" else azure_trace.parent
+    before = azure_trace.read_bytes()
+    result = runner.invoke(app, ["simulate", "--trace", str(azure_trace), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and result.output.startswith("error:")
+    assert azure_trace.read_bytes() == before
+    assert not (azure_trace.parent / "metrics.json").exists()
+
+
+def test_simulate_rejects_unknown_policy_param_in_one_line(tmp_path):
+    args = ["simulate", "--trajectories", "4", "--policy", "static", "--param", "prefil_gpus=2"]
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1, result.output
+    assert "has no parameter 'prefil_gpus'" in result.output and "prefill_gpus" in result.output
+    assert not (tmp_path / "o").exists()  # nothing written for a refused run
