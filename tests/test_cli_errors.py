@@ -97,3 +97,36 @@ def test_markup_in_messages_is_printed_verbatim():
 def test_typer_exit_passes_through():
     result = runner.invoke(_app(typer.Exit(3)), [])
     assert result.exit_code == 3 and result.output == ""
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--param", "foo=1"], "policy 'colocate' has no parameter 'foo'"),
+        (["--policy", "static", "--param", "prefill_gpus=x"], "static.prefill_gpus must be"),
+        (["--interval-s", "nan"], "interval_s must be a finite number"),
+        (["--interval-s", "1e-9"], "interval_s must be a finite number >= 0.01"),
+        (["--trajectories", "0"], "trajectories, group_size and steps must be >= 1"),
+        (["--connector", "bogus"], "unknown connector 'bogus'"),
+        (["--out", "{model}"], "is also an input"),
+        (["--out", "{parent}"], "is also an input"),
+    ],
+)
+def test_rollout_bad_settings_are_one_line_before_engines_start(
+    tmp_path, monkeypatch, options, message
+):
+    from prorsa.cli.main import app
+    from prorsa.runtime.ray import rollout
+
+    def no_engines(*_a, **_k):
+        raise AssertionError("engines started for a run that cannot work")
+
+    monkeypatch.setattr(rollout, "start_fleet", no_engines)
+    model = tmp_path / "model"
+    model.mkdir()
+    options = [o.format(model=model, parent=tmp_path) for o in options]
+    out = [] if "--out" in options else ["--out", str(tmp_path / "out")]
+    result = runner.invoke(app, ["rollout", "--model", str(model), *out, *options])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error:") and message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2

@@ -53,6 +53,7 @@ def rollout_cmd(
     tiny model the tool choice and turn lengths come from the scenario's specs. On CPU
     pass --profile cpu-tiny-llama-tp1 so policies size with this machine's numbers.
     """
+    from prorsa.io import check_output
     from prorsa.runtime.ray.rollout import run_rollout
 
     config = dataclasses.replace(
@@ -70,6 +71,7 @@ def rollout_cmd(
         )
     config = dataclasses.replace(config, model=str(model.resolve()))
     config.validate()
+    check_output(out, kind="dir", inputs=[config.model])  # before the progress bar shows
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
