@@ -9,7 +9,11 @@ Cases (colocated engines, one synchronous step, full telemetry unless noted):
   data-parallel rank), 2,048 swe trajectories;
 * scaling: turns per wall-second at 16, 64, 256, 512 and 1,024 engines, 32 mixed
   trajectories per engine (plotted to results/sim_scaling.png);
-* where the time of (a) goes (cProfile).
+* where the time of (a) goes (cProfile);
+* (e2e, optional, alone with ``--case e2e``) load a trace, simulate it, write the outputs:
+  the shipped Azure code-trace slice (datasets/traces/azure-code-2023-slice.csv, 1,000
+  requests) imported, replayed open loop at its arrival times on 8 engines, telemetry and
+  metrics written; each stage timed. Writes results/sim_e2e.json.
 
 Every measurement runs in a fresh process (so peak RSS is that case's own). With
 ``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base <commit>``) each
@@ -58,6 +62,9 @@ def _worker(root: str, case: dict) -> dict:
     sys.path.insert(0, root)
     import resource
 
+    if case.get("e2e"):
+        return _e2e_worker(Path(root), case)
+
     from prorsa.policy import make_policy
     from prorsa.runtime.cluster.config import ClusterConfig
     from prorsa.runtime.sim.drivers import SyncDriver
@@ -96,6 +103,96 @@ def _worker(root: str, case: dict) -> dict:
         "rss_before_run_mb": rss_before,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+E2E_TRACE = "datasets/traces/azure-code-2023-slice.csv"
+E2E_CASE = {"e2e": True, "trace": E2E_TRACE, "format": "azure", "engines": 8}
+
+
+def _e2e_worker(root: Path, case: dict) -> dict:
+    """Import a trace, replay its arrivals in the simulator, write telemetry and metrics;
+    wall and CPU seconds per stage (what ``prorsa simulate --trace --arrivals`` does)."""
+    import resource
+    import tempfile
+
+    from prorsa.io import atomic_write_text
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.sim.drivers import ArrivalDriver
+    from prorsa.runtime.sim.scenario import RunRequest, WorkloadConfig, simulate
+    from prorsa.telemetry import write_parquet
+    from prorsa.telemetry.importers import import_trace
+
+    stages: dict[str, dict[str, float]] = {}
+
+    def timed(name: str, fn):
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        value = fn()
+        stages[name] = {"wall_s": time.perf_counter() - wall0, "cpu_s": time.process_time() - cpu0}
+        return value
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        trace = out / "trace.parquet"
+
+        def load() -> ArrivalDriver:
+            write_parquet(import_trace(root / case["trace"], case["format"]).table, trace)
+            return ArrivalDriver.from_trace(trace)
+
+        driver = timed("load", load)
+        work = WorkloadConfig(scenario=None, trace=str(trace))
+        request = RunRequest(work, ClusterConfig(profile=PROFILE, num_slots=case["engines"]))
+        result = timed("simulate", lambda: simulate(request, driver=driver))
+
+        def write() -> None:
+            write_parquet(result.telemetry, out / "telemetry.parquet")
+            atomic_write_text(out / "metrics.json", json.dumps(result.metrics, default=float))
+
+        timed("write", write)
+    turns = sum(s.num_turns for s in driver.specs)
+    total_cpu = sum(v["cpu_s"] for v in stages.values())
+    return {
+        "trajectories": driver.total,
+        "turns": turns,
+        "events": result.telemetry.num_rows,
+        "makespan_s": float(result.metrics["makespan_s"]),
+        "stages": stages,
+        "wall_s": sum(v["wall_s"] for v in stages.values()),
+        "cpu_s": total_cpu,
+        "us_per_turn_cpu": total_cpu / turns * 1e6,
+        "us_per_turn_wall": sum(v["wall_s"] for v in stages.values()) / turns * 1e6,
+        "real_time_factor_cpu": float(result.metrics["makespan_s"]) / total_cpu,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _run_e2e(repeats: int) -> None:
+    from benchmarks._common import save
+
+    runs = [_measure(ROOT, E2E_CASE) for _ in range(repeats)]
+    best = min(runs, key=lambda r: r["cpu_s"])
+    for name in ("load", "simulate", "write"):
+        cpu = [r["stages"][name]["cpu_s"] for r in runs]
+        print(
+            f"e2e {name}: {min(cpu) * 1000:.0f} ms CPU (median {statistics.median(cpu) * 1000:.0f})"
+        )
+    print(
+        f"e2e total: {best['cpu_s']:.2f} s CPU for {best['trajectories']:,} requests "
+        f"({best['turns']:,} turns, {best['events']:,} events), {best['us_per_turn_cpu']:.0f} us "
+        f"per turn, {best['real_time_factor_cpu']:.0f}x real time, peak RSS "
+        f"{best['peak_rss_mb']:.0f} MB  [load {os.getloadavg()[0]:.1f}]"
+    )
+    path = save(
+        "sim_e2e",
+        {
+            "method": "each repeat in a fresh process; best = least CPU time over repeats",
+            "case": E2E_CASE,
+            "best": best,
+            "runs": runs,
+            "load_average": list(os.getloadavg()),
+            "commit": _commit(ROOT),
+        },
+    )
+    print(f"saved {path}")
 
 
 def _profile(sim, top: int) -> dict:
@@ -212,8 +309,15 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="another checkout to compare against")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the main cases")
     parser.add_argument("--scaling-repeats", type=int, default=1)
+    parser.add_argument(
+        "--case", choices=("all", "e2e"), default="all", help="e2e: only the end-to-end case"
+    )
     args = parser.parse_args()
     from benchmarks._common import RESULTS, save
+
+    if args.case == "e2e":
+        _run_e2e(args.repeats)
+        return
 
     baseline = args.baseline.resolve() if args.baseline else None
     started = time.time()
