@@ -28,7 +28,6 @@ samples they were not tuned on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +35,7 @@ import math
 import uuid
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +44,18 @@ from optuna.trial import TrialState
 
 from prorsa.errors import ConfigError
 from prorsa.experiments.cells import Cell
+from prorsa.io import check_output
 from prorsa.policy import POLICIES
+from prorsa.policy.params import (
+    check_count,
+    check_interval_s,
+    check_policy_params,
+    check_storage_url,
+)
 
 logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("objective", "switches")  # objective: makespan (sync) or s/trajectory (async)
-STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")
 SETTINGS_ATTR = "settings"
 
 
@@ -59,7 +64,9 @@ class TuneConfig:
     """What to tune, on which workload, and how the study runs."""
 
     policy: str
-    base: Cell  # workload, cluster and fixed policy parameters; seed is set per evaluation
+    # Workload, cluster, control loop and fixed policy parameters (base.control); the
+    # policy, the parameters drawn and the seed are set per evaluation.
+    base: Cell
     trials: int = 20  # budget of the whole study, across runs and workers
     seeds: int = 2  # workload samples per trial
     storage: str = "sqlite:///out/tune/optuna.db"
@@ -73,11 +80,19 @@ class TuneConfig:
     extra_settings: dict = field(default_factory=dict)  # anything else the caller varies
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError` for settings that cannot run, before any trial does."""
         POLICIES.get(self.policy)
-        if self.trials < 1 or self.seeds < 1:
-            raise ConfigError("tune needs trials >= 1 and seeds >= 1")
-        if self.workers < 1:
-            raise ConfigError(f"tune needs workers >= 1, got {self.workers}")
+        check_count(self.trials, "trials")
+        check_count(self.seeds, "seeds")
+        check_count(self.workers, "workers")
+        check_policy_params(self.policy, self.base.control.policy_params)
+        check_interval_s(self.base.control.interval_s)
+        work = self.base.work
+        work.validate()
+        if work.trace is not None and not Path(work.trace).is_file():
+            raise ConfigError(f"trace not found: {work.trace}", hint="give an imported .parquet")
+        self.base.cluster.validate()
+        self.base.control.validate()
         if self.heartbeat_s < 1:
             raise ConfigError(f"heartbeat_s must be >= 1 s, got {self.heartbeat_s}")
         if not self.objectives or self.objectives[0] != "objective":
@@ -88,7 +103,7 @@ class TuneConfig:
         unknown = [o for o in self.objectives if o not in OBJECTIVES]
         if unknown or len(set(self.objectives)) != len(self.objectives):
             raise ConfigError(f"bad objectives {list(self.objectives)}", hint=f"from {OBJECTIVES}")
-        _check_storage_url(self.storage)
+        _check_storage(self.storage)
 
     @property
     def multi_objective(self) -> bool:
@@ -97,11 +112,9 @@ class TuneConfig:
 
 def study_settings(cfg: TuneConfig) -> dict:
     """Every setting that changes a trial's objective, as plain JSON values."""
-    cell = {
-        k: v
-        for k, v in dataclasses.asdict(cfg.base).items()
-        if k not in ("seed", "series", "policy")
-    }
+    cell = cfg.base.to_dict()
+    # Set per evaluation: not settings of the study.
+    del cell["work"]["seed"], cell["control"]["policy"], cell["series"]
     settings = {
         "policy": cfg.policy,
         "cell": cell,
@@ -121,20 +134,29 @@ def default_study_name(cfg: TuneConfig) -> str:
     workload = cfg.base.workload
     if "/" in workload or workload.endswith(".parquet"):
         workload = Path(workload).name.split(".")[0]
-    return f"{cfg.policy}-{workload}-{cfg.base.mode}-{cfg.base.engines}e-{digest}"
+    return f"{cfg.policy}-{workload}-{cfg.base.mode}-{cfg.base.cluster.num_slots}e-{digest}"
+
+
+def fixed_params(settings: dict) -> dict:
+    """The fixed policy parameters of a study's stored settings (nested by config, or
+    the flat cell of studies created before the run configs were shared)."""
+    cell = settings.get("cell", {})
+    return dict(cell.get("control", cell).get("policy_params") or {})
 
 
 # ---------------------------------------------------------------------------------------
 # Storage, sampler, budget
 
 
-def _check_storage_url(url: str) -> None:
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.split("+")[0] not in STORAGE_SCHEMES or not rest.strip("/"):
-        raise ConfigError(
-            f"unsupported Optuna storage URL '{url}'",
-            hint="e.g. sqlite:///out/tune/optuna.db or postgresql://user@host/db",
-        )
+def _check_storage(url: str) -> None:
+    """:func:`~prorsa.policy.params.check_storage_url`, except that a SQLite database's
+    folder may be missing when it can be made (:func:`open_storage` creates it)."""
+    if isinstance(url, str) and url.startswith("sqlite:///"):
+        folder = Path(url.removeprefix("sqlite:///")).expanduser().parent
+        if url.removeprefix("sqlite:///") not in ("", ":memory:") and not folder.is_dir():
+            check_output(folder, kind="dir")
+            return
+    check_storage_url(url, "Optuna storage")
 
 
 def absolute_storage_url(url: str) -> str:
@@ -146,7 +168,7 @@ def absolute_storage_url(url: str) -> str:
 
 def open_storage(url: str, heartbeat_s: int | None = None):
     """An ``RDBStorage`` for ``url`` (SQLite folders are created); a bad URL is a ConfigError."""
-    _check_storage_url(url)
+    _check_storage(url)
     url = absolute_storage_url(url)
     engine_kwargs = None
     if url.startswith("sqlite:///"):
@@ -285,13 +307,12 @@ def run_trials(spec: _WorkerSpec, on_trial: Callable[[], None] | None = None) ->
             trial.set_user_attr("over_budget", True)
             study.stop()
             raise _OverBudget(f"trial {trial.number}: the study's {spec.trials} trials are taken")
-        params = {**spec.base.policy_params, **policy_cls.search_space(trial)}
+        params = {**spec.base.control.policy_params, **policy_cls.search_space(trial)}
         trial.set_user_attr("policy_params", params)
         ran += 1
         objective_sum = switches_sum = 0.0
         for i in range(spec.seeds):
-            cell = replace(
-                spec.base,
+            cell = spec.base.changed(
                 policy=spec.policy,
                 policy_params=params,
                 seed=spec.seed_offset + i,
@@ -508,7 +529,7 @@ def study_summary(study) -> dict:
 
 
 def _trial_row(trial, objectives: list[str], settings: dict) -> dict:
-    fixed = settings.get("cell", {}).get("policy_params", {})
+    fixed = fixed_params(settings)
     return {
         "trial": trial.number,
         "values": dict(zip(objectives, trial.values, strict=True)),
@@ -602,7 +623,7 @@ def tuned_params(
             "study": study.study_name,
             "trial": best.number,
             "values": list(best.values),
-            "params": policy_params_of(best, policy, settings["cell"].get("policy_params")),
+            "params": policy_params_of(best, policy, fixed_params(settings)),
             "settings": settings,
         }
     for policy in policies:

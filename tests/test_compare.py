@@ -9,7 +9,10 @@ from typer.testing import CliRunner
 
 from prorsa.cli.main import app
 from prorsa.errors import ConfigError
+from prorsa.experiments.cells import cell_of
 from prorsa.experiments.compare import CompareConfig, run_compare, summarise
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.workload.config import WorkloadConfig
 
 
 def test_compare_cli_writes_report_and_sane_summary(tmp_path):
@@ -94,16 +97,15 @@ def test_best_static_counts_gpus_when_slots_hold_several():
         workloads=[("search", None)],
         policies=["colocate", "best-static"],
         seeds=1,
-        engines=3,
-        trajectories=24,
+        work=WorkloadConfig(trajectories=24),
+        cluster=ClusterConfig(num_slots=3, role_tp={"prefill": 2, "decode": 1, "colocated": 1}),
         workers=1,
-        cluster_overrides={"role_tp": {"prefill": 2, "decode": 1, "colocated": 1}},
     )
     result = run_compare(cfg)
     found = result["best_static"]["search/sync"]
     assert found["prefill_gpus"] == 2 * found["prefill_slots"]
-    best = next(r for r in result["runs"] if r["cell"]["policy"] == "best-static")
-    assert best["cell"]["policy_params"]["prefill_gpus"] == found["prefill_gpus"]
+    best = next(r for r in result["runs"] if cell_of(r).policy == "best-static")
+    assert cell_of(best).control.policy_params["prefill_gpus"] == found["prefill_gpus"]
 
 
 def test_compare_rejects_bad_matrices():

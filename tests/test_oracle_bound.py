@@ -12,13 +12,12 @@ NOISE = 0.03  # relative makespan difference we treat as noise
 
 
 def _objective(policy: str, seed: int, forecaster: str | None = None, **params) -> float:
-    cell = Cell(
+    cell = Cell.of(
         scenario="search",
-        trace=None,
         mode="sync",
         policy=policy,
         seed=seed,
-        engines=8,
+        num_slots=8,
         profile="h200-qwen2.5-7b-tp1",
         trajectories=2048,
         forecaster=forecaster,

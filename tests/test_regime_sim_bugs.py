@@ -16,24 +16,17 @@ from prorsa.experiments.cells import Cell, run_cell
 
 
 def test_dp_decode_rank_never_exceeds_its_batch_cap():
-    cell = Cell(
+    cell = Cell.of(
         scenario="search",
-        trace=None,
         mode="sync",
         policy="static",
         seed=0,
-        engines=4,
+        num_slots=4,
         profile="h200-qwen3-235b-a22b-tp4",
         trajectories=2048,
         max_in_flight=2048,
         policy_params={"prefill_gpus": 24},
-        cluster_overrides={
-            "layouts": {
-                "prefill": "tp2-dp2-ep4",
-                "decode": "tp2-dp4-ep8",
-                "colocated": "tp2-dp4-ep8",
-            }
-        },
+        layouts={"prefill": "tp2-dp2-ep4", "decode": "tp2-dp4-ep8", "colocated": "tp2-dp4-ep8"},
         series=False,
         record=False,
     )
@@ -43,20 +36,17 @@ def test_dp_decode_rank_never_exceeds_its_batch_cap():
 def test_dp_rank_over_its_cap_in_a_mixed_step():
     # The same admission, seen in a step with prefill: the per-rank attention table is
     # indexed past max_batch (Qwen3-30B-A3B, decode tp1-dp4-ep4, 4,096 search trajectories).
-    cell = Cell(
+    cell = Cell.of(
         scenario="search",
-        trace=None,
         mode="sync",
         policy="static",
         seed=0,
-        engines=8,
+        num_slots=8,
         profile="h200-qwen3-30b-a3b-tp1",
         trajectories=4096,
         max_in_flight=4096,
         policy_params={"prefill_gpus": 28},
-        cluster_overrides={
-            "layouts": {"prefill": "tp1", "decode": "tp1-dp4-ep4", "colocated": "tp1-dp4-ep4"}
-        },
+        layouts={"prefill": "tp1", "decode": "tp1-dp4-ep4", "colocated": "tp1-dp4-ep4"},
         series=False,
         record=False,
     )

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from prorsa.errors import ConfigError
+from prorsa.experiments.cells import Cell, run_cell
 from prorsa.experiments.families import ModelFamily
 from prorsa.experiments.grids import LOADS, WORKLOADS, full_grid, get_grid, select
 from prorsa.experiments.knobs import WorkloadKnobs
@@ -42,25 +43,20 @@ def test_knobs_scale_tool_latency_and_growth_but_keep_the_prompt():
 
 
 def test_knobs_change_the_simulated_workload():
-    from prorsa.experiments.cells import Cell, run_cell
-
-    base = Cell(
+    base = Cell.of(
         scenario="search",
-        trace=None,
         mode="sync",
         policy="colocate",
         seed=0,
-        engines=4,
+        num_slots=4,
         profile="h200-qwen2.5-7b-tp1",
         trajectories=32,
         series=False,
         record=False,
     )
-    from dataclasses import replace
-
     plain = run_cell(base)["metrics"]
-    slow_tools = run_cell(replace(base, tool_scale=4.0))["metrics"]
-    growth = run_cell(replace(base, growth_scale=2.0))["metrics"]
+    slow_tools = run_cell(base.changed(tool_scale=4.0))["metrics"]
+    growth = run_cell(base.changed(growth_scale=2.0))["metrics"]
     assert slow_tools["makespan_s"] > plain["makespan_s"]
     assert slow_tools["prefill_tokens_computed"] == plain["prefill_tokens_computed"]
     assert growth["prefill_tokens_computed"] > plain["prefill_tokens_computed"]
@@ -85,10 +81,10 @@ def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
     # the dynamic policies ran with the planner's layouts
     assert set(summary["planned_layouts"].values()) <= {"tp1", "tp2"}
     lines = (tmp_path / "cells.jsonl").read_text().splitlines()
-    cells = [json.loads(line)["result"]["cell"] for line in lines]
-    dynamic = [c for c in cells if c["policy"] in ("predictive", "mpc", "oracle")]
-    assert all(c["cluster_overrides"]["layouts"] == summary["planned_layouts"] for c in dynamic)
-    assert all(c["forecaster"] == "ewma" for c in dynamic if c["policy"] != "oracle")
+    cells = [Cell.from_dict(json.loads(line)["result"]["cell"]) for line in lines]
+    dynamic = [c for c in cells if c.policy in ("predictive", "mpc", "oracle")]
+    assert all(c.cluster.layouts == summary["planned_layouts"] for c in dynamic)
+    assert all(c.control.forecaster == "ewma" for c in dynamic if c.policy != "oracle")
 
 
 def test_map_resumes_from_its_cells_file(tmp_path):

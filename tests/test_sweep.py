@@ -8,33 +8,33 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from prorsa.errors import ConfigError
-from prorsa.experiments.cells import Cell
+from prorsa.experiments.cells import Cell, cell_of
 from prorsa.experiments.compare import CompareConfig, run_compare
 from prorsa.experiments.sweep import Sweep, cell_key, run_sweep
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.workload.config import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cell(seed: int = 0, **changes) -> Cell:
-    base = Cell(
+    base = Cell.of(
         scenario="search",
-        trace=None,
         mode="sync",
         policy="colocate",
         seed=seed,
-        engines=4,
+        num_slots=4,
         profile="h200-qwen2.5-7b-tp1",
         trajectories=16,
         group_size=4,
         series=False,
     )
-    return replace(base, **changes)
+    return base.changed(**changes)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,12 @@ def test_cell_key_is_stable_and_covers_every_field():
             _cell(seed=1),
             _cell(policy="static"),
             _cell(policy_params={"prefill_gpus": 1}),
-            _cell(cluster_overrides={"local_prefill_threshold": 64}),
+            _cell(local_prefill_threshold=64),
+            _cell(tool_scale=2.0),
+            _cell(interval_s=0.5),
         )
     }
-    assert len(keys) == 5
+    assert len(keys) == 7
 
 
 def test_resumed_sweep_skips_finished_cells_and_reruns_a_cut_line(tmp_path):
@@ -86,7 +88,7 @@ def test_resumed_sweep_skips_finished_cells_and_reruns_a_cut_line(tmp_path):
     assert calls == [3, 4]  # 0-2 read back; 3 was cut short, so it runs again
     assert (sweep.reused, sweep.ran) == (3, 2)
     assert again[:3] == first
-    assert [r["cell"]["seed"] for r in again] == [0, 1, 2, 3, 4]
+    assert [cell_of(r).seed for r in again] == [0, 1, 2, 3, 4]
     lines = path.read_text().splitlines()
     assert all(json.loads(line) for line in lines if line.endswith("}}"))
     calls.clear()
@@ -111,7 +113,7 @@ def test_ray_sweep_streams_each_cell_as_it_finishes(tmp_path, ray_local):
         assert sweep.backend == "ray"
         results = sweep.map(cells, progress)
     assert ray_local.is_initialized()  # a session the caller started is left running
-    assert [r["cell"]["seed"] for r in results] == [0, 1, 2, 3]
+    assert [cell_of(r).seed for r in results] == [0, 1, 2, 3]
     assert seen[-1] == (4, 4, 4)
     assert all(lines >= done for done, _, lines in seen)
     inline = run_sweep(cells, workers=1)
@@ -137,9 +139,8 @@ def test_compare_resumes_from_its_cells_file(tmp_path):
         workloads=[("search", None)],
         policies=["colocate", "best-static", "threshold"],
         seeds=2,
-        engines=4,
-        trajectories=16,
-        group_size=4,
+        work=WorkloadConfig(trajectories=16, group_size=4),
+        cluster=ClusterConfig(num_slots=4),
         workers=1,
         cells_path=tmp_path / "cells.jsonl",
     )

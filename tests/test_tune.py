@@ -14,8 +14,9 @@ import pytest
 from optuna.trial import TrialState
 
 from prorsa.errors import ConfigError
-from prorsa.experiments.cells import Cell
+from prorsa.experiments.cells import Cell, cell_of
 from prorsa.experiments.compare import CompareConfig, run_compare
+from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.tracking import Tracker
 from prorsa.tune import (
     FINISHED_STATES,
@@ -26,23 +27,23 @@ from prorsa.tune import (
     tune,
     tuned_params,
 )
+from prorsa.workload.config import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _base(tmp_path=None, **changes):
-    base = Cell(
+    base = Cell.of(
         scenario="search",
-        trace=None,
         mode="sync",
         policy="static",
         seed=0,
-        engines=4,
+        num_slots=4,
         profile="h200-qwen2.5-7b-tp1",
         trajectories=24,
         group_size=4,
     )
-    return replace(base, **changes)
+    return base.changed(**changes)
 
 
 def _param_sets(study) -> list[tuple]:
@@ -156,10 +157,10 @@ def test_two_ray_workers_fill_the_budget_exactly(tmp_path, ray_local):
 def test_study_killed_mid_trial_resumes_in_the_same_file(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     script = f"""
-from prorsa.experiments.cells import Cell
+from prorsa.experiments.cells import Cell, cell_of
 from prorsa.tune import TuneConfig, tune
-base = Cell(scenario="swe", trace=None, mode="sync", policy="static", seed=0, engines=8,
-            profile="h200-qwen2.5-7b-tp1", trajectories=512)
+base = Cell.of(scenario="swe", mode="sync", policy="static", seed=0, num_slots=8,
+               profile="h200-qwen2.5-7b-tp1", trajectories=512)
 tune(TuneConfig(policy="static", base=base, trials=3, seeds=1, storage={storage!r},
                 study_name="killed", heartbeat_s=1))
 """
@@ -184,13 +185,12 @@ tune(TuneConfig(policy="static", base=base, trials=3, seeds=1, storage={storage!
             proc.kill()
     killed = running[0].number
     time.sleep(2.5)  # past the grace period of two missed heartbeats
-    base = Cell(
+    base = Cell.of(
         scenario="swe",
-        trace=None,
         mode="sync",
         policy="static",
         seed=0,
-        engines=8,
+        num_slots=8,
         profile="h200-qwen2.5-7b-tp1",
         trajectories=512,
     )
@@ -254,7 +254,7 @@ def test_study_is_logged_to_mlflow_without_touching_the_callers_run(tmp_path):
         mlflow.set_tracking_uri(None)
     assert len(runs) == 1
     run = runs.iloc[0]
-    assert run["params.policy"] == "static" and run["params.cell.trajectories"] == "24"
+    assert run["params.policy"] == "static" and run["params.cell.work.trajectories"] == "24"
     assert run["metrics.best_objective"] == pytest.approx(study.best_value)
     history = Tracker(uri).client().get_metric_history(run["run_id"], "objective")
     assert sorted(m.step for m in history) == [t.number for t in study.trials]
@@ -275,19 +275,18 @@ def test_compare_uses_the_tuned_parameters(tmp_path):
         workloads=[("search", None)],
         policies=["colocate", "static", "threshold"],
         seeds=1,
-        engines=4,
-        trajectories=24,
-        group_size=4,
+        work=WorkloadConfig(trajectories=24, group_size=4),
+        cluster=ClusterConfig(num_slots=4),
         workers=1,
         tuned_storage=storage,
     )
     result = run_compare(cfg)
     assert set(result["tuned"]) == {"static"}  # threshold has no study: defaults
     assert result["tuned"]["static"]["trial"] == study.best_trial.number
-    static = next(r for r in result["runs"] if r["cell"]["policy"] == "static")
-    assert static["cell"]["policy_params"] == study.best_params
-    threshold = next(r for r in result["runs"] if r["cell"]["policy"] == "threshold")
-    assert threshold["cell"]["policy_params"] == {}
+    static = next(r for r in result["runs"] if cell_of(r).policy == "static")
+    assert cell_of(static).control.policy_params == study.best_params
+    threshold = next(r for r in result["runs"] if cell_of(r).policy == "threshold")
+    assert cell_of(threshold).control.policy_params == {}
     # Two studies of one policy: the caller has to say which.
     tune(
         TuneConfig(policy="static", base=_base(trajectories=32), trials=1, seeds=1, storage=storage)

@@ -1,5 +1,5 @@
-"""``prorsa compare`` and ``prorsa demo``: which allocation policy finishes the rollout
-soonest, and by how much over colocation."""
+"""``prorsa compare``: which allocation policy finishes the rollout soonest, and by how
+much over colocation."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prorsa.cli.common import console, friendly_errors, print_json
-from prorsa.cli.simulate import parse_params
+from prorsa.cli.options import config_command, parse_params
 from prorsa.errors import ConfigError
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.tracking import resolve_uri
+from prorsa.workload.config import WorkloadConfig
 
 DEMO_POLICIES = "colocate,best-static,threshold,predictive,mpc,oracle"
 
@@ -94,23 +97,33 @@ def _table(rows: list[dict], title: str) -> Table:
 
 
 @friendly_errors
+@config_command(
+    work=WorkloadConfig,
+    cluster=ClusterConfig,
+    control=ControlConfig,
+    # The matrix sets these per cell (--scenario/--trace, --mode, --seeds, --policies,
+    # --param policy.key=value).
+    exclude=(
+        "work.scenario",
+        "work.trace",
+        "work.mode",
+        "work.seed",
+        "control.policy",
+        "control.policy_params",
+    ),
+)
 def compare_cmd(
+    work: WorkloadConfig,
+    cluster: ClusterConfig,
+    control: ControlConfig,
     scenario: str = typer.Option("mixed", help="scenario(s), comma-separated"),
     trace: list[Path] = typer.Option([], help="replay imported trace(s) instead (repeatable)"),
     policies: str = typer.Option(
         DEMO_POLICIES, help="policies, comma-separated (colocate required)"
     ),
-    engines: int = typer.Option(32, help="engine slots (GPUs at TP1)"),
-    profile: str = typer.Option("h200-qwen2.5-7b-tp1", help="cost profile"),
     seeds: int = typer.Option(3, help="seeds per cell (speedup CI over seeds)"),
     mode: str = typer.Option("sync", help="sync, async, or sync,async"),
-    trajectories: int = typer.Option(1024, help="per sync step, or in total (async)"),
-    in_flight: int = typer.Option(256, help="async: trajectories kept in flight"),
-    forecaster: str = typer.Option("lightgbm-trajectory", help="forecaster for predictive and mpc"),
     param: list[str] = typer.Option([], "--param", help="policy.key=value (repeatable)"),
-    local_prefill_threshold: int = typer.Option(
-        0, help="prefill smaller turns on the decode engine"
-    ),
     workers: int = typer.Option(
         0, help="cells run at once (0: one per CPU; 1: in this process, without Ray)"
     ),
@@ -137,8 +150,10 @@ def compare_cmd(
 ) -> None:
     """Compare allocation policies on workloads; writes results.json, report.md and plots.
 
-    Cells run as Ray tasks and stream to OUT/cells.jsonl as they finish; running the same
-    command again skips the finished ones."""
+    Workload, cluster and control-loop options are those of `prorsa simulate`; predictive
+    and mpc use lightgbm-trajectory unless --forecaster names another. Cells run as Ray
+    tasks and stream to OUT/cells.jsonl as they finish; running the same command again
+    skips the finished ones."""
     from prorsa.experiments.compare import CompareConfig
     from prorsa.io import check_output
 
@@ -151,13 +166,10 @@ def compare_cmd(
         policies=[p.strip() for p in policies.split(",") if p.strip()],
         modes=[m.strip() for m in mode.split(",") if m.strip()],
         seeds=seeds,
-        engines=engines,
-        profile=profile,
-        trajectories=trajectories,
-        max_in_flight=in_flight,
-        forecaster=forecaster,
+        work=work,
+        cluster=cluster,
+        control=control,
         policy_params=_policy_params(param),
-        cluster_overrides={"local_prefill_threshold": local_prefill_threshold},
         workers=workers,
         address=address,
         cells_path=out / "cells.jsonl",
@@ -165,45 +177,9 @@ def compare_cmd(
         tuned_storage=tuned,
         tuned_studies=tuned_study,
     )
-    run_and_report(
-        cfg,
-        out,
-        as_json=as_json,
-        mlflow_uri=resolve_uri(mlflow, track=track),
-        title="prorsa compare",
-    )
-
-
-@friendly_errors
-def demo_cmd(
-    out: Path = typer.Option(Path("out/demo"), help="output directory"),
-    seeds: int = typer.Option(2, help="seeds per cell"),
-) -> None:
-    """The main job on the embedded default: mixed and swe scenarios, H200 Qwen2.5-7B,
-    32 engines, every policy, sync and async."""
-    from prorsa.experiments.compare import CompareConfig
-
-    cfg = CompareConfig(
-        workloads=[("mixed", None), ("swe", None)],
-        policies=DEMO_POLICIES.split(","),
-        modes=["sync", "async"],
-        seeds=seeds,
-        engines=32,
-        profile="h200-qwen2.5-7b-tp1",
-        trajectories=1024,
-        max_in_flight=512,
-        cells_path=out / "cells.jsonl",
-    )
-    console.print(
-        "[bold]prorsa demo[/]: mixed + swe on 32 simulated H200s (Qwen2.5-7B), sync and async"
-    )
-    run_and_report(
-        cfg,
-        out,
-        as_json=False,
-        mlflow_uri=resolve_uri(),
-        title="prorsa demo: allocation policies vs colocation",
-    )
+    cfg.validate()  # every input checked before a cell runs
+    mlflow_uri = resolve_uri(mlflow, track=track)
+    run_and_report(cfg, out, as_json=as_json, mlflow_uri=mlflow_uri, title="prorsa compare")
 
 
 def policies_cmd() -> None:

@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prorsa.cli.common import console, friendly_errors, print_json
-from prorsa.cli.simulate import parse_params
+from prorsa.cli.options import config_command
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.tracking import resolve_uri
+from prorsa.workload.config import WorkloadConfig
 
 
 @friendly_errors
+@config_command(
+    work=WorkloadConfig,
+    cluster=ClusterConfig,
+    control=ControlConfig,
+    # The policy is the argument; each trial sets the seeds (--seeds from SEED_OFFSET).
+    exclude=("work.seed", "control.policy"),
+)
 def tune_cmd(
+    work: WorkloadConfig,
+    cluster: ClusterConfig,
+    control: ControlConfig,
     policy: str = typer.Argument(..., help="policy to tune (see `prorsa policies`)"),
-    scenario: str = typer.Option("swe", help="workload scenario"),
-    trace: Path | None = typer.Option(None, help="replay an imported trace instead"),
-    engines: int = typer.Option(16, help="engine slots"),
-    profile: str = typer.Option("h200-qwen2.5-7b-tp1", help="cost profile"),
-    mode: str = typer.Option("sync", help="sync | async"),
-    trajectories: int = typer.Option(256, help="per sync step, or in total (async)"),
-    forecaster: str = typer.Option("lightgbm-trajectory", help="forecaster for predictive/mpc"),
-    param: list[str] = typer.Option([], "--param", help="fixed policy parameter key=value"),
     trials: int = typer.Option(20, help="trial budget of the whole study (all runs and workers)"),
     seeds: int = typer.Option(2, help="workload seeds per trial"),
     switches: bool = typer.Option(
@@ -47,25 +53,22 @@ def tune_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Tune POLICY. The study resumes when run again with the same settings; several
-    workers (or several commands) may share one storage."""
-    from prorsa.experiments.cells import Cell
+    workers (or several commands) may share one storage. Workload, cluster and
+    control-loop options are those of `prorsa simulate` (--param: fixed parameters);
+    predictive and mpc use lightgbm-trajectory unless --forecaster names another."""
+    from prorsa.experiments.cells import DEFAULT_FORECASTER, Cell
     from prorsa.experiments.compare import FORECAST_POLICIES
     from prorsa.io import check_output
     from prorsa.tracking import Tracker
     from prorsa.tune import TuneConfig, default_study_name, study_summary, tune
 
-    base = Cell(
-        scenario=None if trace else scenario,
-        trace=str(trace) if trace else None,
-        mode=mode,
-        policy=policy,
-        seed=0,
-        engines=engines,
-        profile=profile,
-        trajectories=trajectories,
-        policy_params=parse_params(param),
-        forecaster=forecaster if policy in FORECAST_POLICIES else None,
-    )
+    if work.trace is not None:
+        work.scenario = None  # a trace replaces the default scenario
+    forecaster = None
+    if policy in FORECAST_POLICIES:
+        forecaster = control.forecaster or DEFAULT_FORECASTER
+    control = replace(control, policy=policy, forecaster=forecaster)
+    base = Cell(work=work, cluster=cluster, control=control)
     cfg = TuneConfig(
         policy=policy,
         base=base,
@@ -84,7 +87,7 @@ def tune_cmd(
     # The progress bar and the summary say what Optuna's per-trial INFO lines would.
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = study or default_study_name(cfg)
-    check_output(out / name, kind="dir", inputs=[trace])
+    check_output(out / name, kind="dir", inputs=[work.trace])
     with Progress(
         TextColumn("[bold]trials"),
         BarColumn(),

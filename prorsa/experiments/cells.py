@@ -1,92 +1,187 @@
-"""One cell of a comparison matrix: a single simulation, run in a worker process.
+"""One cell of a sweep: a single simulation, run in a worker process.
+
+A :class:`Cell` composes the run configurations every entry point shares
+(:class:`~prorsa.workload.config.WorkloadConfig`,
+:class:`~prorsa.runtime.cluster.config.ClusterConfig`,
+:class:`~prorsa.runtime.cluster.control.ControlConfig`) with the regime map's
+:class:`~prorsa.experiments.knobs.WorkloadKnobs`, so a default lives in one place only.
 
 Workers return small, picklable summaries (metrics and a few time series for plots),
-never the full telemetry, so the matrix can run in parallel processes cheaply.
+never the full telemetry, so a sweep can run in parallel processes cheaply. A summary's
+``"cell"`` is :meth:`Cell.to_dict` (nested by config); :meth:`Cell.from_dict` also reads
+the flat dicts that results files written before the configs were shared hold.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from prorsa.errors import ConfigError
+from prorsa.experiments.knobs import WorkloadKnobs
 from prorsa.policy.types import ROLES, SWITCHING
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.runtime.sim.metrics import role_intervals
 from prorsa.telemetry.views import trajectory_table
+from prorsa.workload.config import WorkloadConfig
+
+#: The forecaster the predictive and mpc policies use in sweeps when none is named.
+DEFAULT_FORECASTER = "lightgbm-trajectory"
+
+#: Which part of a cell each field name belongs to (:meth:`Cell.of`, :meth:`Cell.changed`).
+_PARTS: dict[str, type] = {
+    "work": WorkloadConfig,
+    "cluster": ClusterConfig,
+    "control": ControlConfig,
+    "knobs": WorkloadKnobs,
+}
+_OWNER: dict[str, str] = {
+    f.name: part for part, cls in _PARTS.items() for f in dataclasses.fields(cls)
+}
+_OWN = ("series", "record")
+#: Old flat results files named the cluster size ``engines`` and gave other cluster
+#: fields as ``cluster_overrides``.
+_LEGACY_RENAMES = {"engines": "num_slots"}
 
 
 @dataclass(frozen=True)
 class Cell:
-    """Everything one simulation needs (plain values so it pickles)."""
+    """One simulation: workload x cluster x control loop, the workload knobs, and what
+    the summary keeps (plain dataclasses, so it pickles to workers)."""
 
-    scenario: str | None
-    trace: str | None
-    mode: str
-    policy: str
-    seed: int
-    engines: int
-    profile: str
-    trajectories: int
-    group_size: int = 8
-    max_in_flight: int = 128
-    policy_params: dict = field(default_factory=dict)
-    forecaster: str | None = None
-    cluster_overrides: dict = field(default_factory=dict)
-    interval_s: float = 1.0
-    min_dwell_s: float = 10.0
+    work: WorkloadConfig = field(default_factory=WorkloadConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    knobs: WorkloadKnobs = field(default_factory=WorkloadKnobs)
     series: bool = True  # keep time series for plots
-    # Workload knobs (prorsa.experiments.knobs): tool latency and per-turn growth scales.
-    tool_scale: float = 1.0
-    growth_scale: float = 1.0
     # Lifecycle telemetry; runs with a forecaster or time series record regardless.
     record: bool = True
 
+    # ------------------------------------------------------------- building
+    @classmethod
+    def of(cls, **fields: Any) -> Cell:
+        """A cell from flat field names of any of its configs (``seed``, ``num_slots``,
+        ``policy``, ``tool_scale``, ``series`` ...); the rest keep the configs' defaults.
+        A ``trace`` given without a ``scenario`` replaces the default scenario."""
+        if fields.get("trace") is not None and "scenario" not in fields:
+            fields["scenario"] = None
+        return cls().changed(**fields)
+
+    def changed(self, **fields: Any) -> Cell:
+        """A copy with the named fields (flat names, as in :meth:`of`) changed."""
+        parts: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
+        own: dict[str, Any] = {}
+        for name, value in fields.items():
+            if name in _OWN:
+                own[name] = value
+            elif name in _OWNER:
+                parts[_OWNER[name]][name] = value
+            else:
+                raise ConfigError(f"a cell has no field '{name}'", hint=_closest(name))
+        changes = {
+            part: dataclasses.replace(getattr(self, part), **values)
+            for part, values in parts.items()
+            if values
+        }
+        return dataclasses.replace(self, **changes, **own)
+
+    # ------------------------------------------------------------- identity
     @property
     def workload(self) -> str:
-        return self.scenario or self.trace or "?"
+        """The scenario or trace name."""
+        return self.work.label
+
+    @property
+    def mode(self) -> str:
+        return self.work.mode
+
+    @property
+    def policy(self) -> str:
+        return self.control.policy
+
+    @property
+    def seed(self) -> int:
+        return self.work.seed
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, nested by config (what results files store)."""
+        return dataclasses.asdict(self)
+
+    def key(self) -> str:
+        """Stable 16-hex-digit key: a hash of :meth:`to_dict` and the package version
+        (sweeps skip cells whose key is already in their results file)."""
+        from prorsa import __version__
+
+        text = json.dumps(
+            {"version": __version__, "type": "Cell", "fields": self.to_dict()},
+            sort_keys=True,
+            default=str,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cell:
+        """The cell a results file describes: :meth:`to_dict`'s nested form, or the flat
+        form of files written before the run configs were shared."""
+        if "work" not in data:
+            return cls._from_flat(data)
+        try:
+            return cls(
+                **{part: kind(**data.get(part, {})) for part, kind in _PARTS.items()},
+                **{name: data[name] for name in _OWN if name in data},
+            )
+        except TypeError as exc:
+            raise ConfigError(f"not a cell description: {exc}") from None
+
+    @classmethod
+    def _from_flat(cls, data: dict[str, Any]) -> Cell:
+        fields = {_LEGACY_RENAMES.get(k, k): v for k, v in data.items()}
+        fields.update(fields.pop("cluster_overrides", None) or {})
+        return cls.of(**fields)
+
+
+def _closest(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, [*_OWNER, *_OWN], n=1)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return "fields of WorkloadConfig, ClusterConfig, ControlConfig or WorkloadKnobs"
+
+
+def cell_of(run: dict[str, Any]) -> Cell:
+    """The cell of a summary (``run["cell"]``), old flat files included."""
+    return Cell.from_dict(run["cell"])
 
 
 def run_cell(cell: Cell) -> dict:
     """Simulate ``cell`` and summarise it (top-level function: picklable for pools)."""
-    from prorsa.experiments.knobs import WorkloadKnobs, simulate_with_knobs
+    from prorsa.experiments.knobs import simulate_with_knobs
     from prorsa.policy import POLICIES
-    from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.scenario import ControlConfig, RunRequest, WorkloadConfig
+    from prorsa.runtime.sim.scenario import RunRequest
 
-    work = WorkloadConfig(
-        scenario=cell.scenario,
-        trace=cell.trace,
-        mode=cell.mode,
-        trajectories=cell.trajectories,
-        group_size=cell.group_size,
-        max_in_flight=cell.max_in_flight,
-        seed=cell.seed,
-    )
-    cluster = ClusterConfig(profile=cell.profile, num_slots=cell.engines, **cell.cluster_overrides)
-    control = ControlConfig(
-        policy=cell.policy,
-        policy_params=dict(cell.policy_params),
-        forecaster=cell.forecaster,
-        interval_s=cell.interval_s,
-        min_dwell_s=cell.min_dwell_s,
-    )
-    needs_events = cell.series or cell.forecaster is not None
+    needs_events = cell.series or cell.control.forecaster is not None
     needs_events = needs_events or POLICIES.get(cell.policy).needs_forecast
     request = RunRequest(
-        work=work,
-        cluster=cluster,
-        control=control,
+        # Copies: the simulation must not share mutable parts with the caller's cell.
+        work=dataclasses.replace(cell.work),
+        cluster=dataclasses.replace(cell.cluster),
+        control=dataclasses.replace(cell.control, policy_params=dict(cell.control.policy_params)),
         record=cell.record or needs_events,
         run_id=f"{cell.workload}-{cell.mode}-{cell.policy}-s{cell.seed}",
     )
     started = time.perf_counter()
-    knobs = WorkloadKnobs(tool_scale=cell.tool_scale, growth_scale=cell.growth_scale)
-    result = simulate_with_knobs(request, knobs, keep_forecasts=cell.series)
+    result = simulate_with_knobs(request, cell.knobs, keep_forecasts=cell.series)
     wall_s = time.perf_counter() - started
     summary = {
-        "cell": asdict(cell),
+        "cell": cell.to_dict(),
         "metrics": result.metrics,
         "wall_s": wall_s,
         "objective": objective(result.metrics),

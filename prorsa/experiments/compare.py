@@ -16,10 +16,19 @@ import numpy as np
 from scipy import stats
 
 from prorsa.errors import ConfigError
-from prorsa.experiments.cells import Cell
+from prorsa.experiments.cells import DEFAULT_FORECASTER, Cell, cell_of
 from prorsa.experiments.sweep import BACKENDS, Sweep
 from prorsa.policy import POLICIES
 from prorsa.policy.best_static import search_best_static
+from prorsa.policy.params import (
+    check_count,
+    check_interval_s,
+    check_policy_param_groups,
+    check_storage_url,
+)
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import MODES, WorkloadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +38,23 @@ EXHAUSTIVE_UP_TO = 12  # the static search tries every split up to this many can
 
 @dataclass
 class CompareConfig:
-    """The matrix to run."""
+    """The matrix to run: workloads x modes x policies x seeds on one cluster.
+
+    ``work``, ``cluster`` and ``control`` are the run configurations every entry point
+    shares (one set of defaults). A cell takes its scenario or trace, mode and seed from
+    the matrix (``work``'s own are not used), its policy from ``policies`` and that
+    policy's parameters from ``policy_params``; ``control.forecaster`` (default
+    :data:`~prorsa.experiments.cells.DEFAULT_FORECASTER`) serves predictive and mpc.
+    """
 
     workloads: list[tuple[str | None, str | None]]  # (scenario, trace) pairs
     policies: list[str]
     modes: list[str] = field(default_factory=lambda: ["sync"])
     seeds: int = 3
-    engines: int = 16
-    profile: str = "h200-qwen2.5-7b-tp1"
-    trajectories: int = 512
-    group_size: int = 8
-    max_in_flight: int = 256
-    forecaster: str = "lightgbm-trajectory"
-    policy_params: dict[str, dict] = field(default_factory=dict)
-    cluster_overrides: dict = field(default_factory=dict)
-    interval_s: float = 1.0
-    min_dwell_s: float = 10.0
+    work: WorkloadConfig = field(default_factory=WorkloadConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    policy_params: dict[str, dict] = field(default_factory=dict)  # policy -> parameters
     workers: int = 0  # 0: one per CPU (or the Ray cluster's CPUs with an address)
     address: str | None = None  # Ray cluster to join; None starts a local Ray instance
     cells_path: Path | None = None  # JSONL streaming finished cells (resumable)
@@ -54,6 +64,7 @@ class CompareConfig:
     tuned_studies: list[str] = field(default_factory=list)  # pick these studies there
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError` for a matrix that cannot run, before any cell does."""
         if not self.workloads or not self.policies or not self.modes:
             raise ConfigError("compare needs at least one workload, policy and mode")
         for name in self.policies:
@@ -62,39 +73,48 @@ class CompareConfig:
             raise ConfigError(
                 "compare needs 'colocate' among the policies (speedups are against it)"
             )
-        if self.seeds < 1 or self.engines < 2:
-            raise ConfigError("compare needs seeds >= 1 and engines >= 2")
+        check_count(self.seeds, "seeds")
+        if self.cluster.num_slots < 2:
+            raise ConfigError(
+                f"compare needs engines >= 2 (a split needs both roles), got "
+                f"{self.cluster.num_slots}"
+            )
         for mode in self.modes:
-            if mode not in ("sync", "async"):
-                raise ConfigError(f"unknown mode '{mode}'")
-        if self.workers < 0:
-            raise ConfigError(f"workers must be >= 0, got {self.workers}", hint="0: one per CPU")
+            if mode not in MODES:
+                raise ConfigError(f"unknown mode '{mode}'", hint="sync, async or sync,async")
+        check_policy_param_groups(self.policy_params, policies=self.policies)
+        check_count(self.workers, "workers", minimum=0)
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend '{self.backend}'", hint=f"one of {BACKENDS}")
+        check_interval_s(self.control.interval_s)
+        for workload in self.workloads:
+            _cell(self, workload, self.modes[0], "colocate", 0).work.validate()
+            trace = workload[1]
+            if trace is not None and not Path(trace).is_file():
+                raise ConfigError(f"trace not found: {trace}", hint="give an imported .parquet")
+        self.cluster.validate()
+        self.control.validate()
+        if self.tuned_storage:
+            check_storage_url(self.tuned_storage, "--tuned storage")
 
 
-def _cell(cfg: CompareConfig, workload, mode: str, policy: str, seed: int, **extra) -> Cell:
+def _cell(
+    cfg: CompareConfig, workload, mode: str, policy: str, seed: int, params: dict | None = None
+) -> Cell:
+    """One cell of the matrix; ``params`` are laid over the policy's configured ones."""
     scenario, trace = workload
-    params = dict(cfg.policy_params.get(policy, {}))
-    params.update(extra.pop("policy_params", {}))
-    forecaster = cfg.forecaster if policy in FORECAST_POLICIES else None
+    forecaster = None
+    if policy in FORECAST_POLICIES:
+        forecaster = cfg.control.forecaster or DEFAULT_FORECASTER
     return Cell(
-        scenario=scenario,
-        trace=trace,
-        mode=mode,
-        policy=policy,
-        seed=seed,
-        engines=cfg.engines,
-        profile=cfg.profile,
-        trajectories=cfg.trajectories,
-        group_size=cfg.group_size,
-        max_in_flight=cfg.max_in_flight,
-        policy_params=params,
-        forecaster=forecaster,
-        cluster_overrides=dict(cfg.cluster_overrides),
-        interval_s=cfg.interval_s,
-        min_dwell_s=cfg.min_dwell_s,
-        **extra,
+        work=replace(cfg.work, scenario=scenario, trace=trace, mode=mode, seed=seed),
+        cluster=cfg.cluster,
+        control=replace(
+            cfg.control,
+            policy=policy,
+            policy_params={**cfg.policy_params.get(policy, {}), **(params or {})},
+            forecaster=forecaster,
+        ),
     )
 
 
@@ -120,7 +140,7 @@ def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | No
     fixed = [p for p in plan if p[2] != "best-static"]
     searched = [p for p in plan if p[2] == "best-static"]
     searches = [(w, m) for w in cfg.workloads for m in cfg.modes] if searched else []
-    grids = {key: _coarse_grid(cfg.engines) for key in searches}
+    grids = {key: _coarse_grid(cfg.cluster.num_slots) for key in searches}
     with Sweep(
         workers=cfg.workers,
         address=cfg.address,
@@ -136,7 +156,7 @@ def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | No
             _cell(
                 cfg,
                 *p,
-                policy_params={"prefill_gpus": best_static[_key(p[0], p[1])]["prefill_gpus"]},
+                params={"prefill_gpus": best_static[_key(p[0], p[1])]["prefill_gpus"]},
             )
             for p in searched
         ]
@@ -198,7 +218,7 @@ def _static_cell(cfg: CompareConfig, workload, mode: str, prefill_slots: int) ->
     """A static split of ``prefill_slots`` on seed 0 (the best-static search's cell)."""
     gpus = prefill_slots * _slot_gpus(cfg)
     return replace(
-        _cell(cfg, workload, mode, "static", 0, policy_params={"prefill_gpus": gpus}),
+        _cell(cfg, workload, mode, "static", 0, params={"prefill_gpus": gpus}),
         series=False,
     )
 
@@ -233,7 +253,7 @@ def _finish_searches(
     runs = iter(grid_runs)
     for key, xs in grids.items():
         seen[key] = {x: next(runs)["objective"] for x in xs}
-    refine = [(key, x) for key in grids for x in _refinement(seen[key], cfg.engines)]
+    refine = [(key, x) for key in grids for x in _refinement(seen[key], cfg.cluster.num_slots)]
     refined = counter.map(sweep, [_static_cell(cfg, *key, x) for key, x in refine])
     for (key, x), run in zip(refine, refined, strict=True):
         seen[key][x] = run["objective"]
@@ -248,9 +268,9 @@ def _finish_searches(
             return seen[key][x]
 
         best, objective = search_best_static(
-            evaluate, cfg.engines, exhaustive_up_to=EXHAUSTIVE_UP_TO
+            evaluate, cfg.cluster.num_slots, exhaustive_up_to=EXHAUSTIVE_UP_TO
         )
-        logger.info("best static for %s: %dP%dD", _key(*key), best, cfg.engines - best)
+        logger.info("best static for %s: %dP%dD", _key(*key), best, cfg.cluster.num_slots - best)
         found[_key(workload, mode)] = {
             "prefill_slots": best,
             "prefill_gpus": best * _slot_gpus(cfg),
@@ -260,8 +280,8 @@ def _finish_searches(
 
 
 def _slot_gpus(cfg: CompareConfig) -> int:
-    """GPUs per slot: the largest tensor-parallel degree of any role."""
-    return max(cfg.cluster_overrides.get("role_tp", {"prefill": 1}).values())
+    """GPUs per slot: the largest engine of any role."""
+    return cfg.cluster.slot_gpus
 
 
 def _key(workload, mode: str) -> str:
@@ -273,9 +293,9 @@ def summarise(runs: list[dict]) -> list[dict]:
     """One row per (workload, mode, policy): objective, speedup with a 95% CI, tails."""
     by_key: dict[tuple, dict[int, dict]] = {}
     for run in runs:
-        c = run["cell"]
-        key = (c["scenario"] or c["trace"], c["mode"], c["policy"])
-        by_key.setdefault(key, {})[c["seed"]] = run
+        cell = cell_of(run)
+        key = (cell.workload, cell.mode, cell.policy)
+        by_key.setdefault(key, {})[cell.seed] = run
     rows = []
     for (workload, mode, policy), seeds in sorted(by_key.items()):
         base = by_key.get((workload, mode, "colocate"), {})

@@ -22,6 +22,9 @@ import numpy as np
 
 from prorsa.errors import ConfigError
 from prorsa.io import atomic_write_text
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import WorkloadConfig
 
 MECHANISMS = ("a", "b", "c")
 
@@ -238,26 +241,28 @@ def stage_layouts(out: Path, regime=None, *, windows: int = 24) -> dict:
     from prorsa.experiments.cells import Cell
     from prorsa.experiments.regimes import Regime
     from prorsa.runtime.cluster.layouts import OperatingPoint, layout_options
+    from prorsa.runtime.sim.cost.layout import Layout
 
     regime = regime or Regime("qwen3-30b-a3b", "mixed", "sync", 16)
     family = regime.family
     scenario, trace = regime.workload_source()
     layout = family.baseline_layout
-    from prorsa.runtime.sim.cost.layout import Layout
-
     cell = Cell(
-        scenario=scenario,
-        trace=trace,
-        mode="sync",
-        policy="colocate",
-        seed=regime.seed,
-        engines=family.gpus // Layout.parse(layout).gpus,
-        profile=family.profile,
-        trajectories=regime.load_per_gpu * family.gpus,
-        cluster_overrides={"layouts": {r: layout for r in ("prefill", "decode", "colocated")}},
+        work=WorkloadConfig(
+            scenario=scenario,
+            trace=trace,
+            mode="sync",
+            trajectories=regime.load_per_gpu * family.gpus,
+            seed=regime.seed,
+        ),
+        cluster=ClusterConfig(
+            profile=family.profile,
+            num_slots=family.gpus // Layout.parse(layout).gpus,
+            layouts={r: layout for r in ("prefill", "decode", "colocated")},
+        ),
+        control=ControlConfig(policy="colocate"),
+        knobs=regime.knobs,
         series=False,
-        tool_scale=regime.tool_scale,
-        growth_scale=regime.growth_scale,
     )
     telemetry = _run_with_telemetry(cell)
     load = _load_over_time(telemetry, family.gpus, windows)
@@ -345,27 +350,11 @@ def stage_layouts(out: Path, regime=None, *, windows: int = 24) -> dict:
 
 def _run_with_telemetry(cell):
     """Telemetry of one cell (run_cell keeps only summaries)."""
-    from prorsa.experiments.knobs import WorkloadKnobs, simulate_with_knobs
-    from prorsa.runtime.sim.config import ClusterConfig
-    from prorsa.runtime.sim.scenario import ControlConfig, RunRequest, WorkloadConfig
+    from prorsa.experiments.knobs import simulate_with_knobs
+    from prorsa.runtime.sim.scenario import RunRequest
 
-    request = RunRequest(
-        work=WorkloadConfig(
-            scenario=cell.scenario,
-            trace=cell.trace,
-            mode=cell.mode,
-            trajectories=cell.trajectories,
-            group_size=cell.group_size,
-            seed=cell.seed,
-        ),
-        cluster=ClusterConfig(
-            profile=cell.profile, num_slots=cell.engines, **cell.cluster_overrides
-        ),
-        control=ControlConfig(policy=cell.policy, policy_params=dict(cell.policy_params)),
-        record=True,
-    )
-    knobs = WorkloadKnobs(tool_scale=cell.tool_scale, growth_scale=cell.growth_scale)
-    return simulate_with_knobs(request, knobs).telemetry
+    request = RunRequest(work=cell.work, cluster=cell.cluster, control=cell.control, record=True)
+    return simulate_with_knobs(request, cell.knobs).telemetry
 
 
 # ---------------------------------------------------------------------------------------

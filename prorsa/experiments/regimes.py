@@ -33,7 +33,7 @@ from functools import cache
 from pathlib import Path
 
 from prorsa.errors import ConfigError
-from prorsa.experiments.cells import Cell
+from prorsa.experiments.cells import DEFAULT_FORECASTER, Cell
 from prorsa.experiments.families import ModelFamily, get_family
 from prorsa.experiments.knobs import WorkloadKnobs
 from prorsa.experiments.sweep import BACKENDS, Sweep
@@ -45,6 +45,9 @@ from prorsa.policy.layout_plan import (
     plan_layouts,
     plan_start,
 )
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import WorkloadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +124,14 @@ class MapConfig:
     """The regimes to run and how."""
 
     regimes: list[Regime]
-    forecaster: str = "lightgbm-trajectory"
+    forecaster: str = DEFAULT_FORECASTER  # of predictive and mpc (the oracle has its own)
     dynamic_policies: tuple[str, ...] = DYNAMIC_POLICIES
     decode_candidates: int = 2  # decode layouts best-static searches (best first)
     exhaustive_up_to: int = 7  # splits all tried; beyond, a coarse grid + its refinement
-    group_size: int = 8
+    # Templates of every cell: group size, staleness ... and the control loop's timing;
+    # workload, mode, load, seed, cluster and policy come from each regime.
+    work: WorkloadConfig = field(default_factory=WorkloadConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
     families: dict[str, ModelFamily] = field(default_factory=dict)  # overrides by name
     workers: int = 0
     address: str | None = None
@@ -267,30 +273,32 @@ def _cell(
 ) -> Cell:
     regime = plan.regime
     scenario, trace = regime.workload_source()
-    gpus = plan.family.gpus
-    in_flight = regime.load_per_gpu * gpus
+    in_flight = regime.load_per_gpu * plan.family.gpus
     dynamic = policy in DYNAMIC_POLICIES
-    return Cell(
+    work = replace(
+        cfg.work,
         scenario=scenario,
         trace=trace,
         mode=regime.mode,
-        policy=policy,
-        seed=regime.seed,
-        engines=plan.slots(layouts),
-        profile=plan.family.profile,
         # async: twice the in-flight count in all, so the measured throughput is not
         # only the ramp-up and the drain
         trajectories=in_flight if regime.mode == "sync" else 2 * in_flight,
-        group_size=cfg.group_size,
         max_in_flight=in_flight,
+        seed=regime.seed,
+    )
+    cluster = ClusterConfig(
+        profile=plan.family.profile,
+        num_slots=plan.slots(layouts),
+        layouts=dict(layouts),
+        reuse_mode=regime.reuse_mode,
+    )
+    control = replace(
+        cfg.control,
+        policy=policy,
         policy_params=dict(params or {}),
         forecaster=cfg.forecaster if dynamic and policy != "oracle" else None,
-        cluster_overrides={"layouts": dict(layouts), "reuse_mode": regime.reuse_mode},
-        series=False,
-        tool_scale=regime.tool_scale,
-        growth_scale=regime.growth_scale,
-        record=dynamic,
     )
+    return Cell(work, cluster, control, regime.knobs, series=False, record=dynamic)
 
 
 def _dynamic_cell(cfg: MapConfig, plan: RegimePlan, policy: str) -> Cell:
@@ -422,7 +430,7 @@ def run_cell_recorded(cell: Cell) -> dict:
     except Exception as exc:  # a simulator failure: keep it, named, in the results
         logger.warning("cell %s failed: %s: %s", cell.policy, type(exc).__name__, exc)
         return {
-            "cell": asdict(cell),
+            "cell": cell.to_dict(),
             "metrics": {},
             "objective": float("inf"),
             "error": f"{type(exc).__name__}: {exc}",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prorsa.experiments.cells import cell_of
 from prorsa.io import atomic_write_text
 
 COLORS = {
@@ -89,14 +90,12 @@ def speedup_bars(summary: list[dict], path: Path) -> Path:
 
 def _seed0_runs(runs: list[dict], workload: str, mode: str) -> list[dict]:
     """Runs of seed 0 of one workload and mode that kept their time series."""
-    return [
-        r
-        for r in runs
-        if r["cell"]["mode"] == mode
-        and (r["cell"]["scenario"] or r["cell"]["trace"]) == workload
-        and r["cell"]["seed"] == 0
-        and "series" in r
-    ]
+    chosen = []
+    for run in runs:
+        cell = cell_of(run)
+        if (cell.mode, cell.workload, cell.seed) == (mode, workload, 0) and "series" in run:
+            chosen.append(run)
+    return chosen
 
 
 def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> Path | None:
@@ -108,7 +107,7 @@ def allocation_plot(runs: list[dict], workload: str, mode: str, path: Path) -> P
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     demand_drawn = False
     for i, run in enumerate(chosen):
-        s, policy = run["series"], run["cell"]["policy"]
+        s, policy = run["series"], cell_of(run).policy
         t = np.asarray(s["time_s"])
         if not demand_drawn:
             top.plot(
@@ -163,7 +162,7 @@ def completion_cdf(runs: list[dict], workload: str, mode: str, path: Path) -> Pa
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in chosen:
         c = np.asarray(run["series"]["completion_s"])
-        policy = run["cell"]["policy"]
+        policy = cell_of(run).policy
         ax.plot(c, np.arange(1, len(c) + 1) / len(c), label=policy, color=COLORS.get(policy))
     ax.set_xlabel("trajectory completion time (s)")
     ax.set_ylabel("fraction of trajectories")

@@ -55,7 +55,12 @@ class SweepInterrupted(KeyboardInterrupt):
 
 
 def cell_key(cell: Any) -> str:
-    """Stable 16-hex-digit key of a cell: a hash of all its fields and the package version."""
+    """Stable 16-hex-digit key of a cell: its own ``key()`` when it has one (a
+    :class:`~prorsa.experiments.cells.Cell`), else a hash of all its fields and the
+    package version."""
+    own = getattr(cell, "key", None)
+    if callable(own):
+        return own()
     fields = dataclasses.asdict(cell) if dataclasses.is_dataclass(cell) else cell
     text = json.dumps(
         {"version": __version__, "type": type(cell).__name__, "fields": fields},
