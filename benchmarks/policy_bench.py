@@ -29,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import RESULTS, save
 from prorsa.experiments.compare import CompareConfig, run_compare
 from prorsa.experiments.report import write_report
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ["colocate", "best-static", "threshold", "predictive", "mpc", "oracle", "rl"]
@@ -77,7 +80,6 @@ def decision_latency(
     """observe + forecast + decide at ``engines`` slots with ``live`` trajectories in flight."""
     from prorsa.policy import make_policy
     from prorsa.runtime.forecast_provider import make_provider
-    from prorsa.runtime.sim.config import ClusterConfig
     from prorsa.runtime.sim.drivers import AsyncDriver
     from prorsa.runtime.sim.simulation import Simulation
     from prorsa.workload import get_scenario
@@ -150,10 +152,11 @@ def main() -> None:
             policies=POLICIES,
             modes=modes,
             seeds=seeds,
-            engines=engines,
-            trajectories=TRAJECTORIES_PER_ENGINE * engines,
-            max_in_flight=16 * engines,
-            forecaster=args.forecaster,
+            work=WorkloadConfig(
+                trajectories=TRAJECTORIES_PER_ENGINE * engines, max_in_flight=16 * engines
+            ),
+            cluster=ClusterConfig(num_slots=engines),
+            control=ControlConfig(forecaster=args.forecaster),
         )
         block(str(engines), cfg, engines, f"Policy benchmark, {engines} engines")
     # Under heavier load (128 trajectories per GPU) allocation starts to matter: queues
@@ -163,9 +166,9 @@ def main() -> None:
         policies=POLICIES,
         modes=["sync"],
         seeds=2 if args.quick else 3,
-        engines=16,
-        trajectories=128 * 16,
-        forecaster=args.forecaster,
+        work=WorkloadConfig(trajectories=128 * 16),
+        cluster=ClusterConfig(num_slots=16),
+        control=ControlConfig(forecaster=args.forecaster),
     )
     block("16-heavy", heavy, "16-heavy", "Policy benchmark, 16 engines, 128 trajectories per GPU")
     # Where disaggregation is known to pay: an MoE model with data-parallel attention, whose
@@ -181,14 +184,14 @@ def main() -> None:
         policies=POLICIES,
         modes=["sync"],
         seeds=2 if args.quick else 3,
-        engines=4,
-        profile="h200-qwen3-30b-a3b-tp1",
-        trajectories=1024,
-        forecaster=args.forecaster,
-        cluster_overrides={
-            "layouts": moe_layouts,
-            "role_tp": {"prefill": 8, "decode": 8, "colocated": 8},
-        },
+        work=WorkloadConfig(trajectories=1024),
+        cluster=ClusterConfig(
+            profile="h200-qwen3-30b-a3b-tp1",
+            num_slots=4,
+            layouts=moe_layouts,
+            role_tp={"prefill": 8, "decode": 8, "colocated": 8},
+        ),
+        control=ControlConfig(forecaster=args.forecaster),
     )
     block("moe", moe, "4x8-moe-dp8", "Policy benchmark, MoE with data-parallel attention")
     latency = decision_latency(args.forecaster)

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save
+from prorsa.experiments.cells import cell_of
 from prorsa.experiments.compare import CompareConfig, run_compare
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.workload.config import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ["colocate", "best-static", "rl"]
@@ -108,26 +112,27 @@ def blocks(quick: bool) -> list[dict]:
 
 
 def run_block(block: dict, seeds: int, backend: str) -> dict:
-    overrides = block.get("cluster_overrides", {})
-    slot_gpus = max(overrides.get("role_tp", {"prefill": 1}).values())
-    in_flight = block["load"] * block["engines"] * slot_gpus
+    cluster = ClusterConfig(
+        profile=block["profile"],
+        num_slots=block["engines"],
+        **block.get("cluster_overrides", {}),
+    )
+    in_flight = block["load"] * cluster.total_gpus
     cfg = CompareConfig(
         workloads=block["workloads"],
         policies=POLICIES,
         modes=block["modes"],
         seeds=seeds,
-        engines=block["engines"],
-        profile=block["profile"],
         # Sync: one step of load x GPUs; async: that many in flight, twice as many in all.
-        trajectories=in_flight,
-        max_in_flight=in_flight,
-        cluster_overrides=dict(overrides),
+        work=WorkloadConfig(trajectories=in_flight, max_in_flight=in_flight),
+        cluster=cluster,
         backend=backend,
     )
     if "async" in block["modes"]:
         # One config per mode: async runs twice the trajectories of a sync step.
         sync = run_compare(_with(cfg, modes=[m for m in cfg.modes if m == "sync"]))
-        asyn = run_compare(_with(cfg, modes=["async"], trajectories=2 * in_flight))
+        twice = replace(cfg.work, trajectories=2 * in_flight)
+        asyn = run_compare(_with(cfg, modes=["async"], work=twice))
         return {
             k: sync[k] + asyn[k] if k != "best_static" else {**sync[k], **asyn[k]}
             for k in ("runs", "summary", "best_static")
@@ -136,8 +141,6 @@ def run_block(block: dict, seeds: int, backend: str) -> dict:
 
 
 def _with(cfg: CompareConfig, **changes) -> CompareConfig:
-    from dataclasses import replace
-
     return replace(cfg, **changes)
 
 
@@ -146,9 +149,10 @@ def cell_rows(block: dict, result: dict) -> list[dict]:
     switching rate (slot switches per minute of rollout, mean over seeds)."""
     by = {}
     for run in result["runs"]:
-        c = run["cell"]
-        key = (c["scenario"] or Path(c["trace"]).stem, c["mode"])
-        by.setdefault(key, {}).setdefault(c["policy"], []).append(run)
+        cell = cell_of(run)
+        work = cell.work
+        key = (work.scenario or Path(work.trace).stem, cell.mode)
+        by.setdefault(key, {}).setdefault(cell.policy, []).append(run)
     rows = []
     for (workload, mode), runs in sorted(by.items()):
         objective = {p: float(np.mean([r["objective"] for r in rs])) for p, rs in runs.items()}

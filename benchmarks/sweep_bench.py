@@ -29,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save
 from prorsa.experiments.compare import CompareConfig, run_compare
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import WorkloadConfig
 
 WORKLOADS = [("swe", None), ("mixed", None)]
 POLICIES = ["colocate", "static", "threshold", "predictive"]
@@ -40,10 +43,10 @@ def config(workers: int, policies: list[str]) -> CompareConfig:
         workloads=WORKLOADS,
         policies=policies,
         seeds=SEEDS,
-        engines=16,
-        trajectories=512,
-        max_in_flight=256,
-        forecaster="ewma",  # cheap to build in every worker; the cells are what is timed
+        work=WorkloadConfig(trajectories=512, max_in_flight=256),
+        cluster=ClusterConfig(num_slots=16),
+        # ewma: cheap to build in every worker; the cells are what is timed
+        control=ControlConfig(forecaster="ewma"),
         workers=workers,
         backend="ray",
     )
