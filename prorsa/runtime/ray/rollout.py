@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -186,8 +187,8 @@ def run_rollout(
             f"the fleet has {len(fleet.clients)} engines; the rollout asks for {config.engines}"
         )
     out.mkdir(parents=True, exist_ok=True)
-    # SIGTERM raises like Ctrl-C while engines start and stop (Ray installs a handler
-    # of its own that exits at once, so it is taken over again once Ray runs).
+    # SIGTERM raises like Ctrl-C while engines start and stop (start_fleet keeps this
+    # handler over Ray's); while trajectories run, _run turns both signals into a stop.
     with (
         signals_interrupt(),
         run_manifest(out, command="rollout", run_id=config.run_id, planned=len(work)) as run,
@@ -195,18 +196,16 @@ def run_rollout(
         ray_started = False
         if owned:
             fleet, ray_started = start_fleet(config, roles, out)
-        with signals_interrupt():
-            try:
-                result = asyncio.run(
-                    _run(config, fleet, roles, policy, forecaster, work, out, progress)
-                )
-            finally:
-                if owned:
-                    fleet.shutdown()
-                    if ray_started:
-                        import ray
+        try:
+            run_all = _run(config, fleet, roles, policy, forecaster, work, out, progress)
+            result = asyncio.run(run_all)
+        finally:
+            if owned:
+                fleet.shutdown()
+                if ray_started:
+                    import ray
 
-                        ray.shutdown()
+                    ray.shutdown()
         result.metrics["engine_start_s"] = fleet.start_s
         _finish(run, result)
         _write(out, result, run)
@@ -251,8 +250,13 @@ def start_fleet(config: RolloutConfig, roles: list[str], out: Path) -> tuple[Any
     if not ray.is_initialized():
         # Logical CPUs: several engines share a small machine's cores (one bundle each).
         cpus = max(os.cpu_count() or 1, config.engines + 2) if on_cpu else None
+        handler = signal.getsignal(signal.SIGTERM)
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         started = True
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            # Ray's driver handler exits on SIGTERM at once (SystemExit 15); keep the
+            # caller's, which stops the run like Ctrl-C and lets the engines shut down.
+            signal.signal(signal.SIGTERM, handler)
     engine = EngineConfig(
         model=config.model,
         dtype="float32" if on_cpu else "auto",
@@ -428,8 +432,6 @@ class _StopOnSignal:
 
     @contextlib.contextmanager
     def cancels(self, task: asyncio.Task) -> Iterator[None]:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             yield  # only the main thread may handle signals
             return
