@@ -130,3 +130,67 @@ def test_rollout_bad_settings_are_one_line_before_engines_start(
     assert result.exit_code == 1, result.output
     assert result.output.startswith("error:") and message in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--param", "statc.prefill_gpus=4"], "--param names policy 'statc'"),
+        (["--param", "threshold.prefill_gpus=4"], "policy 'threshold' has no parameter"),
+        (["--param", "threshold.cooldown_s=soon"], "threshold.cooldown_s must be"),
+        (["--param", "mpc.max_step=2"], "not among the policies run"),
+        (["--workers", "-1"], "workers must be at least 0"),
+        (["--seeds", "0"], "seeds must be at least 1"),
+        (["--interval-s", "nan"], "interval_s must be finite"),
+        (["--interval-s", "1e-9"], "interval_s must be at least 0.01"),
+        (["--engines", "1"], "engines >= 2"),
+        (["--mode", "sync,later"], "unknown mode 'later'"),
+        (["--trace", "missing.parquet"], "trace not found"),
+        (["--tuned", "optuna.db"], "not a database"),
+    ],
+)
+def test_compare_bad_inputs_are_one_line_before_any_cell(tmp_path, monkeypatch, options, message):
+    from prorsa.cli.main import app
+    from prorsa.experiments import compare
+
+    def no_sweep(*_a, **_k):
+        raise AssertionError("cells started for a comparison that cannot work")
+
+    monkeypatch.setattr(compare, "Sweep", no_sweep)
+    args = ["compare", "--policies", "colocate,static,threshold", "--out", str(tmp_path / "o")]
+    result = runner.invoke(app, [*args, *options])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error:") and message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--param", "prefill_gpu=4"], "policy 'static' has no parameter 'prefill_gpu'"),
+        (["--param", "prefill_fraction=half"], "static.prefill_fraction must be"),
+        (["--workers", "-1"], "workers must be at least 1"),
+        (["--trials", "0"], "trials must be at least 1"),
+        (["--interval-s", "nan"], "interval_s must be finite"),
+        (["--interval-s", "1e-9"], "interval_s must be at least 0.01"),
+        (["--storage", "optuna.db"], "not a database"),
+        (["--storage", "redis://host/0"], "not a database"),
+        (["--storage", "sqlite:///"], "names no database file"),
+        (["--trace", "missing.parquet"], "trace not found"),
+    ],
+)
+def test_tune_bad_inputs_are_one_line_before_any_trial(tmp_path, monkeypatch, options, message):
+    from prorsa import tune
+    from prorsa.cli.main import app
+
+    def no_study(*_a, **_k):
+        raise AssertionError("a study opened for settings that cannot work")
+
+    monkeypatch.setattr(tune, "open_storage", no_study)
+    args = ["tune", "static", "--out", str(tmp_path / "o")]
+    if "--storage" not in options:
+        args += ["--storage", f"sqlite:///{tmp_path / 'study.db'}"]
+    result = runner.invoke(app, [*args, *options])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error:") and message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2

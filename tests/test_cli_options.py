@@ -78,3 +78,58 @@ def test_parse_params_rejects_items_without_a_key():
     for bad in (["novalue"], ["=3"]):
         with pytest.raises(ConfigError):
             parse_params(bad)
+
+
+@pytest.mark.parametrize(
+    ("command", "left_out"),
+    [
+        (["compare"], {"scenario", "trace", "mode", "seed", "policy", "policy_params"}),
+        (["tune"], {"seed", "policy"}),
+    ],
+)
+def test_compare_and_tune_options_come_from_the_configs(command, left_out):
+    """Every config field the command does not set itself is an option with the field's
+    help and default (the matrix axes and the tuned policy are the commands' own)."""
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0
+    text = " ".join(result.output.replace("│", " ").split())
+    for cls in (WorkloadConfig, ClusterConfig, ControlConfig):
+        for f in dataclasses.fields(cls):
+            if f.name in left_out:
+                continue
+            assert f"--{option_name(f)}" in text, f.name
+            assert " ".join(f.metadata["help"].split()[:3]) in text, f.name
+    # Option names users already had.
+    for name in ("--engines", "--profile", "--trajectories", "--forecaster", "--param"):
+        assert name in text
+    assert "[default: 8]" in text  # engines: ClusterConfig's default, not a second one
+
+
+def test_compare_builds_its_cells_from_the_config_options(tmp_path, monkeypatch):
+    from prorsa.experiments import compare
+
+    seen = {}
+
+    def fake_run(cfg, progress=None):
+        cfg.validate()
+        seen["cells"] = [
+            compare._cell(cfg, w, m, p, 0) for w in cfg.workloads for m in cfg.modes
+            for p in cfg.policies
+        ]  # fmt: skip
+        raise SystemExit(0)
+
+    monkeypatch.setattr(compare, "run_compare", fake_run)
+    args = ["compare", "--scenario", "search,swe", "--policies", "colocate,predictive"]
+    args += ["--engines", "6", "--in-flight", "32", "--role-tp", "decode=2"]
+    args += ["--interval-s", "0.5", "--param", "predictive.horizon_s=10", "--out", str(tmp_path)]
+    runner.invoke(app, args)
+    cells = {(c.workload, c.policy): c for c in seen["cells"]}
+    assert set(cells) == {(w, p) for w in ("search", "swe") for p in ("colocate", "predictive")}
+    predictive = cells["swe", "predictive"]
+    assert predictive.cluster.num_slots == 6 and predictive.cluster.slot_gpus == 2
+    assert predictive.work.max_in_flight == 32 and predictive.work.trajectories == 256
+    assert predictive.control.interval_s == 0.5
+    assert predictive.control.policy_params == {"horizon_s": 10}
+    assert predictive.control.forecaster == "lightgbm-trajectory"  # the sweeps' default
+    assert cells["search", "colocate"].control.forecaster is None
+    assert cells["search", "colocate"].control.policy_params == {}

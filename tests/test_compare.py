@@ -12,6 +12,7 @@ from prorsa.errors import ConfigError
 from prorsa.experiments.cells import cell_of
 from prorsa.experiments.compare import CompareConfig, run_compare, summarise
 from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.workload.config import WorkloadConfig
 
 
@@ -145,3 +146,31 @@ def test_mlflow_logging_only_when_asked(tmp_path):
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'"
     )
     assert len(children) == 1 and children[0].data.metrics["speedup"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"policy_params": {"statc": {"prefill_gpus": 2}}}, "policy 'statc'"),
+        ({"policy_params": {"static": {"prefill_gpu": 2}}}, "no parameter 'prefill_gpu'"),
+        ({"workers": -1}, "workers must be at least 0"),
+        ({"control": ControlConfig(interval_s=float("nan"))}, "interval_s must be finite"),
+        ({"control": ControlConfig(interval_s=1e-9)}, "interval_s must be at least"),
+        ({"cluster": ClusterConfig(num_slots=4, reuse_mode="magic")}, "reuse_mode"),
+        ({"work": WorkloadConfig(trajectories=0)}, "trajectories"),
+        ({"workloads": [(None, "missing.parquet")]}, "trace not found"),
+        ({"tuned_storage": "redis://host/0"}, "not a database"),
+    ],
+)
+def test_bad_inputs_fail_before_any_cell_runs(monkeypatch, changes, message):
+    from dataclasses import replace
+
+    from prorsa.experiments import compare
+
+    def no_sweep(*_a, **_k):
+        raise AssertionError("cells started for a comparison that cannot work")
+
+    monkeypatch.setattr(compare, "Sweep", no_sweep)
+    cfg = CompareConfig(workloads=[("search", None)], policies=["colocate", "static"], workers=1)
+    with pytest.raises(ConfigError, match=message):
+        run_compare(replace(cfg, **changes))

@@ -244,3 +244,46 @@ def _cmdline(process) -> str:
         return " ".join(process.cmdline())
     except Exception:  # it exited meanwhile
         return ""
+
+
+def test_cell_reads_back_from_its_dict_and_from_old_flat_results():
+    cell = _cell(3, layouts={"prefill": "tp1", "decode": "tp2", "colocated": "tp2"})
+    cell = cell.changed(policy="static", policy_params={"prefill_gpus": 2}, tool_scale=2.0)
+    assert Cell.from_dict(json.loads(json.dumps(cell.to_dict()))) == cell
+    assert Cell.from_dict(cell.to_dict()).key() == cell.key() == cell_key(cell)
+    # A line of a results file written before the cell composed the run configs.
+    flat = {
+        "scenario": "search",
+        "trace": None,
+        "mode": "sync",
+        "policy": "static",
+        "seed": 3,
+        "engines": 4,
+        "profile": "h200-qwen2.5-7b-tp1",
+        "trajectories": 16,
+        "group_size": 4,
+        "max_in_flight": 128,
+        "policy_params": {"prefill_gpus": 2},
+        "forecaster": None,
+        "cluster_overrides": {"layouts": {"prefill": "tp1", "decode": "tp2", "colocated": "tp2"}},
+        "interval_s": 1.0,
+        "min_dwell_s": 10.0,
+        "series": False,
+        "tool_scale": 2.0,
+        "growth_scale": 1.0,
+        "record": True,
+    }
+    assert Cell.from_dict(flat) == cell
+    assert cell_of({"cell": flat}).cluster.role_tp["decode"] == 2
+
+
+def test_cell_fields_are_named_once_and_checked():
+    cell = _cell()
+    assert (cell.workload, cell.mode, cell.policy, cell.seed) == ("search", "sync", "colocate", 0)
+    assert Cell.of(trace="t.parquet").work.scenario is None  # a trace replaces the scenario
+    with pytest.raises(ConfigError, match="no field 'engines'") as info:
+        cell.changed(engines=8)
+    assert "num_slots" in info.value.hint
+    with pytest.raises(ConfigError, match="no field 'seeds'") as info:
+        cell.changed(seeds=2)
+    assert "seed" in info.value.hint

@@ -13,7 +13,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from prorsa.errors import ConfigError
+from prorsa.errors import ConfigError, OutputError
 from prorsa.experiments.cells import Cell, cell_of
 from prorsa.experiments.compare import CompareConfig, run_compare
 from prorsa.runtime.cluster.config import ClusterConfig
@@ -330,3 +330,32 @@ def test_tune_cli_reports_the_study(tmp_path):
     assert (tmp_path / "out" / summary["study"] / "study.json").exists()
     bad = CliRunner().invoke(app, [*args[:-4], "--storage", "nonsense"])
     assert bad.exit_code == 1 and "storage URL" in bad.output
+
+
+def test_bad_parameters_fail_before_the_study_opens(tmp_path, monkeypatch):
+    import prorsa.tune as tuning
+
+    def no_study(*_a, **_k):
+        raise AssertionError("a study opened for settings that cannot work")
+
+    monkeypatch.setattr(tuning, "open_storage", no_study)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    bad = {
+        "no parameter 'prefill_gpu'": _base(policy_params={"prefill_gpu": 2}),
+        "interval_s must be finite": _base(interval_s=float("nan")),
+        "interval_s must be at least": _base(interval_s=1e-9),
+        "trace not found": _base(scenario=None, trace=str(tmp_path / "missing.parquet")),
+    }
+    for message, base in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            tune(TuneConfig(policy="static", base=base, storage=storage))
+
+
+def test_sqlite_storage_folder_may_be_missing_but_must_be_makeable(tmp_path):
+    fresh = f"sqlite:///{tmp_path / 'new' / 'deeper' / 'study.db'}"
+    TuneConfig(policy="static", base=_base(), storage=fresh).validate()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="not a directory"):
+        TuneConfig(
+            policy="static", base=_base(), storage=f"sqlite:///{tmp_path}/file/s.db"
+        ).validate()

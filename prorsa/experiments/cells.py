@@ -150,6 +150,14 @@ class Cell:
 def _closest(name: str) -> str:
     import difflib
 
+    cli_names = {
+        f.metadata["cli"].replace("-", "_"): f.name
+        for cls in _PARTS.values()
+        for f in dataclasses.fields(cls)
+        if "cli" in f.metadata
+    }
+    if name in cli_names:  # the option's name (--engines) for the field's (num_slots)
+        return f"did you mean '{cli_names[name]}'?"
     close = difflib.get_close_matches(name, [*_OWNER, *_OWN], n=1)
     if close:
         return f"did you mean '{close[0]}'?"
