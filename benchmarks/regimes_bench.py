@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import RESULTS, save
-from prorsa.experiments import mechanisms
+from prorsa.experiments import DEFAULT_FORECASTER, mechanisms
 from prorsa.experiments.grids import get_grid, select
 from prorsa.experiments.regime_report import headline, headline_markdown, write_map_report
 from prorsa.experiments.regimes import MapConfig, Regime, goals, run_map
@@ -97,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the quick grid (minutes)")
     parser.add_argument("--models", default="", help="only these models, comma-separated")
-    parser.add_argument("--forecaster", default="lightgbm-trajectory")
+    parser.add_argument("--forecaster", default=DEFAULT_FORECASTER)
     parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
     parser.add_argument("--address", default=None, help="Ray cluster to run cells on")
     parser.add_argument("--fresh", action="store_true", help="ignore finished cells")

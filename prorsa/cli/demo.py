@@ -15,6 +15,7 @@ import typer
 
 from prorsa.cli.common import console, friendly_errors
 from prorsa.cli.explore import regimes_table, run_map_with_progress
+from prorsa.experiments import DEFAULT_FORECASTER
 
 VERDICT_AT = 1.02  # a split "pays" above this speedup over colocation at its best layout
 
@@ -37,7 +38,7 @@ def verdict(summary: dict) -> str:
 @friendly_errors
 def demo_cmd(
     out: Path = typer.Option(Path("out/demo"), help="output directory"),
-    forecaster: str = typer.Option("lightgbm-trajectory", help="forecaster of predictive and mpc"),
+    forecaster: str = typer.Option(DEFAULT_FORECASTER, help="forecaster of predictive and mpc"),
     workers: int = typer.Option(0, help="cells run at once (0: one per CPU)"),
 ) -> None:
     """Where prefill/decode disaggregation pays and where it does not: an MoE model with

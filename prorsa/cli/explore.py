@@ -10,6 +10,7 @@ from rich.table import Table
 
 from prorsa.cli.common import console, friendly_errors, print_json
 from prorsa.errors import ConfigError
+from prorsa.experiments import DEFAULT_FORECASTER
 
 
 def _split(text: str) -> list[str]:
@@ -90,7 +91,7 @@ def explore_cmd(
         "", help="run one mechanism experiment instead of the map: a | b | c"
     ),
     forecaster: str = typer.Option(
-        "lightgbm-trajectory", help="forecaster of predictive and mpc (the oracle has its own)"
+        DEFAULT_FORECASTER, help="forecaster of predictive and mpc (the oracle has its own)"
     ),
     workers: int = typer.Option(
         0, help="cells run at once (0: one per CPU; 1: in this process, without Ray)"

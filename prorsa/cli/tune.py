@@ -56,7 +56,8 @@ def tune_cmd(
     workers (or several commands) may share one storage. Workload, cluster and
     control-loop options are those of `prorsa simulate` (--param: fixed parameters);
     predictive and mpc use lightgbm-trajectory unless --forecaster names another."""
-    from prorsa.experiments.cells import DEFAULT_FORECASTER, Cell
+    from prorsa.experiments import DEFAULT_FORECASTER
+    from prorsa.experiments.cells import Cell
     from prorsa.experiments.compare import FORECAST_POLICIES
     from prorsa.io import check_output
     from prorsa.tracking import Tracker

@@ -32,9 +32,6 @@ from prorsa.runtime.sim.metrics import role_intervals
 from prorsa.telemetry.views import trajectory_table
 from prorsa.workload.config import WorkloadConfig
 
-#: The forecaster the predictive and mpc policies use in sweeps when none is named.
-DEFAULT_FORECASTER = "lightgbm-trajectory"
-
 #: Which part of a cell each field name belongs to (:meth:`Cell.of`, :meth:`Cell.changed`).
 _PARTS: dict[str, type] = {
     "work": WorkloadConfig,

@@ -16,7 +16,8 @@ import numpy as np
 from scipy import stats
 
 from prorsa.errors import ConfigError
-from prorsa.experiments.cells import DEFAULT_FORECASTER, Cell, cell_of
+from prorsa.experiments import DEFAULT_FORECASTER
+from prorsa.experiments.cells import Cell, cell_of
 from prorsa.experiments.sweep import BACKENDS, Sweep
 from prorsa.policy import POLICIES
 from prorsa.policy.best_static import search_best_static

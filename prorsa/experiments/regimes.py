@@ -33,7 +33,8 @@ from functools import cache
 from pathlib import Path
 
 from prorsa.errors import ConfigError
-from prorsa.experiments.cells import DEFAULT_FORECASTER, Cell
+from prorsa.experiments import DEFAULT_FORECASTER
+from prorsa.experiments.cells import Cell
 from prorsa.experiments.families import ModelFamily, get_family
 from prorsa.experiments.knobs import WorkloadKnobs
 from prorsa.experiments.sweep import BACKENDS, Sweep
@@ -45,6 +46,7 @@ from prorsa.policy.layout_plan import (
     plan_layouts,
     plan_start,
 )
+from prorsa.policy.params import check_count, check_interval_s
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.workload.config import WorkloadConfig
@@ -150,6 +152,9 @@ class MapConfig:
                 regime.validate()
         if self.decode_candidates < 1 or self.exhaustive_up_to < 1:
             raise ConfigError("decode_candidates and exhaustive_up_to must be >= 1")
+        check_count(self.workers, "workers", minimum=0)
+        check_interval_s(self.control.interval_s)
+        self.control.validate()
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend '{self.backend}'", hint=f"one of {BACKENDS}")
         unknown = set(self.dynamic_policies) - set(DYNAMIC_POLICIES)
