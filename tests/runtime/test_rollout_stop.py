@@ -218,3 +218,21 @@ def test_agent_loop_ends_a_cancelled_trajectory_as_interrupted(tmp_path):
     (end,) = [json.loads(r["detail"]) for r in table.to_pylist() if r["kind"] == "traj_end"]
     assert end["status"] == "interrupted" and end["error"] == "CancelledError"
     assert 1 <= end["turns"] < end["planned_turns"] == spec.num_turns
+
+
+def test_start_fleet_builds_engines_from_the_composed_config(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    import ray
+
+    from prorsa.runtime.ray.cluster import EngineFleet
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(EngineFleet, "start", classmethod(lambda cls, spec: spec))
+    cfg = config(tmp_path, seed=7, max_model_len=512, connector="example")
+    spec, started = rollout.start_fleet(cfg, ["prefill", "decode", "decode"], tmp_path)
+    assert not started and list(spec.roles) == ["prefill", "decode", "decode"]
+    engine = spec.engine
+    assert (engine.seed, engine.max_model_len, engine.connector) == (7, 512, "example")
+    assert engine.max_num_seqs == 16  # the CPU profile's batch limit (cluster.max_batch unset)
+    cfg = cfg.with_changes(max_batch=4)
+    assert rollout.start_fleet(cfg, ["colocated"] * 3, tmp_path)[0].engine.max_num_seqs == 4

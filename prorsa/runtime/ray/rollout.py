@@ -265,7 +265,7 @@ def start_fleet(config: RolloutConfig, roles: list[str], out: Path) -> tuple[Any
         kv_cache_gib=config.kv_cache_gib if config.kv_cache_gib or not on_cpu else 0.25,
         connector=config.connector,  # type: ignore[arg-type]
         kv_storage_dir=str(out / "kv"),
-        seed=config.seed,
+        seed=config.work.seed,
     )
     try:
         fleet = EngineFleet.start(FleetSpec(engine, roles=roles))
