@@ -14,11 +14,15 @@ from prorsa.forecast.shipping import (
     simulate_runs,
     simulator_version,
 )
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import WorkloadConfig
 from tests.conftest import REPO
 
 
 def test_a_run_simulates_its_load_per_gpu():
-    run = SimRun("math-tool", None, "sync", 3, engines=2, load_per_gpu=3)
+    work = WorkloadConfig(scenario="math-tool", mode="sync", seed=3)
+    run = SimRun.at_load(3, work, ClusterConfig(num_slots=2), ControlConfig(policy="static"))
     (table,) = simulate_runs([run])
     assert set(table.column("run_id").to_pylist()) == {run.run_id}
     assert len(set(table.column("trajectory_id").to_pylist())) == 6  # 3 per GPU x 2 GPUs
@@ -27,20 +31,29 @@ def test_a_run_simulates_its_load_per_gpu():
 
 
 def test_plan_and_recipe_run_ids_are_unique(tmp_path):
-    plan = SimPlan(["swe", "search"], [], ["sync", "async"], (0, 1), engines=4)
+    plan = SimPlan(
+        ["swe", "search"], [], ["sync", "async"], (0, 1), 4, WorkloadConfig(group_size=4)
+    )
     ids = [r.run_id for r in plan.runs()]
     assert len(ids) == len(set(ids)) == 8
+    # Each run takes the plan's configs; the workload is sized by the load per GPU.
+    by_mode = {r.work.mode: r for r in plan.runs() if r.work.seed == 1}
+    assert by_mode["sync"].work.trajectories == 4 * ClusterConfig().total_gpus
+    assert by_mode["async"].work.trajectories == 2 * by_mode["async"].work.max_in_flight
+    assert all(r.work.group_size == 4 and r.cluster == plan.cluster for r in plan.runs())
     train = recipe_runs(REPO / "datasets" / "traces", tmp_path, TRAIN_CELLS, "train")
     heldout = recipe_runs(REPO / "datasets" / "traces", tmp_path, HELDOUT_CELLS, "heldout")
     per_cell = len(SHIP_MODES) * (len(SHIP_SCENARIOS) + len(SHIP_TRACES))
     assert len(train) == per_cell * len(TRAIN_CELLS)
     assert len(heldout) == per_cell * len(HELDOUT_CELLS)
     assert not {r.run_id for r in train} & {r.run_id for r in heldout}
+    assert {r.cluster.reuse_mode for r in train} == {"reprefill", "kv-store"}
+    assert {r.control.policy for r in train} == {"static", "colocate"}
     loads = {c.load_per_gpu for c in TRAIN_CELLS}
     assert min(loads) == 4 and max(loads) == 128
     assert any(c.load_per_gpu == 128 for c in HELDOUT_CELLS)
     # Held-out replays read the other half of each trace.
-    assert all("heldout" in r.trace for r in heldout if r.trace)
+    assert all("heldout" in r.work.trace for r in heldout if r.work.trace)
 
 
 def test_simulator_version_is_stable_and_names_the_sources():

@@ -72,6 +72,8 @@ def dataset_cmd(
     """Replay simulated runs or telemetry tick by tick into a forecasting dataset."""
     from prorsa.forecast.dataset import build_dataset
     from prorsa.forecast.shipping import SimPlan, simulate_runs
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.cluster.control import ControlConfig
     from prorsa.telemetry.reader import read_telemetry
 
     hs = _horizons(horizons)
@@ -97,11 +99,9 @@ def dataset_cmd(
                 traces=_list(from_trace),
                 modes=modes,
                 seeds=range(seed_offset, seed_offset + seeds),
-                engines=engines,
-                policy=policy,
-                profile=profile,
                 load_per_gpu=load_per_gpu,
-                reuse_mode=reuse_mode,
+                cluster=ClusterConfig(profile=profile, num_slots=engines, reuse_mode=reuse_mode),
+                control=ControlConfig(policy=policy),
             )
             task = bar.add_task("sim", total=len(plan.runs()))
             tables = simulate_runs(plan, lambda i, n: bar.update(task, completed=i))

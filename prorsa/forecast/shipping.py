@@ -23,38 +23,61 @@ import logging
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from prorsa.errors import InputError
+from prorsa.runtime.cluster.config import ClusterConfig
+from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.workload.config import WorkloadConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROFILE = "h200-qwen2.5-7b-tp1"
 Progress = Callable[[int, int], None]
 
 
 # --------------------------------------------------------------------------- runs
 @dataclass(frozen=True)
 class SimRun:
-    """One simulation that yields telemetry for a forecasting dataset.
+    """One simulation that yields telemetry for a forecasting dataset: the run
+    configurations every entry point shares, and the load per GPU the workload was sized
+    by (:meth:`at_load`; part of the run id)."""
 
-    ``load_per_gpu`` trajectories per GPU: a sync step of that many x GPUs, or async with
-    that many x GPUs in flight (twice as many in all).
-    """
-
-    scenario: str | None
-    trace: str | None
-    mode: str
-    seed: int
-    engines: int
+    work: WorkloadConfig
+    cluster: ClusterConfig
+    control: ControlConfig
     load_per_gpu: int
-    policy: str = "static"
-    profile: str = DEFAULT_PROFILE
-    reuse_mode: str = "reprefill"
+
+    @classmethod
+    def at_load(
+        cls,
+        load_per_gpu: int,
+        work: WorkloadConfig,
+        cluster: ClusterConfig,
+        control: ControlConfig,
+    ) -> SimRun:
+        """``work`` sized to ``load_per_gpu`` trajectories per GPU of ``cluster``: a sync
+        step of that many x GPUs, or async with that many x GPUs in flight (twice as many
+        in all, so the telemetry is not only the ramp-up and the drain)."""
+        in_flight = load_per_gpu * cluster.total_gpus
+        sized = replace(
+            work,
+            trajectories=in_flight if work.mode == "sync" else 2 * in_flight,
+            max_in_flight=in_flight,
+        )
+        return cls(sized, cluster, control, load_per_gpu)
+
+    @property
+    def scenario(self) -> str | None:
+        return self.work.scenario
+
+    @property
+    def trace(self) -> str | None:
+        """The replayed trace, or None for a scenario."""
+        return self.work.trace
 
     @property
     def workload(self) -> str:
@@ -63,34 +86,16 @@ class SimRun:
     @property
     def run_id(self) -> str:
         return (
-            f"{self.workload}-{self.mode}-{self.policy}-e{self.engines}-l{self.load_per_gpu}"
-            f"-{self.reuse_mode}-{self.profile}-s{self.seed}"
+            f"{self.workload}-{self.work.mode}-{self.control.policy}-e{self.cluster.num_slots}"
+            f"-l{self.load_per_gpu}-{self.cluster.reuse_mode}-{self.cluster.profile}"
+            f"-s{self.work.seed}"
         )
 
     def simulate(self) -> pa.Table:
         """Run it; the telemetry table (marked as simulated)."""
-        from prorsa.runtime.cluster.config import ClusterConfig
-        from prorsa.runtime.cluster.control import ControlConfig
-        from prorsa.runtime.sim.scenario import RunRequest, WorkloadConfig, simulate
+        from prorsa.runtime.sim.scenario import RunRequest, simulate
 
-        cluster = ClusterConfig(
-            profile=self.profile, num_slots=self.engines, reuse_mode=self.reuse_mode
-        )
-        in_flight = self.load_per_gpu * cluster.total_gpus
-        work = WorkloadConfig(
-            scenario=self.scenario,
-            trace=self.trace,
-            mode=self.mode,
-            trajectories=in_flight if self.mode == "sync" else 2 * in_flight,
-            max_in_flight=in_flight,
-            seed=self.seed,
-        )
-        request = RunRequest(
-            work=work,
-            cluster=cluster,
-            control=ControlConfig(policy=self.policy),
-            run_id=self.run_id,
-        )
+        request = RunRequest(self.work, self.cluster, self.control, run_id=self.run_id)
         result = simulate(request)
         if result.telemetry is None or result.telemetry.num_rows == 0:
             raise InputError(f"simulation {self.run_id} recorded no telemetry")
@@ -99,17 +104,18 @@ class SimRun:
 
 @dataclass
 class SimPlan:
-    """A grid of simulated runs: scenarios or trace replays x modes x seeds, one cluster."""
+    """A grid of simulated runs: scenarios or trace replays x modes x seeds, at one load
+    per GPU on one cluster under one control loop (``work`` is the template of every
+    run's workload: group size, staleness ...)."""
 
     scenarios: list[str] = field(default_factory=list)
     traces: list[str] = field(default_factory=list)
     modes: list[str] = field(default_factory=lambda: ["sync"])
     seeds: Sequence[int] = (0,)
-    engines: int = 8
-    policy: str = "static"
-    profile: str = DEFAULT_PROFILE
     load_per_gpu: int = 16
-    reuse_mode: str = "reprefill"
+    work: WorkloadConfig = field(default_factory=WorkloadConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def runs(self) -> list[SimRun]:
         out = []
@@ -117,19 +123,8 @@ class SimPlan:
             for seed in self.seeds:
                 workloads = [(s, None) for s in self.scenarios] + [(None, t) for t in self.traces]
                 for scenario, trace in workloads:
-                    out.append(
-                        SimRun(
-                            scenario,
-                            trace,
-                            mode,
-                            seed,
-                            self.engines,
-                            self.load_per_gpu,
-                            self.policy,
-                            self.profile,
-                            self.reuse_mode,
-                        )
-                    )
+                    work = replace(self.work, scenario=scenario, trace=trace, mode=mode, seed=seed)
+                    out.append(SimRun.at_load(self.load_per_gpu, work, self.cluster, self.control))
         return out
 
 
@@ -260,14 +255,32 @@ SHIP_PARAMS: dict[str, dict] = {"gru": {"epochs": 15}}
 
 @dataclass(frozen=True)
 class Cell:
-    """A cluster and load of the recipe (every workload and mode runs in it)."""
+    """A cluster and load of the recipe (every workload and mode runs in it).
+
+    The recipe names its profile and reuse mode itself rather than taking the cluster
+    configuration's defaults: a changed default must not change what the shipped models
+    were trained on."""
 
     engines: int
     load_per_gpu: int
     seed: int
     reuse_mode: str = "reprefill"
-    profile: str = DEFAULT_PROFILE
+    profile: str = "h200-qwen2.5-7b-tp1"
     policy: str = "static"
+
+    def plan(self, scenarios: Sequence[str], traces: Sequence[str]) -> SimPlan:
+        """Every workload x mode of the recipe in this cell."""
+        return SimPlan(
+            scenarios=list(scenarios),
+            traces=list(traces),
+            modes=list(SHIP_MODES),
+            seeds=(self.seed,),
+            load_per_gpu=self.load_per_gpu,
+            cluster=ClusterConfig(
+                profile=self.profile, num_slots=self.engines, reuse_mode=self.reuse_mode
+            ),
+            control=ControlConfig(policy=self.policy),
+        )
 
 
 #: Training cells: 4-128 trajectories per GPU, 4-32 engines, KV store or not, two models.
@@ -311,25 +324,7 @@ def recipe_runs(traces_dir: Path, work: Path, cells: Sequence[Cell], part: str) 
     for name in SHIP_TRACES:
         train, heldout = split_trace(traces_dir / f"{name}.parquet", work)
         traces.append(str(train if part == "train" else heldout))
-    runs = []
-    for cell in cells:
-        for mode in SHIP_MODES:
-            workloads = [(s, None) for s in SHIP_SCENARIOS] + [(None, t) for t in traces]
-            for scenario, trace in workloads:
-                runs.append(
-                    SimRun(
-                        scenario,
-                        trace,
-                        mode,
-                        cell.seed,
-                        cell.engines,
-                        cell.load_per_gpu,
-                        cell.policy,
-                        cell.profile,
-                        cell.reuse_mode,
-                    )
-                )
-    return runs
+    return [run for cell in cells for run in cell.plan(SHIP_SCENARIOS, traces).runs()]
 
 
 def ship_recipe(data) -> dict[str, Any]:
