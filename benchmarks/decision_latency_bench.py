@@ -68,8 +68,8 @@ def measure(
     """One forecaster's tick latency; see the module doc."""
     from prorsa.forecast.tracker import LifecycleTracker
     from prorsa.policy import make_policy
+    from prorsa.runtime.cluster.config import ClusterConfig
     from prorsa.runtime.forecast_provider import make_provider
-    from prorsa.runtime.sim.config import ClusterConfig
     from prorsa.runtime.sim.drivers import AsyncDriver
     from prorsa.runtime.sim.simulation import Simulation
     from prorsa.workload import get_scenario

@@ -107,9 +107,9 @@ QUIET_CORES = 0.25
 # ---------------------------------------------------------------------------- step 3
 def simulate(specs, policy_name, params, profile, link, switch_s, rollout_cfg, overhead_s=0.0):
     from prorsa.policy import make_policy
+    from prorsa.runtime.cluster.config import ClusterConfig
     from prorsa.runtime.forecast_provider import make_provider
     from prorsa.runtime.ray.rollout_metrics import rollout_metrics
-    from prorsa.runtime.sim.config import ClusterConfig
     from prorsa.runtime.sim.drivers import SyncDriver
     from prorsa.runtime.sim.simulation import Simulation
 

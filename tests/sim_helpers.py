@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from prorsa.policy import make_policy
-from prorsa.runtime.sim.config import ClusterConfig
+from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.sim.cost.profile import CostProfile
 from prorsa.runtime.sim.drivers import ArrivalDriver, SyncDriver
 from prorsa.runtime.sim.simulation import Simulation

@@ -10,8 +10,8 @@ from prorsa.forecast import TARGETS, build_dataset, load_forecaster, make_foreca
 from prorsa.forecast.backtest import backtest
 from prorsa.policy.base import Policy
 from prorsa.policy.types import Allocation
+from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.forecast_provider import ForecastProvider, make_provider, resolve_forecaster
-from prorsa.runtime.sim.config import ClusterConfig
 from prorsa.runtime.sim.drivers import SyncDriver
 from prorsa.runtime.sim.simulation import Simulation
 from tests.sim_helpers import profile, random_specs

@@ -9,7 +9,7 @@ import pytest
 
 from prorsa.errors import ConfigError
 from prorsa.policy import Allocation, Policy
-from prorsa.runtime.sim.config import ClusterConfig
+from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.sim.core import Environment
 from prorsa.runtime.sim.drivers import AsyncDriver, SyncDriver
 from prorsa.telemetry.validation import validate_table

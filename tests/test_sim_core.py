@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
+from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.spec import load_profiles
-from prorsa.runtime.sim.config import ClusterConfig
 from prorsa.runtime.sim.core import PRIORITY_COMPLETE, PRIORITY_PLAN, Environment
 from prorsa.runtime.sim.engine import StepCosts
 

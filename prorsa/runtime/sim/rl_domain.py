@@ -17,7 +17,7 @@ import numpy as np
 from prorsa.errors import ConfigError
 
 if TYPE_CHECKING:  # the simulator is imported when an episode is built (keeps the CLI light)
-    from prorsa.runtime.sim.config import ClusterConfig
+    from prorsa.runtime.cluster.config import ClusterConfig
     from prorsa.runtime.sim.scenario import WorkloadConfig
 
 
@@ -31,7 +31,7 @@ class ClusterFamily:
     slots: tuple[int, ...] = (4, 6, 8, 12, 16, 24, 32)
 
     def cluster(self, num_slots: int) -> ClusterConfig:
-        from prorsa.runtime.sim.config import ClusterConfig
+        from prorsa.runtime.cluster.config import ClusterConfig
 
         return ClusterConfig(
             profile=self.profile,
