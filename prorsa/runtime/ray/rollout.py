@@ -163,7 +163,6 @@ def run_rollout(
         RolloutInterrupted: SIGINT or SIGTERM stopped the run (outputs written, marked).
         ConfigError, OutputError: bad settings or output folder, before any engine starts.
     """
-    from prorsa.experiments.sweep import signals_interrupt
     from prorsa.io import check_output
     from prorsa.telemetry.manifest import run_manifest
 
@@ -190,28 +189,57 @@ def run_rollout(
     # SIGTERM raises like Ctrl-C while engines start and stop (start_fleet keeps this
     # handler over Ray's); while trajectories run, _run turns both signals into a stop.
     with (
-        signals_interrupt(),
+        _sigterm_interrupts() as seen,
         run_manifest(out, command="rollout", run_id=config.run_id, planned=len(work)) as run,
     ):
         ray_started = False
-        if owned:
-            fleet, ray_started = start_fleet(config, roles, out)
+        stop = _StopOnSignal()
         try:
-            run_all = _run(config, fleet, roles, policy, forecaster, work, out, progress)
-            result = asyncio.run(run_all)
-        finally:
             if owned:
-                fleet.shutdown()
-                if ray_started:
-                    import ray
+                fleet, ray_started = start_fleet(config, roles, out)
+            try:
+                run_all = _run(config, fleet, roles, policy, forecaster, work, out, progress, stop)
+                result = asyncio.run(run_all)
+            finally:
+                if owned:
+                    fleet.shutdown()
+                    if ray_started:
+                        import ray
 
-                    ray.shutdown()
+                        ray.shutdown()
+        except (KeyboardInterrupt, asyncio.CancelledError) as exc:
+            # Ray's wait re-raises a bare KeyboardInterrupt, and a second signal cancels
+            # the whole run: say which signal it was.
+            signum = stop.signum or (seen[-1] if seen else None)
+            if isinstance(exc, RolloutInterrupted) or signum is None:
+                raise
+            raise RolloutInterrupted(signum) from None
         result.metrics["engine_start_s"] = fleet.start_s
         _finish(run, result)
         _write(out, result, run)
     if result.stopped_by is not None:
         raise RolloutInterrupted(result.stopped_by, result)
     return result
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[list[int]]:
+    """While active, SIGTERM raises :class:`RolloutInterrupted` as SIGINT raises
+    ``KeyboardInterrupt``, so clean-up runs for both; yields the list of signals seen."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen  # only the main thread may handle signals
+        return
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        seen.append(signum)
+        raise RolloutInterrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _finish(run: Any, result: RolloutResult) -> None:
@@ -285,6 +313,7 @@ async def _run(
     specs: list[TrajectorySpec],
     out: Path,
     progress: Progress | None,
+    stop: _StopOnSignal,
 ) -> RolloutResult:
     from prorsa.runtime.ray.tools import make_tools
     from prorsa.runtime.ray.tools.search import project_corpus
@@ -346,7 +375,6 @@ async def _run(
     answers: list[Any] = [None] * len(specs)
     wall = time.perf_counter()
     drive: asyncio.Task | None = None
-    stop = _StopOnSignal()
     try:
         await monitor.poll_once()  # KV capacity known before the first tick
         if controller is not None:
