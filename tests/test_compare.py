@@ -160,6 +160,7 @@ def test_mlflow_logging_only_when_asked(tmp_path):
         ({"work": WorkloadConfig(trajectories=0)}, "trajectories"),
         ({"workloads": [(None, "missing.parquet")]}, "trace not found"),
         ({"tuned_storage": "redis://host/0"}, "not a database"),
+        ({"control": ControlConfig(policy_params={"prefill_gpus": 2})}, "per policy"),
     ],
 )
 def test_bad_inputs_fail_before_any_cell_runs(monkeypatch, changes, message):

@@ -84,6 +84,11 @@ class CompareConfig:
             if mode not in MODES:
                 raise ConfigError(f"unknown mode '{mode}'", hint="sync, async or sync,async")
         check_policy_param_groups(self.policy_params, policies=self.policies)
+        if self.control.policy_params:
+            raise ConfigError(
+                "compare takes policy parameters per policy, not in control.policy_params",
+                hint="use policy_params={policy: {key: value}} (--param policy.key=value)",
+            )
         check_count(self.workers, "workers", minimum=0)
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend '{self.backend}'", hint=f"one of {BACKENDS}")
