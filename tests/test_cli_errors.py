@@ -194,3 +194,18 @@ def test_tune_bad_inputs_are_one_line_before_any_trial(tmp_path, monkeypatch, op
     assert result.exit_code == 1, result.output
     assert result.output.startswith("error:") and message in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2
+
+
+@pytest.mark.parametrize("command", [["explore", "--quick"], ["demo"]])
+def test_regime_map_bad_workers_are_one_line_before_any_cell(tmp_path, monkeypatch, command):
+    from prorsa.cli.main import app
+    from prorsa.experiments import regimes
+
+    def no_sweep(*_a, **_k):
+        raise AssertionError("cells started for a map that cannot work")
+
+    monkeypatch.setattr(regimes, "Sweep", no_sweep)
+    result = runner.invoke(app, [*command, "--workers", "-1", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: workers must be at least 0")
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2

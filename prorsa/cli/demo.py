@@ -59,6 +59,7 @@ def demo_cmd(
         workers=workers,
         cells_path=out / "cells.jsonl",
     )
+    cfg.validate()  # before anything is printed or planned
     console.print(
         "[bold]prorsa demo[/]: Qwen3-30B-A3B on search (32 H200s) next to Qwen2.5-7B on swe "
         "(16 H200s), 16 trajectories per GPU, sync and async"

@@ -137,6 +137,7 @@ def explore_cmd(
         cells_path=out / "cells.jsonl",
         resume=resume,
     )
+    cfg.validate()  # before anything is printed or planned
     if not as_json:
         console.print(f"[bold]prorsa explore[/]: {len(regimes)} regimes")
     result = run_map_with_progress(cfg, quiet=as_json)
