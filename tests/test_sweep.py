@@ -277,6 +277,32 @@ def test_cell_reads_back_from_its_dict_and_from_old_flat_results():
     assert cell_of({"cell": flat}).cluster.role_tp["decode"] == 2
 
 
+def test_a_sweep_resumes_from_a_results_file_of_flat_cells(tmp_path):
+    cell = _cell(2)
+    old = run_sweep([cell], workers=1)[0]
+    flat = {
+        "scenario": "search",
+        "trace": None,
+        "mode": "sync",
+        "policy": "colocate",
+        "seed": 2,
+        "engines": 4,
+        "profile": "h200-qwen2.5-7b-tp1",
+        "trajectories": 16,
+        "group_size": 4,
+        "series": False,
+    }
+    path = tmp_path / "cells.jsonl"
+    path.write_text(json.dumps({"key": "0123456789abcdef", "result": {**old, "cell": flat}}) + "\n")
+
+    def never(_cell):
+        raise AssertionError("a cell of the old file ran again")
+
+    with Sweep(results_path=path, workers=1, fn=never) as sweep:
+        (again,) = sweep.map([cell])
+    assert sweep.reused == 1 and again["objective"] == old["objective"]
+
+
 def test_cell_fields_are_named_once_and_checked():
     cell = _cell()
     assert (cell.workload, cell.mode, cell.policy, cell.seed) == ("search", "sync", "colocate", 0)
