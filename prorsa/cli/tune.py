@@ -56,18 +56,15 @@ def tune_cmd(
     workers (or several commands) may share one storage. Workload, cluster and
     control-loop options are those of `prorsa simulate` (--param: fixed parameters);
     predictive and mpc use lightgbm-trajectory unless --forecaster names another."""
-    from prorsa.experiments import DEFAULT_FORECASTER
     from prorsa.experiments.cells import Cell
-    from prorsa.experiments.compare import FORECAST_POLICIES
+    from prorsa.experiments.compare import forecaster_for
     from prorsa.io import check_output
     from prorsa.tracking import Tracker
     from prorsa.tune import TuneConfig, default_study_name, study_summary, tune
 
     if work.trace is not None:
         work.scenario = None  # a trace replaces the default scenario
-    forecaster = None
-    if policy in FORECAST_POLICIES:
-        forecaster = control.forecaster or DEFAULT_FORECASTER
+    forecaster = forecaster_for(policy, control.forecaster)
     control = replace(control, policy=policy, forecaster=forecaster)
     base = Cell(work=work, cluster=cluster, control=control)
     cfg = TuneConfig(

@@ -109,9 +109,7 @@ def _cell(
 ) -> Cell:
     """One cell of the matrix; ``params`` are laid over the policy's configured ones."""
     scenario, trace = workload
-    forecaster = None
-    if policy in FORECAST_POLICIES:
-        forecaster = cfg.control.forecaster or DEFAULT_FORECASTER
+    forecaster = forecaster_for(policy, cfg.control.forecaster)
     return Cell(
         work=replace(cfg.work, scenario=scenario, trace=trace, mode=mode, seed=seed),
         cluster=cfg.cluster,
@@ -122,6 +120,14 @@ def _cell(
             forecaster=forecaster,
         ),
     )
+
+
+def forecaster_for(policy: str, named: str | None) -> str | None:
+    """The forecaster a cell of ``policy`` runs with: ``named`` (else the default) for the
+    policies that need one, none for the others (the oracle brings its own)."""
+    if policy not in FORECAST_POLICIES:
+        return None
+    return named or DEFAULT_FORECASTER
 
 
 def run_compare(cfg: CompareConfig, *, progress: Callable[[int, int], None] | None = None) -> dict:
