@@ -192,3 +192,21 @@ def test_cli_errors_are_one_line(telemetry, tmp_path):
         ],
     )
     assert res.exit_code == 0, res.output  # simulated telemetry: the oracle accepts it
+
+
+def test_outputs_are_checked_before_any_work(telemetry, tmp_path):
+    source = telemetry[0]
+    before = source.read_bytes()
+    res = runner.invoke(
+        app, ["forecast", "dataset", "--telemetry", str(source), "--out", str(source)]
+    )
+    assert res.exit_code == 1 and "is also an input" in res.output
+    assert source.read_bytes() == before  # the telemetry it was given is untouched
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = runner.invoke(
+        app,
+        ["forecast", "train", "--model", "ewma", "--data", str(source), "--out", str(blocker)],
+    )
+    # Refused for the output before the dataset is even read.
+    assert res.exit_code == 1 and "not a directory" in res.output

@@ -72,11 +72,14 @@ def dataset_cmd(
     """Replay simulated runs or telemetry tick by tick into a forecasting dataset."""
     from prorsa.forecast.dataset import build_dataset
     from prorsa.forecast.shipping import SimPlan, simulate_runs
+    from prorsa.io import check_output
     from prorsa.runtime.cluster.config import ClusterConfig
     from prorsa.runtime.cluster.control import ControlConfig
     from prorsa.telemetry.reader import read_telemetry
 
     hs = _horizons(horizons)
+    # Before any simulation: the dataset may not replace one of its inputs.
+    check_output(out, inputs=[*telemetry, *(Path(t) for t in _list(from_trace))])
     if not (from_sim or from_trace or telemetry):
         raise ConfigError("give --from-sim, --from-trace or --telemetry")
     if (from_sim or from_trace) and telemetry:
@@ -159,8 +162,10 @@ def train_cmd(
 ) -> None:
     """Fit a forecaster on a dataset and save it (manifest + model files)."""
     from prorsa.forecast.shipping import train_model
+    from prorsa.io import check_output
     from prorsa.telemetry.reader import read_telemetry
 
+    check_output(out, kind="dir", inputs=[data, *validate])
     tables = [read_telemetry(p)[0] for p in validate]
     with _progress("training / validating", disable=as_json) as bar:
         task = bar.add_task("train", total=None)

@@ -34,6 +34,7 @@ from prorsa.forecast.features import LifecycleFeatures, replay
 from prorsa.forecast.targets import event_frame, run_targets, tick_times
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, TARGETS, check_horizons, target_column
+from prorsa.io import atomic_path
 from prorsa.telemetry.schema import EventKind
 
 SNAPSHOT_COLUMNS = (
@@ -119,13 +120,15 @@ class ForecastDataset:
         path.parent.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pandas(self.ticks, preserve_index=False)
         meta = {**(table.schema.metadata or {}), _META_KEY: json.dumps(self.meta).encode()}
-        pq.write_table(table.replace_schema_metadata(meta), path, compression="zstd")
+        # Siblings first, the main file last: a crash never leaves a complete-looking
+        # dataset whose siblings are missing, and each file appears whole or not at all.
         for name, frame in sibling_tables(self).items():
-            pq.write_table(
-                pa.Table.from_pandas(frame, preserve_index=False),
-                sibling(path, name),
-                compression="zstd",
-            )
+            with atomic_path(sibling(path, name)) as tmp:
+                pq.write_table(
+                    pa.Table.from_pandas(frame, preserve_index=False), tmp, compression="zstd"
+                )
+        with atomic_path(path) as tmp:
+            pq.write_table(table.replace_schema_metadata(meta), tmp, compression="zstd")
         return path
 
     @classmethod
