@@ -437,7 +437,7 @@ class RolloutService:
         failed = {eid: repr(r) for eid, r in results.items() if isinstance(r, BaseException)}
         for engine_id, error in failed.items():
             logger.error("engine %d failed the %s and leaves service: %s", engine_id, what, error)
-            self.router.pools.mark_dead(engine_id)
+            self.router.pools.mark_dead(engine_id, cause=f"{what} failed: {error}")
         if failed and len(failed) == len(results):
             raise RuntimeError(f"{what} failed on every engine: {failed}")
         return failed

@@ -123,8 +123,14 @@ class RayActuator:
             gpus=gpus,
             reason="engine_lost",
             role=role.value if role is not None else None,
+            cause=engine.lost_cause,
         )
-        logger.warning("engine %d lost; live GPUs per role now %s", engine.engine_id, gpus)
+        logger.warning(
+            "engine %d lost (%s); live GPUs per role now %s",
+            engine.engine_id,
+            engine.lost_cause,
+            gpus,
+        )
 
     async def wait(self) -> list[dict[str, Any]]:
         """Wait for every switch started so far; returns their summaries."""

@@ -89,7 +89,7 @@ class LoadMonitor:
             elif isinstance(answer, EngineUnavailable):
                 # An idle engine's death shows here first; the router finds it only when
                 # it next sends work there.
-                self.pools.mark_dead(engine.engine_id)
+                self.pools.mark_dead(engine.engine_id, cause=f"load poll failed: {answer}")
             elif not isinstance(answer, TimeoutError):
                 logger.debug("load of engine %d: %r", engine.engine_id, answer)
         self.polls += 1

@@ -74,6 +74,7 @@ class EngineState:
     since_s: float = 0.0  # when the engine entered its current role (router clock)
     switches: int = 0
     owned: int = 0  # live trajectories whose decode side sticks here (routing)
+    lost_cause: str | None = None  # why it was marked dead (telemetry), once it is
 
     @property
     def accepting(self) -> bool:
@@ -181,11 +182,14 @@ class RolePools:
         self.roles_version += 1
         self.notify()
 
-    def mark_dead(self, engine_id: int) -> bool:
+    def mark_dead(self, engine_id: int, cause: str = "unknown") -> bool:
         """Take the engine out of every pool. True when it was alive until now; then
-        every :meth:`on_engine_lost` listener is told, once."""
+        ``cause`` is kept on the engine and every :meth:`on_engine_lost` listener is
+        told, once."""
         engine = self.get(engine_id)
         was_alive, engine.alive = engine.alive, False
+        if was_alive:
+            engine.lost_cause = cause
         self.roles_version += 1
         self.notify()
         if was_alive:

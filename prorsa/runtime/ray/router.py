@@ -638,7 +638,7 @@ class PDRouter:
             raise Rerouted(f"{lease.request_id} on engine {lease.engine_id} {why}")
 
     def _engine_failed(self, exc: EngineUnavailable) -> None:
-        if self.pools.mark_dead(exc.engine_id):
+        if self.pools.mark_dead(exc.engine_id, cause=f"request failed: {exc.reason}"):
             logger.error("engine %d marked dead: %s", exc.engine_id, exc.reason)
 
     def _release_stale_kv(self, request_id: str, kv_params: dict[str, Any]) -> None:

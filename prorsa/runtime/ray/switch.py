@@ -170,7 +170,7 @@ class RoleSwitcher:
             summary.update(await self._run_stages(engine, switch, drain_timeout_s, stages))
         except EngineUnavailable as exc:
             error = str(exc)
-            self.pools.mark_dead(engine.engine_id)
+            self.pools.mark_dead(engine.engine_id, cause=f"role switch failed: {exc}")
         finally:
             final = parse_role(switch.to_role if error is None else switch.from_role)
             engine.switching_from = engine.switching_to = None
