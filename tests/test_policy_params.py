@@ -113,3 +113,9 @@ def test_tracking_uris(tmp_path):
         assert check_tracking_uri(ok) == ok
     with pytest.raises(ConfigError, match="unknown scheme 'htp'"):
         check_tracking_uri("htp://host")
+
+
+def test_a_policy_without_parameters_says_so():
+    with pytest.raises(ConfigError, match="policy 'colocate' has no parameter 'x'") as info:
+        check_policy_params("colocate", {"x": 1})
+    assert info.value.hint == "'colocate' takes no parameters"

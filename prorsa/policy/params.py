@@ -67,7 +67,11 @@ def check_policy_params(name: str, params: Mapping[str, object]) -> dict[str, ob
         if key not in declared:
             raise ConfigError(
                 f"policy '{name}' has no parameter '{key}'",
-                hint=_did_you_mean(key, declared) + f"its parameters: {', '.join(declared)}",
+                hint=(
+                    _did_you_mean(key, declared) + f"its parameters: {', '.join(declared)}"
+                    if declared
+                    else f"'{name}' takes no parameters"
+                ),
             )
         checked[key] = _coerce(f"{name}.{key}", value, declared[key])
     return checked
