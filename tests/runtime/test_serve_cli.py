@@ -45,20 +45,22 @@ def test_sigterm_shuts_down_engines_and_ray(tiny_model_dir, tmp_path):
            "--engines", "1", "--port", str(port), "--admin-token", "t0ken",
            "--kv-cache-gib", "0.125", "--telemetry-dir", str(tmp_path / "tel")]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    # The server's output goes to a file, not a pipe: vLLM and Ray log enough to fill a pipe's
+    # buffer, and a server blocked on a full pipe never becomes healthy.
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 -- closed in the finally below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, log_path.read_text()[-4000:]
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "server did not become healthy"
+            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
             time.sleep(1)
         body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 3, "logprobs": 0}}
         r = httpx.post(f"{url}/inference/v1/generate", json=body, headers={"X-Session-ID": "a"})
@@ -68,10 +70,11 @@ def test_sigterm_shuts_down_engines_and_ray(tiny_model_dir, tmp_path):
         assert len(children) >= 3  # Ray's processes and the engine actor at least
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=180)
-        output = proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
+        log.close()
+    output = log_path.read_text()
     assert code == 0, output
     assert "stopped: engines and Ray shut down" in output
     deadline = time.monotonic() + 30
