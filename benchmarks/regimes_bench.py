@@ -49,6 +49,7 @@ def compact(summary: dict) -> dict:
         "gpus",
         "shape",
         "planned_layouts",
+        "run_plan",
         "colocate_best",
         "colocate_baseline",
         "planner_colocated_regret",
@@ -56,7 +57,7 @@ def compact(summary: dict) -> dict:
         "speedup",
         "speedup_vs_baseline",
     )
-    out = {k: summary[k] for k in keep}
+    out = {k: summary[k] for k in keep if k in summary}
     if out["best_static"]:
         out["best_static"] = {
             k: v for k, v in out["best_static"].items() if k != "objective_by_prefill_slots"

@@ -13,7 +13,14 @@ from prorsa.experiments.cells import Cell, run_cell
 from prorsa.experiments.families import ModelFamily
 from prorsa.experiments.grids import LOADS, WORKLOADS, full_grid, get_grid, select
 from prorsa.experiments.knobs import WorkloadKnobs
-from prorsa.experiments.regimes import MapConfig, Regime, goals, plan_regime, run_map
+from prorsa.experiments.regimes import (
+    MapConfig,
+    Regime,
+    goals,
+    plan_regime,
+    run_map,
+    simulated_run_plan,
+)
 from prorsa.workload.spec import TrajectorySpec
 
 TOY = ModelFamily("toy-7b", "h200-qwen2.5-7b", ("tp1", "tp2"), 4, "tp1", moe=False)
@@ -78,13 +85,43 @@ def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
     assert summary["best_static"]["objective"] == min(searched)
     pairs = {(s["prefill_layout"], s["decode_layout"]) for s in summary["static_searches"]}
     assert ("tp1", "tp1") in pairs
-    # the dynamic policies ran with the planner's layouts
+    # the dynamic policies ran with the simulated searches' layouts and start
+    run_plan = summary["run_plan"]
+    best = summary["best_static"]
+    assert run_plan["by"] == "simulation"
+    assert run_plan["layouts"] == {
+        "prefill": best["prefill_layout"],
+        "decode": best["decode_layout"],
+        "colocated": best_layout,
+    }
+    split_won = best["objective"] < colocate[best_layout]
+    assert run_plan["start"] == ("split" if split_won else "colocated")
     assert set(summary["planned_layouts"].values()) <= {"tp1", "tp2"}
     lines = (tmp_path / "cells.jsonl").read_text().splitlines()
     cells = [Cell.from_dict(json.loads(line)["result"]["cell"]) for line in lines]
     dynamic = [c for c in cells if c.policy in ("predictive", "mpc", "oracle")]
-    assert all(c.cluster.layouts == summary["planned_layouts"] for c in dynamic)
+    assert all(c.cluster.layouts == run_plan["layouts"] for c in dynamic)
+    assert all(c.control.policy_params["start"] == run_plan["start"] for c in dynamic)
     assert all(c.control.forecaster == "ewma" for c in dynamic if c.policy != "oracle")
+
+
+def test_simulated_plan_starts_split_only_where_the_split_won():
+    plan = plan_regime(Regime("toy-7b", "swe", "async", 8), toy_config())
+    colocate = {"tp1": 100.0, "tp2": 90.0}
+    static = {"prefill_layout": "tp1", "decode_layout": "tp2", "prefill_gpus": 2}
+    lost = simulated_run_plan(plan, colocate, {**static, "objective": 95.0})
+    assert lost.start == "colocated" and lost.layouts["colocated"] == "tp2"
+    won = simulated_run_plan(plan, colocate, {**static, "objective": 80.0})
+    assert won.start == "split"
+    assert won.prefill_fraction == pytest.approx(2 / plan.family.gpus)
+    assert won.layouts == {"prefill": "tp1", "decode": "tp2", "colocated": "tp2"}
+
+
+def test_analytic_plan_runs_the_cost_model_planners_layouts(tmp_path):
+    result = run_map(toy_config(tmp_path, plan_by="analytic"))
+    (summary,) = result["regimes"]
+    assert summary["run_plan"]["layouts"] == summary["planned_layouts"]
+    assert summary["run_plan"]["start"] == summary["planned_start"]["start"]
 
 
 def test_map_resumes_from_its_cells_file(tmp_path):

@@ -368,10 +368,12 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
     from prorsa.experiments.cells import run_cell
     from prorsa.experiments.regimes import (
         Regime,
+        RunPlan,
         _cell,
         _dynamic_cell,
         _same,
         _static_layouts,
+        analytic_run_plan,
         plan_regime,
     )
 
@@ -389,7 +391,11 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
             cfg, plan, "static", layouts, params={"prefill_gpus": static["prefill_gpus"]}
         )
     if "predictive" in summary["policies"]:
-        cells["predictive"] = _dynamic_cell(cfg, plan, "predictive")
+        # the plan the map ran the policy with (summaries before it was recorded: the
+        # cost-model planner's)
+        recorded = summary.get("run_plan")
+        run_plan = RunPlan(**recorded) if recorded else analytic_run_plan(plan)
+        cells["predictive"] = _dynamic_cell(cfg, plan, "predictive", run_plan)
     runs = {name: run_cell(replace(cell, series=True)) for name, cell in cells.items()}
     stats = {}
     for name, run in runs.items():

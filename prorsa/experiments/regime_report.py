@@ -157,16 +157,19 @@ def headline_markdown(summaries: list[dict]) -> str:
 
 
 def regime_table(rows: list[dict]) -> str:
-    """Every regime: colocation at its best layout, the planner's layouts, best-static's
-    split and every speedup (and predictive's against colocation at TP1, labelled)."""
+    """Every regime: colocation at its best layout, the dynamic policies' layouts and
+    start, best-static's split and every speedup (and predictive's against colocation at
+    TP1, labelled)."""
     head = (
-        "| regime | colocation@best | planned P / D / C | best-static split | "
+        "| regime | colocation@best | policies' P / D / C, start | best-static split | "
         "best-static | predictive | mpc | oracle | predictive vs coloc@TP1 |"
     )
     lines = [head, "|" + "---|" * 9]
     for s in rows:
         best = s["colocate_best"]
-        plan = s["planned_layouts"]
+        # summaries written before the run plan was recorded ran the planner's layouts
+        run = s.get("run_plan") or {"layouts": s["planned_layouts"], "start": "-"}
+        plan = run["layouts"]
         static = s.get("best_static") or {}
         sp = s["speedup"]
         where = (
@@ -179,7 +182,8 @@ def regime_table(rows: list[dict]) -> str:
         tail = f" | {vs_base:.3f}x ({base['layout']}) |" if vs_base else " | - |"
         lines.append(
             f"| {s['label']} | {best['layout']} {_objective(best['objective'], s)} | "
-            f"{plan['prefill']} / {plan['decode']} / {plan['colocated']} | {where} | "
+            f"{plan['prefill']} / {plan['decode']} / {plan['colocated']}, {run['start']} | "
+            f"{where} | "
             + " | ".join(
                 f"{sp[p]:.3f}x" if p in sp else "-"
                 for p in ("best-static", "predictive", "mpc", "oracle")

@@ -14,10 +14,15 @@ mode. For every regime the map runs, on the same trajectories (one seed):
   tokens/s per GPU at the workload's operating point) and every split (when a pair has
   more than ``exhaustive_up_to`` splits: about six evenly spaced, then every split between
   the best one's neighbours);
-* **predictive, mpc and oracle** with the layouts the planner
-  (:mod:`prorsa.policy.layout_plan`) picks from the family's options at the workload's
-  operating point, starting colocated or split as the planner's start plan says; they
-  move slots between roles, the layouts stay fixed for the run.
+* **predictive, mpc and oracle**, with each role's layout fixed for the run; they move
+  slots between roles. Which layouts, and whether they start colocated or split, comes
+  from ``plan_by``: ``"simulation"`` (default) takes the layouts and start the two
+  searches above found fastest — colocation's best layout for the colocated role, the
+  best-static pair for prefill and decode, starting split only where best-static beat
+  colocation — as a user plans a run with the simulator before launching it;
+  ``"analytic"`` takes the cost-model planner's choice
+  (:mod:`prorsa.policy.layout_plan`), which needs no simulation but can pick a colocated
+  layout slower than the best (its regret is reported either way).
 
 Cells run through :class:`~prorsa.experiments.sweep.Sweep` (Ray tasks, local by default or
 on a cluster with ``address``), streamed to a JSONL file and skipped on a re-run.
@@ -54,6 +59,7 @@ from prorsa.workload.config import WorkloadConfig
 logger = logging.getLogger(__name__)
 
 DYNAMIC_POLICIES = ("predictive", "mpc", "oracle")
+PLAN_BY = ("simulation", "analytic")
 #: Replayed real traces (datasets/traces) the map can use, by short name.
 REPLAYS = {
     "replay:mini-swe-agent": "mini-swe-agent-swebench.parquet",
@@ -140,6 +146,9 @@ class MapConfig:
     cells_path: Path | None = None
     resume: bool = True
     backend: str = "auto"
+    # How the dynamic policies' layouts and start are chosen: "simulation" (from the
+    # colocation and best-static searches) or "analytic" (the cost-model planner alone).
+    plan_by: str = "simulation"
 
     def family(self, regime: Regime) -> ModelFamily:
         return self.families.get(regime.model) or regime.family
@@ -157,6 +166,8 @@ class MapConfig:
         self.control.validate()
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend '{self.backend}'", hint=f"one of {BACKENDS}")
+        if self.plan_by not in PLAN_BY:
+            raise ConfigError(f"unknown plan_by '{self.plan_by}'", hint=f"one of {PLAN_BY}")
         unknown = set(self.dynamic_policies) - set(DYNAMIC_POLICIES)
         if unknown:
             raise ConfigError(
@@ -306,10 +317,50 @@ def _cell(
     return Cell(work, cluster, control, regime.knobs, series=False, record=dynamic)
 
 
-def _dynamic_cell(cfg: MapConfig, plan: RegimePlan, policy: str) -> Cell:
-    """A dynamic policy on the planner's layouts, starting in the planner's mode."""
-    params = {"start": plan.start.start, "prefill_fraction": plan.start.prefill_fraction}
-    return _cell(cfg, plan, policy, plan.planned.as_layouts(), params=params)
+@dataclass(frozen=True)
+class RunPlan:
+    """The layouts and start the dynamic policies of one regime run with."""
+
+    layouts: dict[str, str]
+    start: str  # "colocated" or "split"
+    prefill_fraction: float  # of the GPUs, when split
+    by: str  # "analytic" or "simulation"
+
+
+def analytic_run_plan(plan: RegimePlan) -> RunPlan:
+    """The cost-model planner's layouts and start plan."""
+    return RunPlan(
+        plan.planned.as_layouts(), plan.start.start, plan.start.prefill_fraction, "analytic"
+    )
+
+
+def simulated_run_plan(
+    plan: RegimePlan, colocate: dict[str, float], static: dict | None
+) -> RunPlan:
+    """Layouts and start from the simulated searches: the colocated role at colocation's
+    fastest layout; prefill and decode at the fastest static split's pair (the planner's
+    when no search ran); start split only where that split beat colocation.
+
+    ``colocate`` maps layout -> objective; ``static`` is the best static search result.
+    """
+    colocated = min(colocate, key=lambda n: (colocate[n], n))
+    if static is None:
+        layouts = {**plan.planned.as_layouts(), "colocated": colocated}
+        return RunPlan(layouts, "colocated", plan.start.prefill_fraction, "simulation")
+    layouts = {
+        "prefill": static["prefill_layout"],
+        "decode": static["decode_layout"],
+        "colocated": colocated,
+    }
+    fraction = static["prefill_gpus"] / plan.family.gpus
+    start = "split" if static["objective"] < colocate[colocated] else "colocated"
+    return RunPlan(layouts, start, fraction, "simulation")
+
+
+def _dynamic_cell(cfg: MapConfig, plan: RegimePlan, policy: str, run: RunPlan) -> Cell:
+    """A dynamic policy on ``run``'s layouts, starting in its mode."""
+    params = {"start": run.start, "prefill_fraction": run.prefill_fraction}
+    return _cell(cfg, plan, policy, run.layouts, params=params)
 
 
 def _same(layout: str) -> dict[str, str]:
@@ -356,8 +407,9 @@ def _static_cell(cfg: MapConfig, plan: RegimePlan, pair: tuple[str, str], x: int
 def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run every regime of ``cfg``; returns ``{"regimes": [summary, ...], "cells": {...}}``.
 
-    Two batches through one sweep: colocation at every layout, the dynamic policies and
-    the coarse static grids; then the grids' refinements.
+    Three batches through one sweep: colocation at every layout and the coarse static
+    grids; the grids' refinements; then the dynamic policies, planned from what the first
+    two found (``plan_by="simulation"``) or by the cost model alone (``"analytic"``).
     """
     cfg.validate()
     plans = [plan_regime(r, cfg) for r in cfg.regimes]
@@ -370,12 +422,11 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
         backend=cfg.backend,
         fn=run_cell_recorded,
     ) as sweep:
-        fixed: list[tuple[int, str, str, Cell]] = []  # (plan index, kind, name, cell)
-        for i, plan in enumerate(plans):
-            for layout in plan.colocated:
-                fixed.append((i, "colocate", layout, _cell(cfg, plan, "colocate", _same(layout))))
-            for policy in cfg.dynamic_policies:
-                fixed.append((i, policy, "", _dynamic_cell(cfg, plan, policy)))
+        colocate_cells = [
+            (i, layout, _cell(cfg, plan, "colocate", _same(layout)))
+            for i, plan in enumerate(plans)
+            for layout in plan.colocated
+        ]
         grids = {
             (i, pair): _split_grid(plan.slots(_static_layouts(*pair)), cfg.exhaustive_up_to)
             for i, plan in enumerate(plans)
@@ -384,8 +435,9 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
         grid_cells = [
             _static_cell(cfg, plans[i], pair, x) for (i, pair), xs in grids.items() for x in xs
         ]
-        results = counter.map(sweep, [c for *_, c in fixed] + grid_cells)
-        fixed_runs, grid_runs = results[: len(fixed)], iter(results[len(fixed) :])
+        results = counter.map(sweep, [c for *_, c in colocate_cells] + grid_cells)
+        colocate_runs = results[: len(colocate_cells)]
+        grid_runs = iter(results[len(colocate_cells) :])
         seen = {key: {x: next(grid_runs)["objective"] for x in xs} for key, xs in grids.items()}
         refine = [
             (key, x)
@@ -400,17 +452,24 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
         for (key, x), run in zip(refine, refined, strict=True):
             seen[key][x] = run["objective"]
         searches = {key: _best_split(plans[key[0]], key[1], seen[key]) for key in grids}
-    by_plan: dict[int, dict] = {
-        i: {"colocate": {}, "policies": {}, "static": []} for i in range(len(plans))
-    }
-    for (i, kind, name, _), run in zip(fixed, fixed_runs, strict=True):
-        if kind == "colocate":
+        by_plan: dict[int, dict] = {
+            i: {"colocate": {}, "policies": {}, "static": []} for i in range(len(plans))
+        }
+        for (i, name, _), run in zip(colocate_cells, colocate_runs, strict=True):
             by_plan[i]["colocate"][name] = run
-        else:
-            by_plan[i]["policies"][kind] = run
-    for (i, _pair), found in searches.items():
-        by_plan[i]["static"].append(found)
-    summaries = [summarise_regime(plan, by_plan[i]) for i, plan in enumerate(plans)]
+        for (i, _pair), found in searches.items():
+            by_plan[i]["static"].append(found)
+        run_plans = [_run_plan(cfg, plan, by_plan[i]) for i, plan in enumerate(plans)]
+        dynamic = [
+            (i, policy, _dynamic_cell(cfg, plans[i], policy, run_plans[i]))
+            for i in range(len(plans))
+            for policy in cfg.dynamic_policies
+        ]
+        for (i, policy, _), run in zip(
+            dynamic, counter.map(sweep, [c for *_, c in dynamic]), strict=True
+        ):
+            by_plan[i]["policies"][policy] = run
+    summaries = [summarise_regime(plan, by_plan[i], run_plans[i]) for i, plan in enumerate(plans)]
     return {
         "regimes": summaries,
         "cells": {
@@ -419,6 +478,16 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
             "path": str(cfg.cells_path) if cfg.cells_path else None,
         },
     }
+
+
+def _run_plan(cfg: MapConfig, plan: RegimePlan, runs: dict) -> RunPlan:
+    if cfg.plan_by == "analytic":
+        return analytic_run_plan(plan)
+    colocate = {name: run["objective"] for name, run in runs["colocate"].items()}
+    static = min(runs["static"], key=lambda s: s["objective"]) if runs["static"] else None
+    if static is not None and static["objective"] == float("inf"):
+        static = None
+    return simulated_run_plan(plan, colocate, static)
 
 
 def run_cell_recorded(cell: Cell) -> dict:
@@ -503,9 +572,10 @@ def run_metrics(run: dict) -> dict:
     }
 
 
-def summarise_regime(plan: RegimePlan, runs: dict) -> dict:
+def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan | None = None) -> dict:
     """Speedups of best-static and the dynamic policies over colocation at its best layout
     (and, labelled, over colocation at the family's TP1 or smallest TP)."""
+    run_plan = run_plan or analytic_run_plan(plan)
     colocate = {name: run_metrics(run) for name, run in runs["colocate"].items()}
     best_layout = min(colocate, key=lambda n: (colocate[n]["objective"], n))
     best = colocate[best_layout]["objective"]
@@ -529,8 +599,10 @@ def summarise_regime(plan: RegimePlan, runs: dict) -> dict:
         "variant": plan.regime.variant,
         "gpus": plan.family.gpus,
         "shape": {**asdict(plan.shape), "prefill_share": plan.shape.prefill_share},
+        # the cost-model planner's choice, and what the dynamic policies ran with
         "planned_layouts": plan.planned.as_layouts(),
         "planned_start": asdict(plan.start),
+        "run_plan": asdict(run_plan),
         "colocate": colocate,
         "colocate_best": {"layout": best_layout, "objective": best},
         "colocate_baseline": {"layout": baseline_layout, "objective": baseline},
