@@ -23,16 +23,26 @@ from prorsa.serve.config import ServeConfig
 logger = logging.getLogger(__name__)
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail before starting engines when the port is taken (engines take minutes)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot listen on {host}:{port}: {exc.strerror}", hint="choose another --port"
-            ) from None
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the engines start.
+
+    Engines take minutes to start, and Ray and vLLM open ports of their own meanwhile;
+    holding the socket from the start means a taken port fails at once and no other
+    process can take the port while the engines load (vLLM's API server does the same).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror}", hint="choose another --port"
+        ) from None
+    sock.set_inheritable(False)
+    return sock
 
 
 def serve(
@@ -52,9 +62,11 @@ def serve(
         The signal number that stopped the server (0 if it stopped on its own).
     """
     config.validate()
-    check_port_free(config.host, config.port)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_serve(config, on_ready, fleet))
+    with (
+        listen_socket(config.host, config.port) as sock,
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+    ):
+        return runner.run(_serve(config, on_ready, fleet, sock))
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -66,7 +78,9 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def _serve(config: ServeConfig, on_ready: Callable[[Any], None] | None, fleet: Any) -> int:
+async def _serve(
+    config: ServeConfig, on_ready: Callable[[Any], None] | None, fleet: Any, sock: socket.socket
+) -> int:
     import uvicorn
 
     from prorsa.serve.app import create_app
@@ -97,7 +111,7 @@ async def _serve(config: ServeConfig, on_ready: Callable[[Any], None] | None, fl
         server = _Server(uv_config)
         if on_ready is not None:
             asyncio.get_running_loop().create_task(_when_started(server, on_ready, service))
-        await server.serve()
+        await server.serve(sock)
     finally:
         logger.info("shutting down the rollout service")
         await service.shutdown()
@@ -145,8 +159,8 @@ class _Server:
     def started(self) -> bool:
         return self.server.started
 
-    async def serve(self) -> None:
-        await self.server.serve()
+    async def serve(self, sock: socket.socket) -> None:
+        await self.server.serve(sockets=[sock])
 
 
 class BackgroundServer:
@@ -168,6 +182,7 @@ class BackgroundServer:
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -177,14 +192,16 @@ class BackgroundServer:
         """Start and wait until the server listens (raises what start-up raised)."""
         import time
 
-        check_port_free(self.config.host, self.config.port)
+        self._socket = listen_socket(self.config.host, self.config.port)
         self._thread = threading.Thread(target=self._main, name="prorsa-serve", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not (self._server is not None and self._server.started):
-            if self.error is not None:
-                raise self.error
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if self.error is not None or not self._thread.is_alive():
+                self.stop()
+                raise self.error or RuntimeError("prorsa serve stopped while starting")
+            if time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"prorsa serve did not start within {timeout_s:g} s")
             time.sleep(0.05)
         return self
@@ -200,6 +217,9 @@ class BackgroundServer:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
@@ -235,6 +255,6 @@ class BackgroundServer:
                     lifespan="off",
                 )
             )
-            await self._server.serve()
+            await self._server.serve(sockets=[self._socket])
         finally:
             await service.shutdown()

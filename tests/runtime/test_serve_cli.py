@@ -63,9 +63,12 @@ def test_sigterm_shuts_down_engines_and_ray(tiny_model_dir, tmp_path):
             assert time.monotonic() < deadline, log_path.read_text()[-4000:]
             time.sleep(1)
         body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 3, "logprobs": 0}}
-        r = httpx.post(f"{url}/inference/v1/generate", json=body, headers={"X-Session-ID": "a"})
+        # a generous timeout: the first request on a loaded 2-core machine takes seconds
+        r = httpx.post(
+            f"{url}/inference/v1/generate", json=body, headers={"X-Session-ID": "a"}, timeout=120
+        )
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
-        assert httpx.post(f"{url}/pause").status_code == 401
+        assert httpx.post(f"{url}/pause", timeout=60).status_code == 401
         children = _tree(proc.pid)
         assert len(children) >= 3  # Ray's processes and the engine actor at least
         proc.send_signal(signal.SIGTERM)
