@@ -45,6 +45,17 @@ def test_explore_quick_writes_the_map_and_resumes(tmp_path):
     assert len(lines) == len({json.loads(line)["key"] for line in lines})  # nothing ran twice
 
 
+def test_explore_plan_by_is_checked_and_recorded(tmp_path):
+    bad = runner.invoke(app, [*QUICK, "--plan-by", "guess", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 1 and "unknown plan_by 'guess'" in bad.output
+    out = tmp_path / "analytic"
+    result = runner.invoke(app, [*QUICK, "--plan-by", "analytic", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (summary,) = json.loads((out / "results.json").read_text())["regimes"]
+    assert summary["run_plan"]["by"] == "analytic"
+    assert summary["run_plan"]["layouts"] == summary["planned_layouts"]
+
+
 def test_explore_mechanism_a(tmp_path):
     result = runner.invoke(app, ["explore", "--mechanism", "a", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -102,6 +102,11 @@ def explore_cmd(
     resume: bool = typer.Option(
         True, "--resume/--fresh", help="skip cells already finished in OUT/cells.jsonl"
     ),
+    plan_by: str = typer.Option(
+        "simulation",
+        help="dynamic policies' layouts and start: simulation (from colocation's and "
+        "best-static's searches) | analytic (the cost-model planner alone)",
+    ),
     out: Path = typer.Option(Path("out/explore"), help="output directory"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
@@ -136,6 +141,7 @@ def explore_cmd(
         address=address,
         cells_path=out / "cells.jsonl",
         resume=resume,
+        plan_by=plan_by,
     )
     cfg.validate()  # before anything is printed or planned
     if not as_json:
