@@ -130,3 +130,24 @@ def test_spec_prices_colocated_prefill_interference_from_the_layout():
     dense = cluster_spec(dense_cfg, load_profiles(dense_cfg), 10.0)
     assert 0.5 < dense.prefill_interference < 1.5
     assert dense.colocated_decode_ratio == pytest.approx(1.0)
+
+
+def test_spec_compares_colocated_and_decode_layouts_at_equal_load_per_gpu():
+    from prorsa.runtime.cluster.layouts import decode_tokens_per_s_per_gpu, typical_decode
+    from prorsa.runtime.cluster.spec import equal_load_point
+
+    layouts = {"prefill": "tp1-dp8-ep8-a2a", "decode": "tp1-dp8-ep8-a2a", "colocated": "tp8"}
+    config = ClusterConfig(profile="h200-qwen3-235b-a22b-tp4", layouts=layouts)
+    costs = load_profiles(config)
+    decode, colocated = costs["tp1-dp8-ep8-a2a"], costs["tp8"]
+    point = equal_load_point(decode, colocated)
+    per_gpu = [typical_decode(c, point)[0] / c.tp for c in (decode, colocated)]
+    assert per_gpu[0] == per_gpu[1]  # the same sequences per GPU on both
+    spec = cluster_spec(config, costs, 10.0)
+    expected = decode_tokens_per_s_per_gpu(colocated, point) / decode_tokens_per_s_per_gpu(
+        decode, point
+    )
+    assert spec.colocated_decode_ratio == pytest.approx(expected)
+    # Each at its own half-full quote, the TP8 engine (16 per GPU) looked 6.5x slower per
+    # GPU than the DP8 one (128 per GPU); at equal load they are within a factor of 1.5.
+    assert spec.colocated_decode_ratio > 2 / 3

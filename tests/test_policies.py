@@ -104,6 +104,19 @@ def test_prefill_burst_moves_predictive_before_threshold():
     assert mpc < 20
 
 
+@pytest.mark.parametrize("name", ["predictive", "mpc", "threshold", "oracle"])
+def test_no_prefill_slot_outside_colocation_is_decided(name):
+    # Between modes a cluster can hold decode and colocated slots and no prefill slot
+    # (found in the regime map: predictive divided by zero prefill slots).
+    for roles in (["decode", "colocated", "colocated", "colocated"], ["decode"] * 4):
+        policy = make_policy(name)
+        policy.reset(spec(4))
+        obs = observation(30.0, roles, prefill_queue=200_000, decoding=1000)
+        fc = None if name == "oracle" else forecast(30.0, 40_000.0, decoding=1000)
+        alloc = policy.decide(obs, fc)
+        assert sum(alloc.gpus.values()) == 4
+
+
 def test_predictive_weighs_switch_cost_and_lost_cache():
     # 2.8 prefill slots needed on 2: worth a switch when switching is cheap...
     cheap = make_policy("predictive", switch_cost_weight=0.1)

@@ -3,6 +3,8 @@ horizon, and switch only when the gain outweighs the cost of switching."""
 
 from __future__ import annotations
 
+import math
+
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
@@ -160,4 +162,10 @@ class PredictivePolicy(ModeChoosingPolicy):
 
 
 def _max_util(prefill: int, slots: int, need_p: float, need_d: float) -> float:
-    return max(need_p / prefill, need_d / (slots - prefill))
+    """The busier side's utilisation; a side with no slots (mid-change from or to
+    colocation, where slots are colocated or switching) is saturated by any need."""
+    decode = slots - prefill
+    return max(
+        need_p / prefill if prefill > 0 else (math.inf if need_p > 0 else 0.0),
+        need_d / decode if decode > 0 else (math.inf if need_d > 0 else 0.0),
+    )

@@ -14,8 +14,10 @@ from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.layouts import (
     THROUGHPUT_CHUNK_TOKENS,
     THROUGHPUT_CONTEXT_TOKENS,
+    OperatingPoint,
     colocated_gpu_s_per_prefill_token,
     decode_tokens_per_s_per_gpu,
+    typical_decode,
 )
 
 
@@ -81,8 +83,9 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
     prefill, decode, colocated = (costs[layouts[r]] for r in ("prefill", "decode", "colocated"))
     chunk = THROUGHPUT_CHUNK_TOKENS
     prefill_tps = prefill.prefill_tokens_per_s_per_gpu(min(chunk, prefill.max_step_tokens))
-    decode_tps = _decode_tps(decode)
-    colocated_tps = _decode_tps(colocated)
+    point = equal_load_point(decode, colocated)
+    decode_tps = decode_tokens_per_s_per_gpu(decode, point)
+    colocated_tps = decode_tokens_per_s_per_gpu(colocated, point)
     return ClusterSpec(
         num_slots=config.num_slots,
         slot_gpus=config.slot_gpus,
@@ -95,17 +98,27 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
         reshard_latency_s=config.reshard_latency_s,
         reuse_mode=config.reuse_mode,
         role_layouts=dict(layouts),
-        colocated_prefill_factor=_prefill_interference(colocated, prefill_tps),
+        colocated_prefill_factor=_prefill_interference(colocated, prefill_tps, point),
         colocated_decode_tokens_per_s_per_gpu=colocated_tps,
     )
 
 
-def _decode_tps(cost) -> float:
-    return decode_tokens_per_s_per_gpu(cost)
+def equal_load_point(decode, colocated) -> OperatingPoint:
+    """The decode load at which the decode and colocated layouts are compared: the same
+    sequences per GPU for both, the lighter of their quotes (ranks half full).
+
+    Each layout's own quote would compare unequal loads: half a TP8 rank is 16 sequences
+    per GPU, half of eight DP ranks 128, and a TP8 colocated engine would look 6.5x
+    slower per GPU than a DP8 decode engine (Qwen3-235B-A22B) when it carries an eighth
+    of the sequences; the policies' colocation-versus-split test then leaves colocation
+    where the simulated runs show it is the faster layout.
+    """
+    per_gpu = min(typical_decode(cost)[0] / cost.tp for cost in (decode, colocated))
+    return OperatingPoint(batch_per_gpu=per_gpu, context_tokens=THROUGHPUT_CONTEXT_TOKENS)
 
 
-def _prefill_interference(colocated, prefill_tps_per_gpu: float) -> float:
+def _prefill_interference(colocated, prefill_tps_per_gpu: float, point: OperatingPoint) -> float:
     """GPU-seconds of colocated capacity one prefill token costs (the step grows for
     every rank while one prefills a chunk into its decoding batch), over what it costs a
     prefill engine's GPU."""
-    return colocated_gpu_s_per_prefill_token(colocated) * prefill_tps_per_gpu
+    return colocated_gpu_s_per_prefill_token(colocated, point) * prefill_tps_per_gpu
