@@ -76,33 +76,9 @@ def transformed_driver(work, knobs: WorkloadKnobs):
 
 
 def simulate_with_knobs(request, knobs: WorkloadKnobs, *, keep_forecasts: bool = False):
-    """``prorsa.runtime.sim.scenario.simulate`` on the workload transformed by ``knobs``
-    (the same steps: driver, policy, forecaster resolution, one Simulation)."""
-    from prorsa.policy import make_policy
+    """``prorsa.runtime.sim.scenario.simulate`` on the workload transformed by ``knobs``."""
     from prorsa.runtime.sim.scenario import simulate
-    from prorsa.runtime.sim.simulation import Simulation
 
-    if knobs.identity:
-        return simulate(request, keep_forecasts=keep_forecasts)
-    request.validate()
-    control = request.control
-    policy = make_policy(control.policy, **control.policy_params)
-    name = getattr(policy, "forecaster_name", None) or control.forecaster
-    forecaster = None
-    if name is not None and (policy.needs_forecast or control.forecaster):
-        from prorsa.runtime.forecast_provider import make_provider
-
-        forecaster = make_provider(name)
-    sim = Simulation(
-        request.cluster,
-        policy,
-        transformed_driver(request.work, knobs),
-        forecaster=forecaster,
-        interval_s=control.interval_s,
-        min_dwell_s=control.min_dwell_s,
-        seed=request.work.seed,
-        run_id=request.run_id,
-        record=request.record,
-        keep_forecasts=keep_forecasts,
-    )
-    return sim.run()
+    request.validate()  # before the driver is built from it
+    driver = None if knobs.identity else transformed_driver(request.work, knobs)
+    return simulate(request, keep_forecasts=keep_forecasts, driver=driver)
