@@ -57,7 +57,7 @@ def compact(summary: dict) -> dict:
         "speedup",
         "speedup_vs_baseline",
     )
-    out = {k: summary[k] for k in keep if k in summary}
+    out = {k: summary[k] for k in keep}
     if out["best_static"]:
         out["best_static"] = {
             k: v for k, v in out["best_static"].items() if k != "objective_by_prefill_slots"

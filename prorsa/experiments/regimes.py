@@ -484,10 +484,16 @@ def _run_plan(cfg: MapConfig, plan: RegimePlan, runs: dict) -> RunPlan:
     if cfg.plan_by == "analytic":
         return analytic_run_plan(plan)
     colocate = {name: run["objective"] for name, run in runs["colocate"].items()}
-    static = min(runs["static"], key=lambda s: s["objective"]) if runs["static"] else None
+    static = best_static_search(runs["static"])
     if static is not None and static["objective"] == float("inf"):
         static = None
     return simulated_run_plan(plan, colocate, static)
+
+
+def best_static_search(searches: list[dict]) -> dict | None:
+    """The fastest of the static searches (what both the simulated plan and the summary
+    call best-static), or None when none ran."""
+    return min(searches, key=lambda s: s["objective"]) if searches else None
 
 
 def run_cell_recorded(cell: Cell) -> dict:
@@ -572,10 +578,10 @@ def run_metrics(run: dict) -> dict:
     }
 
 
-def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan | None = None) -> dict:
+def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
     """Speedups of best-static and the dynamic policies over colocation at its best layout
-    (and, labelled, over colocation at the family's TP1 or smallest TP)."""
-    run_plan = run_plan or analytic_run_plan(plan)
+    (and, labelled, over colocation at the family's TP1 or smallest TP); ``run_plan`` is
+    what the dynamic policies ran with."""
     colocate = {name: run_metrics(run) for name, run in runs["colocate"].items()}
     best_layout = min(colocate, key=lambda n: (colocate[n]["objective"], n))
     best = colocate[best_layout]["objective"]
@@ -583,7 +589,7 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan | None = No
     baseline = colocate.get(baseline_layout, {}).get("objective")
     if baseline is not None and baseline == float("inf"):
         baseline = None
-    static = min(runs["static"], key=lambda s: s["objective"]) if runs["static"] else None
+    static = best_static_search(runs["static"])
     policies = {name: run_metrics(run) for name, run in runs["policies"].items()}
     if static is not None:
         policies["best-static"] = {
