@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from prorsa.errors import ConfigError
+from prorsa.runtime.ray.cluster import _with_side_channel_ports
 from prorsa.runtime.ray.config import (
     EngineConfig,
     engine_environment,
     kv_transfer_config,
     nixl_available,
 )
+from prorsa.runtime.ray.engine import side_channel_ports
 from prorsa.runtime.ray.pools import Role, RolePools, parse_role
 from tests.runtime.fakes import FakeEngine
 
@@ -68,3 +70,25 @@ def test_pools_reject_inconsistent_setup():
     pools = RolePools([FakeEngine(0), FakeEngine(1)], {0: "prefill", 1: "decode"})
     pools.mark_dead(1)
     assert pools.counts() == {"prefill": 1, "decode": 0, "colocated": 0, "switching": 0, "dead": 1}
+
+
+def test_side_channel_ports_are_distinct_free_and_below_the_ephemeral_range():
+    import socket
+
+    from prorsa.runtime.ray.engine import SIDE_CHANNEL_PORTS_FROM, _ephemeral_low
+
+    ports = side_channel_ports(8)
+    assert len(set(ports)) == 8
+    assert all(SIDE_CHANNEL_PORTS_FROM <= p < _ephemeral_low() for p in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free
+
+
+def test_fleet_gives_each_nixl_engine_its_own_side_channel_port():
+    configs = [EngineConfig(model="m", connector="nixl") for _ in range(4)]
+    configs.append(EngineConfig(model="m", connector="nixl", side_channel_port=20001))
+    out = _with_side_channel_ports(configs)
+    ports = [c.side_channel_port for c in out]
+    assert ports[4] == 20001  # a chosen port is kept
+    assert len(set(ports[:4])) == 4 and None not in ports

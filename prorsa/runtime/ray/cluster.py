@@ -16,7 +16,7 @@ from typing import Any
 from prorsa.errors import ConfigError, ProrsaError
 from prorsa.runtime.ray.client import RayEngineClient
 from prorsa.runtime.ray.config import EngineConfig
-from prorsa.runtime.ray.engine import engine_actor_class
+from prorsa.runtime.ray.engine import engine_actor_class, side_channel_ports
 from prorsa.runtime.ray.pools import Role, RolePools, parse_role
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class EngineFleet:
             raise ConfigError(f"bad engine override: {exc}") from None
         for config in configs:
             config.validate()
+        configs = _with_side_channel_ports(configs)
         if not ray.is_initialized():
             raise ConfigError("Ray is not initialised", hint="call ray.init() first")
         gpus = spec.gpus_per_engine
@@ -177,3 +178,22 @@ class EngineFleet:
             except Exception as exc:
                 logger.debug("remove placement group: %s", exc)
             self.placement_group = None
+
+
+def _with_side_channel_ports(configs: list[EngineConfig]) -> list[EngineConfig]:
+    """``configs`` with a distinct NIXL side-channel port for every NIXL engine that has
+    none (chosen here, together, so two engines of the fleet never draw the same one)."""
+    need = [
+        i
+        for i, c in enumerate(configs)
+        if c.resolved_connector() == "nixl" and c.side_channel_port is None
+    ]
+    if not need:
+        return configs
+    out = list(configs)
+    hosts = {configs[i].side_channel_host for i in need}
+    for host in hosts:
+        mine = [i for i in need if configs[i].side_channel_host == host]
+        for i, port in zip(mine, side_channel_ports(len(mine), host), strict=True):
+            out[i] = replace(configs[i], side_channel_port=port)
+    return out

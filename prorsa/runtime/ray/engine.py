@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from prorsa.errors import ConfigError, InputError
@@ -46,6 +48,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+#: Where side-channel ports are drawn from: above Ray's worker ports (10002-19999 by
+#: default) and below the kernel's ephemeral range.
+SIDE_CHANNEL_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def side_channel_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports, free now, for NIXL side channels.
+
+    vLLM binds the side channel only after the model loads, seconds to minutes after the
+    port is chosen. A port from the kernel's ephemeral range (what :func:`free_port`
+    gives) can be taken meanwhile by any process's outgoing connection or ``bind(0)``
+    (Ray's and vLLM's own among them); the listener thread then dies and the engine's
+    start-up waits forever. Ports below that range are only ever taken by an explicit
+    bind.
+    """
+    low, high = SIDE_CHANNEL_PORTS_FROM, _ephemeral_low()
+    candidates = list(range(low, high))
+    random.SystemRandom().shuffle(candidates)  # concurrent fleets rarely try the same
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise ConfigError(f"no {count} free side-channel ports in {low}-{high - 1} on {host}")
+
+
 class EngineServer(EngineControl):
     """Host one vLLM engine; the body of the Ray actor.
 
@@ -61,7 +101,9 @@ class EngineServer(EngineControl):
         self.connector = config.resolved_connector()
         self.side_channel_port: int | None = None
         if self.connector == "nixl":
-            self.side_channel_port = config.side_channel_port or free_port(config.side_channel_host)
+            self.side_channel_port = (
+                config.side_channel_port or side_channel_ports(1, config.side_channel_host)[0]
+            )
         self.on_cpu = (config.device or _default_device()) == "cpu"
         os.environ.update(engine_environment(config, self.side_channel_port, self.on_cpu))
         self._llm: Any = None
