@@ -106,7 +106,9 @@ def run_ray(specs, sim_events, spec):
                 router.trajectory_event(EventKind.TRAJ_START, traj, 0, task="parity")
             elif kind == "prefill_queued":
                 s = by_id[traj]
-                new = [(7 * turn + j) % 500 + 1 for j in range(int(s.new_tokens[turn]))]
+                # Distinct per trajectory: the fake engines cache prefixes across requests.
+                start = 7 * turn + 61 * int(traj[1:])
+                new = [(start + j) % 500 + 1 for j in range(int(s.new_tokens[turn]))]
                 prompts[traj] = prompts.get(traj, []) + new
                 out = int(s.output_tokens[turn])
                 request = TurnRequest(traj, prompts[traj], out, turn=turn, task="parity")
@@ -185,6 +187,8 @@ def test_same_observation_every_field_filled(both):
         assert a == b, field.name
         assert a is not None, field.name
     assert sim_quiet.trajectory_state["in_tool"] == 4
+    assert sim_quiet.prefill_tokens_appended_total > 0  # the first turns' prompts
+    assert sim_quiet.prefill_tokens_computed_total > 0
     assert len(sim_quiet.slots) == len(ray_quiet.slots) == len(ROLES)
     for s, r in zip(sim_quiet.slots, ray_quiet.slots, strict=True):
         for field in dataclasses.fields(s):

@@ -206,3 +206,73 @@ def test_mode_choice_colocates_dense_models_and_splits_under_dp_attention():
         choose_mode(split, dense, 5.0, 2.0, current_prefill=2, payback_s=30, switch_cost_weight=1.0)
         == "colocated"
     )
+
+
+def test_colocated_prefill_costs_less_per_token_when_every_rank_prefills():
+    from dataclasses import replace
+
+    from prorsa.policy.demand import choose_mode
+
+    moe = replace(
+        spec(8),
+        dp_attention_ranks=8,
+        colocated_prefill_factor=3.5,  # one rank prefills, seven wait for it
+        colocated_packed_prefill_factor=0.9,  # all eight share the stall
+        colocated_packed_prefill_ratio=0.9,
+    )
+    costs = [moe.prefill_interference_at(n) for n in (0.0, 0.1, 1.0, 3.0, 7.2, 50.0)]
+    assert costs[0] == pytest.approx(3.5)
+    assert costs[-1] == pytest.approx(0.9) and costs[-2] == pytest.approx(0.9)
+    assert all(a > b for a, b in zip(costs[:-2], costs[1:-1], strict=True))
+    # Without the packed figures (or one rank) the one-rank factor holds at any demand.
+    assert replace(moe, colocated_packed_prefill_factor=None).prefill_interference_at(50) == 3.5
+    # A start-up burst (every rank prefilling) no longer reads as a reason to split...
+    colocated = observation(5.0, ["colocated"] * 8, decode_kv=0)
+    burst = dict(current_prefill=1, payback_s=30, switch_cost_weight=1.0)
+    assert choose_mode(colocated, moe, 7.0, 1.0, **burst) is None
+    one_rank = replace(moe, colocated_packed_prefill_factor=None)
+    assert isinstance(choose_mode(colocated, one_rank, 7.0, 1.0, **burst), int)
+    # ...while light prefill, which stalls seven ranks for one, still does.
+    assert isinstance(choose_mode(colocated, moe, 1.5, 6.5, **burst), int)
+
+
+def test_layout_spec_quotes_packed_prefill_from_the_cost_model():
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
+
+    dp8 = "tp1-dp8-ep8-a2a"
+    config = ClusterConfig(
+        profile="h200-qwen3-30b-a3b-tp1",
+        num_slots=4,
+        layouts={"prefill": "tp1", "decode": dp8, "colocated": dp8},
+    )
+    moe = cluster_spec(config, load_profiles(config), 10.0)
+    assert moe.colocated_packed_prefill_factor < 1.5 < moe.prefill_interference
+    assert 0.1 < moe.colocated_packed_prefill_ratio < 10
+
+
+def test_prefill_work_meter_scales_appended_tokens_by_what_engines_computed():
+    from dataclasses import replace
+
+    from prorsa.policy.demand import PrefillWorkMeter
+
+    meter = PrefillWorkMeter(window_s=30.0, min_appended_tokens=1_000)
+    base = observation(0.0, ["colocated"] * 2)
+
+    def at(t, appended, computed):
+        obs = replace(
+            base,
+            time_s=t,
+            prefill_tokens_appended_total=appended,
+            prefill_tokens_computed_total=computed,
+        )
+        return meter.update(obs)
+
+    assert at(0.0, 0, 0) == 1.0
+    assert at(10.0, 500, 5_000) == 1.0  # too few appended tokens to judge: hold
+    assert at(20.0, 2_000, 40_000) == pytest.approx(20.0)
+    # The baseline is the newest sample at or before the window's start (t=20 here).
+    assert at(50.0, 4_000, 52_000) == pytest.approx((52_000 - 40_000) / (4_000 - 2_000))
+    assert at(90.0, 10_000, 58_000) == pytest.approx(1.0)  # caches hit again
+    with pytest.raises(ConfigError):
+        PrefillWorkMeter(window_s=0)

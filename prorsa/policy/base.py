@@ -40,6 +40,12 @@ class ClusterSpec:
     # GPU-seconds of colocated capacity one prefill token costs, relative to a prefill
     # engine's (every data-parallel rank stalls while one prefills); None: the ranks.
     colocated_prefill_factor: float | None = None
+    # The same when every rank of a colocated engine prefills in the same step (the
+    # stall is shared by all their chunks); None: no sharing (the one-rank factor).
+    colocated_packed_prefill_factor: float | None = None
+    # Prefill tokens/s per GPU colocated engines carry with every rank prefilling every
+    # step, over a prefill engine's GPU: how busy with prefill their ranks are at a demand.
+    colocated_packed_prefill_ratio: float | None = None
     # Decode tokens/s per GPU of colocated engines when their layout differs from decode's.
     colocated_decode_tokens_per_s_per_gpu: float | None = None
     # How a prefill engine gets a trajectory's earlier context (ClusterConfig.reuse_mode):
@@ -65,6 +71,30 @@ class ClusterSpec:
         if self.colocated_prefill_factor is not None:
             return self.colocated_prefill_factor
         return float(self.dp_attention_ranks)
+
+    def prefill_interference_at(self, prefill_slots_needed: float) -> float:
+        """:attr:`prefill_interference` when colocated engines carry a prefill demand of
+        ``prefill_slots_needed`` prefill slots.
+
+        One rank prefilling stalls the others (``colocated_prefill_factor``, f1); all
+        ``r`` ranks prefilling share that stall (``colocated_packed_prefill_factor``,
+        fr). Each rank holds a chunk in a share ``q`` of steps (demand over the
+        colocated engines' packed prefill capacity), independently of the others; a step
+        with any chunk pays the stall ``F`` once, so a token costs ``m + F * P(k >= 1) /
+        E[k]`` with ``k ~ Binomial(r, q)``: f1 at light demand, fr at saturation
+        (``m``, ``F`` from f1 and fr: the cost model's step is nearly ``m + F / k``).
+        """
+        ranks = self.dp_attention_ranks
+        f1, fr = self.prefill_interference, self.colocated_packed_prefill_factor
+        ratio = self.colocated_packed_prefill_ratio
+        if fr is None or ratio is None or ranks <= 1 or f1 <= fr:
+            return f1
+        q = min(max(prefill_slots_needed, 0.0) / (self.num_slots * ratio), 1.0)
+        if q <= 1e-9:
+            return f1
+        stall = (f1 - fr) * ranks / (ranks - 1)
+        share_of_steps = (1.0 - (1.0 - q) ** ranks) / (q * ranks)
+        return f1 - stall + stall * share_of_steps
 
     @property
     def total_gpus(self) -> int:

@@ -8,7 +8,10 @@ KV and keep batches at a target size.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+
+from prorsa.errors import ConfigError
 
 from prorsa.policy.base import ClusterSpec, colocated_now
 from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast
@@ -81,6 +84,41 @@ def kv_capacity_per_slot(obs: ClusterObservation) -> float:
     return max(sum(caps) / len(caps), 1.0)
 
 
+class PrefillWorkMeter:
+    """Prefill tokens engines computed per token turns appended, over the last
+    ``window_s`` seconds of observations.
+
+    Forecasts count appended tokens; what prefill engines compute for them differs: near
+    one where prefix caches hold earlier context, many times more where KV pressure
+    evicts caches (Qwen3-235B-A22B swe at 64 trajectories per GPU computes ~30x what it
+    appends, colocated or split) or a prefill engine lacks the context; below one where
+    a group's shared prompt is cached. Policies scale forecast prefill by this ratio.
+    Until ``min_appended_tokens`` have arrived in the window the ratio stays at its last
+    value (1.0 at first).
+    """
+
+    def __init__(self, window_s: float = 30.0, min_appended_tokens: float = 10_000.0) -> None:
+        if window_s <= 0 or min_appended_tokens <= 0:
+            raise ConfigError("PrefillWorkMeter: window_s and min_appended_tokens must be > 0")
+        self.window_s = window_s
+        self.min_appended_tokens = min_appended_tokens
+        self.samples: deque[tuple[float, int, int]] = deque()
+        self.ratio = 1.0
+
+    def update(self, obs: ClusterObservation) -> float:
+        """Record ``obs``'s totals; the computed-per-appended ratio over the window."""
+        now = obs.time_s
+        appended, computed = obs.prefill_tokens_appended_total, obs.prefill_tokens_computed_total
+        self.samples.append((now, appended, computed))
+        # Keep the newest sample at or before the window's start as the baseline.
+        while len(self.samples) > 2 and self.samples[1][0] <= now - self.window_s:
+            self.samples.popleft()
+        _, appended0, computed0 = self.samples[0]
+        if appended - appended0 >= self.min_appended_tokens:
+            self.ratio = (computed - computed0) / (appended - appended0)
+        return self.ratio
+
+
 def forecast_rate(
     forecast: Forecast, target: str, horizon_s: float, quantile: float | None
 ) -> float:
@@ -123,10 +161,12 @@ def colocated_shortage(spec: ClusterSpec, need_p: float, need_d: float) -> float
     """Slots of demand left unserved with every slot colocated.
 
     Colocation pools capacity, but with data-parallel attention a prefill chunk holds every
-    rank of its engine, so prefill costs ``spec.prefill_interference`` times its work there.
+    rank of its engine, so prefill costs :meth:`ClusterSpec.prefill_interference_at` times
+    its work there: several times under light prefill, about once when every rank
+    prefills (a sync step's opening burst).
     """
     need_d = need_d / spec.colocated_decode_ratio
-    return max(need_p * spec.prefill_interference + need_d - spec.num_slots, 0.0)
+    return max(need_p * spec.prefill_interference_at(need_p) + need_d - spec.num_slots, 0.0)
 
 
 #: How soon a live agentic trajectory comes back for its next turn: a decode of a few

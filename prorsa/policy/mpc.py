@@ -8,6 +8,7 @@ import numpy as np
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
+    PrefillWorkMeter,
     Sizing,
     choose_mode,
     current_load,
@@ -99,6 +100,7 @@ class MPCPolicy(ModeChoosingPolicy):
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
         self.last_plan_: list[int] = []
+        self.work_ = PrefillWorkMeter()
 
     def requirements(
         self, obs: ClusterObservation, forecast: Forecast
@@ -116,7 +118,8 @@ class MPCPolicy(ModeChoosingPolicy):
         backlog = np.zeros_like(lengths)
         backlog[0] = load.prefill_backlog_tokens
         per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * sizing.prefill_target_util
-        need_p = (arriving + backlog) / lengths / per_slot
+        # Forecasts count appended tokens; engines compute what caches miss of them.
+        need_p = (arriving * self.work_.ratio + backlog) / lengths / per_slot
         seqs = np.maximum(np.asarray(table["decode_sequences"], dtype=float), 0.0)
         kv = np.maximum(np.asarray(table["decode_kv_tokens"], dtype=float), 0.0)
         seqs[0] = max(seqs[0], load.decode_sequences)
@@ -168,6 +171,7 @@ class MPCPolicy(ModeChoosingPolicy):
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
+        self.work_.update(obs)
         if forecast is None:
             return self.before_forecast(obs, current, "mpc")
         lengths, need_p, need_d = self.requirements(obs, forecast)

@@ -8,6 +8,7 @@ import math
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
+    PrefillWorkMeter,
     Sizing,
     choose_mode,
     current_load,
@@ -106,12 +107,14 @@ class PredictivePolicy(ModeChoosingPolicy):
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
+        self.work_ = PrefillWorkMeter()
 
     def needs(self, obs: ClusterObservation, forecast: Forecast) -> tuple[float, float]:
         """(prefill slots, decode slots) the forecast demand calls for."""
         spec, h, q = self.cluster_, self.horizon_s, self.quantile
         load = current_load(obs)
-        rate = forecast_rate(forecast, "prefill_tokens", h, q)
+        # Forecasts count appended tokens; engines compute what caches miss of them.
+        rate = forecast_rate(forecast, "prefill_tokens", h, q) * self.work_.ratio
         prefill = self.sizing_.prefill_slots_needed(spec, rate, load.prefill_backlog_tokens, h)
         use_q = q is not None and q in forecast.quantiles
         seqs = forecast.at("decode_sequences", h, q if use_q else None)
@@ -127,6 +130,7 @@ class PredictivePolicy(ModeChoosingPolicy):
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
+        self.work_.update(obs)
         if forecast is None:
             return self.before_forecast(obs, current, "predictive")
         need_p, need_d = self.needs(obs, forecast)
@@ -158,7 +162,10 @@ class PredictivePolicy(ModeChoosingPolicy):
         )
         if gain >= self.min_gain and saved >= lost:
             return self.split(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
-        return self.split(current, "predictive: hold (gain below switch cost)")
+        return self.split(
+            current,
+            f"predictive: hold (need {need_p:.1f}P/{need_d:.1f}D; gain below switch cost)",
+        )
 
 
 def _max_util(prefill: int, slots: int, need_p: float, need_d: float) -> float:

@@ -72,6 +72,11 @@ class ClusterObservation:
     completed_trajectories: int = 0
     total_trajectories: int | None = None
     local_prefill_threshold: int = 0
+    # Since the run began: tokens turns appended to their contexts (what the forecasters'
+    # ``prefill_tokens`` target counts), and tokens prefill engines actually computed
+    # (cache misses, recomputation after eviction or preemption included).
+    prefill_tokens_appended_total: int = 0
+    prefill_tokens_computed_total: int = 0
 
     @property
     def total_gpus(self) -> int:

@@ -44,6 +44,21 @@ class TrajectoryStates:
         self.tokens[state] -= tokens
 
 
+class PrefillWork:
+    """Running totals of prefill: tokens turns appended, tokens engines computed.
+
+    Their ratio is what a forecast of appended tokens costs in prefill work: about one
+    when prefix caches hold earlier context, many times more when caches are evicted
+    or a prefill engine lacks the trajectory's context.
+    """
+
+    __slots__ = ("appended_tokens", "computed_tokens")
+
+    def __init__(self) -> None:
+        self.appended_tokens = 0
+        self.computed_tokens = 0
+
+
 def build_observation(
     time_s: float,
     slots: Sequence[SlotView],
@@ -53,8 +68,10 @@ def build_observation(
     completed: int,
     total: int | None,
     local_prefill_threshold: int,
+    work: PrefillWork | None = None,
 ) -> ClusterObservation:
     """The cluster at ``time_s`` as policies see it (plain values only)."""
+    work = work or PrefillWork()
     return ClusterObservation(
         time_s=time_s,
         slots=tuple(slots),
@@ -65,4 +82,6 @@ def build_observation(
         completed_trajectories=completed,
         total_trajectories=total,
         local_prefill_threshold=local_prefill_threshold,
+        prefill_tokens_appended_total=work.appended_tokens,
+        prefill_tokens_computed_total=work.computed_tokens,
     )

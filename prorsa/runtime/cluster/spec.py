@@ -16,6 +16,7 @@ from prorsa.runtime.cluster.layouts import (
     THROUGHPUT_CONTEXT_TOKENS,
     OperatingPoint,
     colocated_gpu_s_per_prefill_token,
+    colocated_packed_prefill_tokens_per_s_per_gpu,
     decode_tokens_per_s_per_gpu,
     typical_decode,
 )
@@ -99,6 +100,12 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
         reuse_mode=config.reuse_mode,
         role_layouts=dict(layouts),
         colocated_prefill_factor=_prefill_interference(colocated, prefill_tps, point),
+        colocated_packed_prefill_factor=_prefill_interference(
+            colocated, prefill_tps, point, colocated.dp_ranks
+        ),
+        colocated_packed_prefill_ratio=(
+            colocated_packed_prefill_tokens_per_s_per_gpu(colocated, point) / prefill_tps
+        ),
         colocated_decode_tokens_per_s_per_gpu=colocated_tps,
     )
 
@@ -117,8 +124,11 @@ def equal_load_point(decode, colocated) -> OperatingPoint:
     return OperatingPoint(batch_per_gpu=per_gpu, context_tokens=THROUGHPUT_CONTEXT_TOKENS)
 
 
-def _prefill_interference(colocated, prefill_tps_per_gpu: float, point: OperatingPoint) -> float:
+def _prefill_interference(
+    colocated, prefill_tps_per_gpu: float, point: OperatingPoint, prefilling_ranks: int = 1
+) -> float:
     """GPU-seconds of colocated capacity one prefill token costs (the step grows for
-    every rank while one prefills a chunk into its decoding batch), over what it costs a
-    prefill engine's GPU."""
-    return colocated_gpu_s_per_prefill_token(colocated, point) * prefill_tps_per_gpu
+    every rank while ``prefilling_ranks`` prefill a chunk into their decoding batches),
+    over what it costs a prefill engine's GPU."""
+    per_token = colocated_gpu_s_per_prefill_token(colocated, point, prefilling_ranks)
+    return per_token * prefill_tps_per_gpu

@@ -204,4 +204,5 @@ class RayActuator:
             completed=self.router.completed_trajectories,
             total=self.total_trajectories,
             local_prefill_threshold=self.router.config.local_prefill_threshold_tokens,
+            work=self.router.prefill_work,
         )

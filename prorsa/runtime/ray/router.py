@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prorsa.errors import ConfigError, InputError
-from prorsa.runtime.cluster.observation import TrajectoryStates
+from prorsa.runtime.cluster.observation import PrefillWork, TrajectoryStates
 from prorsa.runtime.cluster.routing import DecodePlacement, choose_prefill, prefill_locally
 from prorsa.runtime.cluster.telemetry import ClusterTelemetry
 from prorsa.runtime.ray.client import EngineUnavailable
@@ -106,6 +106,7 @@ class PDRouter:
             pools, self.telemetry, self.now, self.config, on_cache_reset=self.forget_engine_cache
         )
         self.states = TrajectoryStates()
+        self.prefill_work = PrefillWork()
         self.placement = DecodePlacement()
         self._placement_version = -1
         # Per trajectory: its engine per side, and per engine the (length, hash) of the
@@ -670,6 +671,10 @@ class PDRouter:
         **fields: Any,
     ) -> None:
         """A router-side stage event of ``request``'s turn (token counts by keyword)."""
+        if kind is K.PREFILL_QUEUED:
+            self.prefill_work.appended_tokens += fields.get("new_tokens", 0)
+        elif kind is K.PREFILL_END:
+            self.prefill_work.computed_tokens += fields.get("new_tokens", 0)
         self._emit(
             kind, at, request.trajectory_id, request.turn, request.group_id, request.task,
             engine_id=engine_id, **fields,

@@ -17,7 +17,7 @@ from prorsa.policy.base import ClusterSpec
 from prorsa.policy.types import ROLES, ClusterObservation, SlotView
 from prorsa.runtime.cluster import telemetry as ev
 from prorsa.runtime.cluster.config import ClusterConfig
-from prorsa.runtime.cluster.observation import TrajectoryStates, build_observation
+from prorsa.runtime.cluster.observation import PrefillWork, TrajectoryStates, build_observation
 from prorsa.runtime.cluster.routing import (
     DECODE_SIDE,
     DecodePlacement,
@@ -73,6 +73,7 @@ class SimCluster:
         self._pack = self.telemetry.pack
         self._write = self.telemetry.write
         self.states = TrajectoryStates()
+        self.prefill_work = PrefillWork()
         # The counts behind the observation, updated inline on every lifecycle move.
         self._state_count = self.states.counts
         self._state_tokens = self.states.tokens
@@ -186,6 +187,7 @@ class SimCluster:
         held["queued"] += context
         traj.state = "queued"
         traj.tokens = context
+        self.prefill_work.appended_tokens += new
         if self._record:
             self._write(self._pack(now, traj.key, k, ev.PREFILL_QUEUED, -1, context, new, 0, 0))
         self._route(req, new)
@@ -327,6 +329,7 @@ class SimCluster:
         traj = req.traj
         req.prefill_attempts += 1
         tally = self.tally
+        self.prefill_work.computed_tokens += req.prefill_tokens
         if req.prefill_attempts == 1:
             tally.prefill_tokens_computed += req.prefill_tokens
             tally.prefill_tokens_cached += req.cached
@@ -651,4 +654,5 @@ class SimCluster:
             completed=self.tally.completed,
             total=total_trajectories,
             local_prefill_threshold=self.local_prefill_threshold,
+            work=self.prefill_work,
         )
