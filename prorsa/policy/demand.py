@@ -12,7 +12,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from prorsa.errors import ConfigError
-
 from prorsa.policy.base import ClusterSpec, colocated_now
 from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast
 
