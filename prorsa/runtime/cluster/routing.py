@@ -24,6 +24,14 @@ import numpy as np
 DECODE_SIDE: tuple[str, ...] = ("decode", "colocated")
 #: Beyond this many prefill engines, pick by power of two choices instead of a full scan.
 EXACT_PREFILL_CHOICE_MAX = 8
+#: Cache affinity yields to load balance when a trajectory's sticky engine owns more than
+#: this many trajectories over the least-owned engine and more than this many times as
+#: many: the defaults of the cache-aware routers of SGLang and vLLM
+#: (``--balance-abs-threshold 64``, ``--balance-rel-threshold 1.5``). Without it, engines
+#: that join the decode side (prefill slots switched to colocated) stay idle while every
+#: trajectory sticks to the old decode engines.
+BALANCE_ABS_THRESHOLD = 64
+BALANCE_REL_THRESHOLD = 1.5
 
 
 class EngineView(Protocol):
@@ -69,9 +77,17 @@ class DecodePlacement:
         return self._eligible
 
     def choose(self, sticky: E | None) -> E | None:
-        """The trajectory's sticky engine if it still serves decode, else the least owned."""
+        """The trajectory's sticky engine if it still serves decode and is not overloaded
+        (:func:`overloaded`), else the least owned. Called when a turn begins: a
+        trajectory moves only between turns, and its next prefill rebuilds its context."""
         if sticky is not None and serves_decode(sticky):
-            return sticky
+            least = self._least_owned()
+            if least is None or not overloaded(sticky.owned, least.owned):
+                return sticky
+            return least
+        return self._least_owned()
+
+    def _least_owned(self) -> E | None:
         heap = self._heap
         while heap:
             owned, _, engine = heap[0]
@@ -96,6 +112,14 @@ class DecodePlacement:
             heapq.heappush(self._heap, (engine.owned, order, engine))
             if len(self._heap) > 8 * len(self._eligible) + 64:
                 self.refresh(self._eligible)
+
+
+def overloaded(owned: int, least_owned: int) -> bool:
+    """True when an engine owning ``owned`` trajectories should hand a trajectory to one
+    owning ``least_owned`` (both thresholds exceeded)."""
+    return (
+        owned - least_owned > BALANCE_ABS_THRESHOLD and owned > BALANCE_REL_THRESHOLD * least_owned
+    )
 
 
 def least_owned(

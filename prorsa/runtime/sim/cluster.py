@@ -204,9 +204,8 @@ class SimCluster:
 
     def _route(self, req: SimTurn, appended: int) -> None:
         traj = req.traj
-        decode = traj.decode_engine
-        if decode is None or not decode.accepting or decode.role not in DECODE_SIDE:
-            decode = self._decode_for(traj)  # the sticky engine no longer serves decode
+        # The sticky engine, unless it no longer serves decode or is overloaded.
+        decode = self._decode_for(traj)
         req.decode_engine = decode
         on_decode = decode.cache.entries.get(traj.traj_key, 0)
         # A colocated engine always prefills its own turns (prefill_locally's first rule).
