@@ -65,6 +65,20 @@ def prefill_tokens_per_s_per_gpu(cost) -> float:
     return cost.prefill_tokens_per_s_per_gpu(min(THROUGHPUT_CHUNK_TOKENS, cost.max_step_tokens))
 
 
+def _chunked_step_s(cost, point: OperatingPoint, prefilling_ranks: int) -> tuple[float, float, int]:
+    """(decode step, step with ``prefilling_ranks`` ranks each prefilling a chunk, chunk
+    tokens) of ``cost``'s ranks loaded as at ``point``."""
+    batch, context = typical_decode(cost, point)
+    ranks = cost.dp_ranks
+    if not 1 <= prefilling_ranks <= ranks:
+        raise ConfigError(f"prefilling_ranks must be in 1..{ranks}, got {prefilling_ranks}")
+    chunk = min(THROUGHPUT_CHUNK_TOKENS, cost.max_step_tokens - batch)
+    batches, ctxs = [batch] * ranks, [batch * context] * ranks
+    decode_s = cost.decode_step_s(batches, ctxs)
+    chunks = [chunk] * prefilling_ranks + [0] * (ranks - prefilling_ranks)
+    return decode_s, cost.step_s(batches, ctxs, chunks, [0] * ranks), chunk
+
+
 def colocated_gpu_s_per_prefill_token(
     cost, point: OperatingPoint = QUOTED, prefilling_ranks: int = 1
 ) -> float:
@@ -78,26 +92,15 @@ def colocated_gpu_s_per_prefill_token(
     (Qwen3-235B-A22B tp1-dp8-ep8-a2a: 3.5x a prefill GPU's cost with one rank, 0.9x with
     all eight).
     """
-    batch, context = typical_decode(cost, point)
-    ranks = cost.dp_ranks
-    if not 1 <= prefilling_ranks <= ranks:
-        raise ConfigError(f"prefilling_ranks must be in 1..{ranks}, got {prefilling_ranks}")
-    chunk = min(THROUGHPUT_CHUNK_TOKENS, cost.max_step_tokens - batch)
-    batches, ctxs = [batch] * ranks, [batch * context] * ranks
-    decode_s = cost.decode_step_s(batches, ctxs)
-    chunks = [chunk] * prefilling_ranks + [0] * (ranks - prefilling_ranks)
-    mixed_s = cost.step_s(batches, ctxs, chunks, [0] * ranks)
+    decode_s, mixed_s, chunk = _chunked_step_s(cost, point, prefilling_ranks)
     return (mixed_s - decode_s) * cost.gpus / (chunk * prefilling_ranks)
 
 
 def colocated_packed_prefill_tokens_per_s_per_gpu(cost, point: OperatingPoint = QUOTED) -> float:
     """Prefill tokens/s per GPU a colocated engine carries when every rank prefills a
     chunk in every step (ranks loaded as at ``point``): the most its prefill can take."""
-    batch, context = typical_decode(cost, point)
-    ranks = cost.dp_ranks
-    chunk = min(THROUGHPUT_CHUNK_TOKENS, cost.max_step_tokens - batch)
-    mixed_s = cost.step_s([batch] * ranks, [batch * context] * ranks, [chunk] * ranks, [0] * ranks)
-    return chunk * ranks / mixed_s / cost.gpus
+    _, mixed_s, chunk = _chunked_step_s(cost, point, cost.dp_ranks)
+    return chunk * cost.dp_ranks / mixed_s / cost.gpus
 
 
 # ---- the options of a model -----------------------------------------------------------
