@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,15 +46,12 @@ def prompt_for(session: int, turn: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------- client process
-async def client_load(url: str, concurrency: int, requests: int) -> list[tuple[float, float]]:
+async def client_load(
+    url: str, concurrency: int, requests: int, http_client: str = "aiohttp"
+) -> list[tuple[float, float]]:
     """(latency_s, engine_s) per request, ``concurrency`` sessions of ``requests`` turns."""
-    import httpx
-
-    limits = httpx.Limits(
-        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
-    )
     out: list[tuple[float, float]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    async with _http_session(url, concurrency, http_client) as post:
 
         async def session(s: int) -> None:
             sid = f"bench-{concurrency}-{s}-{time.monotonic_ns()}"
@@ -61,21 +60,56 @@ async def client_load(url: str, concurrency: int, requests: int) -> list[tuple[f
                         "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0,
                                             "ignore_eos": True}}  # fmt: skip
                 started = time.perf_counter()
-                r = await http.post(
-                    "/inference/v1/generate", json=body, headers={"X-Session-ID": sid}
-                )
-                latency = time.perf_counter() - started
-                r.raise_for_status()
-                out.append((latency, r.json()["prorsa"]["engine_s"]))
-            await http.post("/finish_session", params={"session_id": sid})
+                reply = await post("/inference/v1/generate", body, {"X-Session-ID": sid})
+                out.append((time.perf_counter() - started, reply["prorsa"]["engine_s"]))
+            await post(f"/finish_session?session_id={sid}", None, {})
 
         await asyncio.gather(*(session(s) for s in range(concurrency)))
     return out
 
 
-def served_round(url: str, concurrency: int, requests: int) -> tuple[list, float]:
+@contextlib.asynccontextmanager
+async def _http_session(url: str, concurrency: int, http_client: str):
+    """``post(path, json, headers) -> reply`` over a pooled client of either library.
+
+    aiohttp by default: httpx's pool costs the *client* several ms of CPU per request at
+    64 connections (measured here: ~7 ms), which on two shared cores starves the server and
+    would be charged to it; SkyRL's and AReaL's clients use aiohttp too.
+    """
+    if http_client == "httpx":
+        import httpx
+
+        limits = httpx.Limits(
+            max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+        )
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+            async def post(path: str, body: Any, headers: dict[str, str]) -> Any:
+                r = await http.post(path, json=body, headers=headers)
+                r.raise_for_status()
+                return r.json()
+
+            yield post
+        return
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as http:
+
+        async def post(path: str, body: Any, headers: dict[str, str]) -> Any:
+            async with http.post(path, json=body, headers=headers) as r:
+                r.raise_for_status()
+                return await r.json()
+
+        yield post
+
+
+def served_round(
+    url: str, concurrency: int, requests: int, http_client: str = "aiohttp"
+) -> tuple[list, float]:
     cmd = [sys.executable, __file__, "--client", url, "--concurrency", str(concurrency),
-           "--requests", str(requests)]  # fmt: skip
+           "--requests", str(requests), "--http-client", http_client]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - started
@@ -120,10 +154,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as load client
     parser.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp",
+                        help="the load client's HTTP library")  # fmt: skip
     args = parser.parse_args()
     if args.client:
         started = time.perf_counter()
-        samples = asyncio.run(client_load(args.client, args.concurrency, args.requests))
+        samples = asyncio.run(
+            client_load(args.client, args.concurrency, args.requests, args.http_client)
+        )
         print(json.dumps({"samples": samples, "wall_s": time.perf_counter() - started}))
         return
 
@@ -148,7 +186,7 @@ def main() -> None:
         try:
             with BackgroundServer(config, fleet=fleet) as server:
                 client = fleet.clients[0]
-                served_round(server.url, 4, 5)  # warm-up: connections, NIXL-free path, caches
+                served_round(server.url, 4, 5, args.http_client)  # warm-up: connections, NIXL-free path, caches
                 asyncio.run(direct_load(client, 4, 5))
                 for c in CONCURRENCY:
                     requests = max(5, args.requests // max(1, c // 8))
@@ -158,7 +196,7 @@ def main() -> None:
                         d, w = asyncio.run(direct_load(client, c, requests))
                         direct += d
                         direct_wall += w
-                        s, w = served_round(server.url, c, requests)
+                        s, w = served_round(server.url, c, requests, args.http_client)
                         served += s
                         served_wall += w
                     rd, rs = stats(direct, direct_wall), stats(served, served_wall)
@@ -184,6 +222,7 @@ def main() -> None:
                 "prompt_tokens": PROMPT_TOKENS,
                 "max_tokens": MAX_TOKENS,
                 "rounds": args.rounds,
+                "http_client": args.http_client,
                 "load_average": os.getloadavg(),
             },
             "goal": {"concurrency": 16, "added_p50_ms": 3.0, "added_p99_ms": 20.0},
