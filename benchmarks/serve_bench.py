@@ -186,7 +186,8 @@ def main() -> None:
         try:
             with BackgroundServer(config, fleet=fleet) as server:
                 client = fleet.clients[0]
-                served_round(server.url, 4, 5, args.http_client)  # warm-up: connections, NIXL-free path, caches
+                # warm-up: connections, NIXL-free path, caches
+                served_round(server.url, 4, 5, args.http_client)
                 asyncio.run(direct_load(client, 4, 5))
                 for c in CONCURRENCY:
                     requests = max(5, args.requests // max(1, c // 8))
