@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -124,12 +125,30 @@ def test_predictive_weighs_switch_cost_and_lost_cache():
     cheap.reset(spec(8))
     gpus = cheap.decide(observation(1.0, ROLES8), forecast(1.0, 40_000.0)).gpus
     assert gpus.get("prefill", 0) + gpus.get("colocated", 0) > 2
-    # ...but not when the decode slots to move cache many contexts (rebuilt next turn).
+    # ...but not when the decode slots to move cache many contexts (rebuilt next turn),
+    # and colocation (which would serve it all) runs another layout: reaching it would
+    # reshard every slot and lose every cached context.
     costly = make_policy("predictive")
-    costly.reset(spec(8))
+    layouts = {"prefill": "tp1", "decode": "tp1", "colocated": "tp2"}
+    costly.reset(replace(spec(8), role_layouts=layouts, reshard_latency_s=20.0))
     obs = observation(1.0, ROLES8, decode_kv=5_000_000, kv_capacity=10_000_000)
     alloc = costly.decide(obs, forecast(1.0, 40_000.0, kv=5_000_000))
     assert alloc.gpus["prefill"] == 2 and "hold" in alloc.reason
+
+
+@pytest.mark.parametrize("name", ["predictive", "mpc"])
+def test_backlog_wins_slots_when_both_sides_are_short(name):
+    # A 10M-token prefill backlog on 1 of 4 slots while decode also wants more than its 3
+    # (found in the regime map: 235B swe sync, where best-static runs 3P/1D). Summing each
+    # side's shortfall made every split look alike, and the policies held one prefill slot
+    # for the whole run (0.44x colocation); the cluster moves at its busier side's pace.
+    # Colocation is no way out here: prefill costs three times its work there.
+    policy = make_policy(name)
+    policy.reset(replace(spec(4), colocated_prefill_factor=3.0))
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = observation(30.0, roles, prefill_queue=10_000_000, decoding=400)
+    alloc = policy.decide(obs, forecast(30.0, 20_000.0, decoding=400))
+    assert alloc.gpus.get("prefill", 0) >= 2, alloc.reason
 
 
 def test_mpc_dp_matches_brute_force():
@@ -152,7 +171,7 @@ def test_mpc_dp_matches_brute_force():
                 lost = min(2.0 + 1.0, lengths[k]) / lengths[k]
                 eff_p = x - lost * max(x - prev, 0)
                 eff_d = (6 - x) - lost * max(prev - x, 0)
-                short = max(need_p[k] - eff_p, 0) + max(need_d[k] - eff_d, 0)
+                short = 6 * max(max(need_p[k] / eff_p, need_d[k] / eff_d) - 1, 0)
                 total += short * lengths[k] + 0.5 * abs(x - prev)
                 prev = x
             return total

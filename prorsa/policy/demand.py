@@ -8,6 +8,7 @@ KV and keep batches at a target size.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -151,9 +152,40 @@ def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int
     return tokens / max(per_slot, 1e-9)
 
 
+def busier_utilisation(prefill: int, slots: int, need_p: float, need_d: float) -> float:
+    """Utilisation of the busier side of a ``prefill`` / ``slots - prefill`` split; a side
+    with no slots (mid-change from or to colocation) is saturated by any need."""
+    decode = slots - prefill
+    return max(
+        need_p / prefill if prefill > 0 else (math.inf if need_p > 0 else 0.0),
+        need_d / decode if decode > 0 else (math.inf if need_d > 0 else 0.0),
+    )
+
+
 def split_shortage(prefill: int, slots: int, need_p: float, need_d: float) -> float:
-    """Slots of demand a ``prefill`` / ``slots - prefill`` split leaves unserved."""
-    return max(need_p - prefill, 0.0) + max(need_d - (slots - prefill), 0.0)
+    """Slots of demand a ``prefill`` / ``slots - prefill`` split leaves unserved.
+
+    Prefill and decode form a pipeline, so the cluster moves at its busier side's pace:
+    at utilisation ``u > 1`` the horizon's work takes ``u`` times as long, which is
+    ``slots * (u - 1)`` slots short, the measure :func:`colocated_shortage` uses for
+    pooled slots. (Summing each side's shortfall instead makes every split look alike
+    once both sides are short, e.g. under a backlog: a policy then kept one prefill slot
+    for a backlog that needed three.)
+    """
+    return slots * max(busier_utilisation(prefill, slots, need_p, need_d) - 1.0, 0.0)
+
+
+def best_split(slots: int, need_p: float, need_d: float) -> int:
+    """The prefill slots (1 .. slots-1) that leave the least demand unserved; among
+    splits that serve it all, the most balanced."""
+    return min(
+        range(1, slots),
+        key=lambda x: (
+            split_shortage(x, slots, need_p, need_d),
+            busier_utilisation(x, slots, need_p, need_d),
+            x,
+        ),
+    )
 
 
 def colocated_shortage(spec: ClusterSpec, need_p: float, need_d: float) -> float:
@@ -207,7 +239,8 @@ def choose_mode(
     Returns ``"colocated"`` to colocate every slot, a prefill slot count to disaggregate,
     or None to stay in the current mode (a split policy then tunes its split). A change
     must save more unserved slot-seconds over ``payback_s`` than it costs: the switching
-    slots' latency plus rebuilding the contexts cached on the decode-side slots it moves.
+    slots' latency plus rebuilding the contexts cached on the decode-side slots it moves;
+    from a split it must also net more than re-sizing the split would.
     Leaving colocation under re-prefill, the split's prefill also recomputes the live
     trajectories' contexts (:func:`split_recompute_slots`). When decode and colocated run
     different layouts, every slot reshards, not only the prefill ones.
@@ -217,7 +250,7 @@ def choose_mode(
     if colocated_now(obs):
         # A split must also recompute what the colocated engines cache (re-prefill).
         need_p = need_p + split_recompute_slots(obs, spec)
-    best_x = min(range(1, n), key=lambda x: (split_shortage(x, n, need_p, need_d), x))
+    best_x = best_split(n, need_p, need_d)
     pd_short = split_shortage(best_x, n, need_p, need_d)
     # Decode <-> colocated is a relabel only when both roles run one layout; otherwise
     # those slots restart resharded too and lose the contexts they cache.
@@ -240,5 +273,10 @@ def choose_mode(
     if not relabel:
         latency += (n - current_prefill) * spec.switch_latency_between("decode", "colocated")
         moved = n
-    lost = latency + decode_slot_rebuild_s(obs, spec, moved)
-    return "colocated" if saved > switch_cost_weight * lost else None
+    colocate_net = saved - switch_cost_weight * (latency + decode_slot_rebuild_s(obs, spec, moved))
+    # Colocate only if that nets more than re-sizing the split would (the split policy
+    # does that itself when this returns None).
+    resized = abs(best_x - current_prefill) * spec.switch_latency_between("decode", "prefill")
+    resized += decode_slot_rebuild_s(obs, spec, best_x - current_prefill)
+    resize_net = (current_short - pd_short) * payback_s - switch_cost_weight * resized
+    return "colocated" if colocate_net > max(resize_net, 0.0) else None

@@ -23,11 +23,13 @@ class MPCPolicy(ModeChoosingPolicy):
     """Receding-horizon plan over the forecaster's horizons.
 
     The forecast's horizons ``h_1 < ... < h_K`` cut the future into intervals. In interval
-    ``k`` prefill needs ``r_p[k]`` slots (tokens arriving in it, plus the backlog in the
-    first) and decode ``r_d[k]`` slots (forecast sequences and KV). With ``x`` prefill
-    slots the interval's cost is the slot-seconds of demand left unserved,
-    ``w_p * max(r_p - x_eff, 0) + w_d * max(r_d - (N - x)_eff, 0)`` times its length,
-    where slots that switch in this interval serve nothing for ``switch_latency + drain_s``;
+    ``k`` prefill needs ``r_p[k]`` slots (tokens arriving in it, plus its share of the
+    backlog, drained over the horizon) and decode ``r_d[k]`` slots (forecast sequences and
+    KV). With ``x`` prefill slots the interval's cost is the slot-seconds of demand left
+    unserved: the cluster moves at its busier side's pace,
+    ``u = max(w_p * r_p / x_eff, w_d * r_d / (N - x)_eff)``, so the interval costs
+    ``N * max(u - 1, 0)`` times its length, where slots that switch in this interval
+    serve nothing for ``switch_latency + drain_s``;
     each switched slot also costs ``switch_cost_s``, and each decode slot moved to prefill
     the prefill slot-seconds needed to rebuild the contexts it caches. The stage cost
     depends only on ``(x_prev, x)``, so dynamic programming over ``x`` finds the exact
@@ -115,8 +117,10 @@ class MPCPolicy(ModeChoosingPolicy):
         load = current_load(obs)
         lengths = np.diff(np.concatenate([[0.0], horizons]))
         arriving = np.diff(np.concatenate([[0.0], np.maximum.accumulate(table["prefill_tokens"])]))
-        backlog = np.zeros_like(lengths)
-        backlog[0] = load.prefill_backlog_tokens
+        # The backlog is to be drained within the horizon, spread over it: put all in the
+        # first (1 s) interval, it cost little there (switching slots serve nothing that
+        # soon) and vanished from later ones, so a queue of minutes never won a slot.
+        backlog = load.prefill_backlog_tokens * lengths / lengths.sum()
         per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * sizing.prefill_target_util
         # Forecasts count appended tokens; engines compute what caches miss of them.
         need_p = (arriving * self.work_.ratio + backlog) / lengths / per_slot
@@ -156,8 +160,11 @@ class MPCPolicy(ModeChoosingPolicy):
             gained_d = np.maximum(xs[:, None] - xs[None, :], 0)
             eff_p = xs[None, :] - lost * gained_p
             eff_d = (n - xs[None, :]) - lost * gained_d
-            short = self.prefill_weight * np.maximum(need_p[k] - eff_p, 0.0)
-            short = short + self.decode_weight * np.maximum(need_d[k] - eff_d, 0.0)
+            # The cluster moves at its busier side's pace (see demand.split_shortage).
+            busier = np.maximum(
+                self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
+            )
+            short = n * np.maximum(busier - 1.0, 0.0)
             stage = short * length + self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
             total = np.where(allowed, cost[:, None] + stage, np.inf)
             best_prev = np.argmin(total, axis=0)

@@ -3,13 +3,12 @@ horizon, and switch only when the gain outweighs the cost of switching."""
 
 from __future__ import annotations
 
-import math
-
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
     PrefillWorkMeter,
     Sizing,
+    busier_utilisation,
     choose_mode,
     current_load,
     decode_slot_rebuild_s,
@@ -149,7 +148,9 @@ class PredictivePolicy(ModeChoosingPolicy):
         target = split_slots(slots, need_p, need_d)
         if target == current:
             return self.split(current, "predictive: balanced")
-        gain = _max_util(current, slots, need_p, need_d) - _max_util(target, slots, need_p, need_d)
+        gain = busier_utilisation(current, slots, need_p, need_d) - busier_utilisation(
+            target, slots, need_p, need_d
+        )
         saved = (
             split_shortage(current, slots, need_p, need_d)
             - split_shortage(target, slots, need_p, need_d)
@@ -166,13 +167,3 @@ class PredictivePolicy(ModeChoosingPolicy):
             current,
             f"predictive: hold (need {need_p:.1f}P/{need_d:.1f}D; gain below switch cost)",
         )
-
-
-def _max_util(prefill: int, slots: int, need_p: float, need_d: float) -> float:
-    """The busier side's utilisation; a side with no slots (mid-change from or to
-    colocation, where slots are colocated or switching) is saturated by any need."""
-    decode = slots - prefill
-    return max(
-        need_p / prefill if prefill > 0 else (math.inf if need_p > 0 else 0.0),
-        need_d / decode if decode > 0 else (math.inf if need_d > 0 else 0.0),
-    )
