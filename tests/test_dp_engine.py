@@ -151,3 +151,28 @@ def test_spec_compares_colocated_and_decode_layouts_at_equal_load_per_gpu():
     # Each at its own half-full quote, the TP8 engine (16 per GPU) looked 6.5x slower per
     # GPU than the DP8 one (128 per GPU); at equal load they are within a factor of 1.5.
     assert spec.colocated_decode_ratio > 2 / 3
+
+
+def test_colocated_decode_ratio_follows_the_decode_load():
+    # Found in the regime map: 235B mixed sync 4/GPU, colocated TP4 (fastest, 409 s) vs a
+    # TP2-DP4-EP8 decode layout. Priced at 32 sequences per GPU, where the TP4 engine's KV
+    # holds only 18 sequences, colocation looked 7x slower at decode and every adaptive
+    # policy left it for a split (0.76x). At the run's light load it is not.
+    from prorsa.policy.demand import choose_mode
+    from tests.policy_helpers import observation
+
+    layouts = {"prefill": "tp1-dp8-ep8-a2a", "decode": "tp2-dp4-ep8", "colocated": "tp4"}
+    config = ClusterConfig(profile="h200-qwen3-235b-a22b-tp4", layouts=layouts, num_slots=4)
+    spec = cluster_spec(config, load_profiles(config), 10.0)
+    light, heavy = spec.colocated_decode_ratio_at(1.0), spec.colocated_decode_ratio_at(32.0)
+    assert light > 1.0 > 0.5 > heavy
+    assert heavy == pytest.approx(spec.colocated_decode_ratio, rel=0.05)
+    assert spec.colocated_decode_ratio_at(None) == spec.colocated_decode_ratio
+    assert spec.colocated_decode_ratio_at(0.01) == light  # clamped below the table
+    between = spec.colocated_decode_ratio_at(2.8)
+    assert min(spec.colocated_decode_ratio_at(2), spec.colocated_decode_ratio_at(4)) <= between
+    assert between <= max(spec.colocated_decode_ratio_at(2), spec.colocated_decode_ratio_at(4))
+    # 32 sequences decoding on 32 GPUs, 1 decode slot's worth of demand: stay colocated.
+    obs = observation(20.0, ["colocated"] * 4, decoding=32, decode_kv=32 * 8192)
+    kwargs = {"current_prefill": 1, "payback_s": 300.0, "switch_cost_weight": 1.0}
+    assert choose_mode(obs, spec, 0.1, 1.0, **kwargs) is None

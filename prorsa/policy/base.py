@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -48,6 +49,9 @@ class ClusterSpec:
     colocated_packed_prefill_ratio: float | None = None
     # Decode tokens/s per GPU of colocated engines when their layout differs from decode's.
     colocated_decode_tokens_per_s_per_gpu: float | None = None
+    # The same relative to a decode GPU at several loads: (decode sequences per GPU,
+    # ratio) in increasing load; empty: :attr:`colocated_decode_ratio` at every load.
+    colocated_decode_ratio_by_load: tuple[tuple[float, float], ...] = ()
     # How a prefill engine gets a trajectory's earlier context (ClusterConfig.reuse_mode):
     # under "reprefill" it recomputes what its own prefix cache lacks.
     reuse_mode: str = "reprefill"
@@ -64,6 +68,28 @@ class ClusterSpec:
         """Decode capacity of a colocated GPU relative to a decode GPU."""
         tps = self.colocated_decode_tokens_per_s_per_gpu
         return tps / self.decode_tokens_per_s_per_gpu if tps else 1.0
+
+    def colocated_decode_ratio_at(self, sequences_per_gpu: float | None) -> float:
+        """:attr:`colocated_decode_ratio` with ``sequences_per_gpu`` decoding per GPU
+        (interpolated in log load, clamped to the quoted range; None: the fixed ratio).
+
+        Layouts part most under load: a TP4 engine of Qwen3-235B-A22B holds 18 sequences
+        of 8k context, so per GPU it decodes 1.2x a TP2-DP4-EP8 GPU at 1 sequence per
+        GPU and 0.14x at 32 (the fixed ratio's load); a light run priced at 32 per GPU
+        left colocation, the fastest layout there, for a split (docs/cost_model.md).
+        """
+        table = self.colocated_decode_ratio_by_load
+        if not table or sequences_per_gpu is None:
+            return self.colocated_decode_ratio
+        loads = [math.log(max(load, 1e-9)) for load, _ in table]
+        x = math.log(max(sequences_per_gpu, 1e-9))
+        if x <= loads[0]:
+            return table[0][1]
+        for i in range(1, len(table)):
+            if x <= loads[i]:
+                w = (x - loads[i - 1]) / (loads[i] - loads[i - 1])
+                return table[i - 1][1] + w * (table[i][1] - table[i - 1][1])
+        return table[-1][1]
 
     @property
     def prefill_interference(self) -> float:

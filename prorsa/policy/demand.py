@@ -188,15 +188,19 @@ def best_split(slots: int, need_p: float, need_d: float) -> int:
     )
 
 
-def colocated_shortage(spec: ClusterSpec, need_p: float, need_d: float) -> float:
+def colocated_shortage(
+    spec: ClusterSpec, need_p: float, need_d: float, decode_sequences_per_gpu: float | None = None
+) -> float:
     """Slots of demand left unserved with every slot colocated.
 
     Colocation pools capacity, but with data-parallel attention a prefill chunk holds every
     rank of its engine, so prefill costs :meth:`ClusterSpec.prefill_interference_at` times
     its work there: several times under light prefill, about once when every rank
-    prefills (a sync step's opening burst).
+    prefills (a sync step's opening burst). Decode runs at the colocated layout's
+    throughput relative to decode's at ``decode_sequences_per_gpu``
+    (:meth:`ClusterSpec.colocated_decode_ratio_at`).
     """
-    need_d = need_d / spec.colocated_decode_ratio
+    need_d = need_d / spec.colocated_decode_ratio_at(decode_sequences_per_gpu)
     return max(need_p * spec.prefill_interference_at(need_p) + need_d - spec.num_slots, 0.0)
 
 
@@ -246,7 +250,8 @@ def choose_mode(
     different layouts, every slot reshards, not only the prefill ones.
     """
     n = spec.num_slots
-    c_short = colocated_shortage(spec, need_p, need_d)
+    per_gpu = current_load(obs).decode_sequences / max(spec.total_gpus, 1)
+    c_short = colocated_shortage(spec, need_p, need_d, per_gpu)
     if colocated_now(obs):
         # A split must also recompute what the colocated engines cache (re-prefill).
         need_p = need_p + split_recompute_slots(obs, spec)

@@ -107,7 +107,25 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
             colocated_packed_prefill_tokens_per_s_per_gpu(colocated, point) / prefill_tps
         ),
         colocated_decode_tokens_per_s_per_gpu=colocated_tps,
+        colocated_decode_ratio_by_load=_decode_ratio_by_load(decode, colocated),
     )
+
+
+#: Decode sequences per GPU at which the colocated and decode layouts are compared.
+RATIO_LOADS_PER_GPU = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _decode_ratio_by_load(decode, colocated) -> tuple[tuple[float, float], ...]:
+    """(sequences per GPU, colocated over decode tokens/s per GPU) at equal loads: each
+    layout batches what that load puts on its ranks, up to its batch and KV limits."""
+    table = []
+    for per_gpu in RATIO_LOADS_PER_GPU:
+        point = OperatingPoint(batch_per_gpu=per_gpu, context_tokens=THROUGHPUT_CONTEXT_TOKENS)
+        ratio = decode_tokens_per_s_per_gpu(colocated, point) / decode_tokens_per_s_per_gpu(
+            decode, point
+        )
+        table.append((float(per_gpu), ratio))
+    return tuple(table)
 
 
 def equal_load_point(decode, colocated) -> OperatingPoint:
