@@ -296,3 +296,33 @@ def test_prefill_work_meter_scales_appended_tokens_by_what_engines_computed():
     assert at(90.0, 10_000, 58_000) == pytest.approx(1.0)  # caches hit again
     with pytest.raises(ConfigError):
         PrefillWorkMeter(window_s=0)
+
+
+def test_prefill_work_meter_keeps_a_ratio_per_mode():
+    # Found in the regime map (235B tau2 async 16/GPU): a split's prefill engines
+    # recompute what colocated engines cache (15-60x what turns append, ~1x colocated);
+    # priced at the split's ratio colocation looked as short and was never chosen again.
+    from dataclasses import replace
+
+    from prorsa.policy.demand import PrefillWorkMeter
+
+    meter = PrefillWorkMeter(window_s=30.0, min_appended_tokens=1_000)
+    colocated = observation(0.0, ["colocated"] * 2)
+    split = observation(0.0, ["prefill", "decode"])
+
+    def at(base, t, appended, computed):
+        obs = replace(
+            base,
+            time_s=t,
+            prefill_tokens_appended_total=appended,
+            prefill_tokens_computed_total=computed,
+        )
+        return meter.update(obs)
+
+    at(colocated, 0.0, 0, 0)
+    assert at(colocated, 20.0, 10_000, 11_000) == pytest.approx(1.1)
+    # The split's window starts at the switch: no colocated tokens in its ratio.
+    assert at(split, 30.0, 12_000, 13_000) == pytest.approx(1.1)  # nothing measured yet
+    assert at(split, 60.0, 22_000, 313_000) == pytest.approx(30.0)
+    assert meter.ratio_for(colocated=True) == pytest.approx(1.1)
+    assert meter.ratio_for(colocated=False) == pytest.approx(30.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -50,8 +51,8 @@ class ClusterSpec:
     # Decode tokens/s per GPU of colocated engines when their layout differs from decode's.
     colocated_decode_tokens_per_s_per_gpu: float | None = None
     # The same relative to a decode GPU at several loads: (decode sequences per GPU,
-    # ratio) in increasing load; empty: :attr:`colocated_decode_ratio` at every load.
-    colocated_decode_ratio_by_load: tuple[tuple[float, float], ...] = ()
+    # context tokens, ratio), a full grid; empty: :attr:`colocated_decode_ratio` always.
+    colocated_decode_ratio_by_load: tuple[tuple[float, float, float], ...] = ()
     # How a prefill engine gets a trajectory's earlier context (ClusterConfig.reuse_mode):
     # under "reprefill" it recomputes what its own prefix cache lacks.
     reuse_mode: str = "reprefill"
@@ -69,27 +70,29 @@ class ClusterSpec:
         tps = self.colocated_decode_tokens_per_s_per_gpu
         return tps / self.decode_tokens_per_s_per_gpu if tps else 1.0
 
-    def colocated_decode_ratio_at(self, sequences_per_gpu: float | None) -> float:
-        """:attr:`colocated_decode_ratio` with ``sequences_per_gpu`` decoding per GPU
-        (interpolated in log load, clamped to the quoted range; None: the fixed ratio).
+    def colocated_decode_ratio_at(
+        self, sequences_per_gpu: float | None, context_tokens: float | None = None
+    ) -> float:
+        """:attr:`colocated_decode_ratio` with ``sequences_per_gpu`` decoding per GPU at
+        ``context_tokens`` each (interpolated in log load and log context, clamped to the
+        quoted range; None: the fixed ratio; no context: the middle one quoted).
 
         Layouts part most under load: a TP4 engine of Qwen3-235B-A22B holds 18 sequences
         of 8k context, so per GPU it decodes 1.2x a TP2-DP4-EP8 GPU at 1 sequence per
         GPU and 0.14x at 32 (the fixed ratio's load); a light run priced at 32 per GPU
-        left colocation, the fastest layout there, for a split (docs/cost_model.md).
+        left colocation, the fastest layout there, for a split (docs/regime_map.md).
         """
         table = self.colocated_decode_ratio_by_load
         if not table or sequences_per_gpu is None:
             return self.colocated_decode_ratio
-        loads = [math.log(max(load, 1e-9)) for load, _ in table]
-        x = math.log(max(sequences_per_gpu, 1e-9))
-        if x <= loads[0]:
-            return table[0][1]
-        for i in range(1, len(table)):
-            if x <= loads[i]:
-                w = (x - loads[i - 1]) / (loads[i] - loads[i - 1])
-                return table[i - 1][1] + w * (table[i][1] - table[i - 1][1])
-        return table[-1][1]
+        contexts = sorted({c for _, c, _ in table})
+        context = context_tokens if context_tokens else contexts[len(contexts) // 2]
+        rows = [[(load, r) for load, c, r in table if c == ctx] for ctx in contexts]
+        by_context = [
+            (ctx, _interp_log(row, sequences_per_gpu))
+            for ctx, row in zip(contexts, rows, strict=True)
+        ]
+        return _interp_log(by_context, context)
 
     @property
     def prefill_interference(self) -> float:
@@ -125,6 +128,18 @@ class ClusterSpec:
     @property
     def total_gpus(self) -> int:
         return self.num_slots * self.slot_gpus
+
+
+def _interp_log(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear in log x through ``points`` (increasing x), clamped at the ends."""
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    lx = math.log(x)
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return points[-1][1]
 
 
 #: ``start="auto"`` colocates unless a colocated prefill costs more than this many times

@@ -86,7 +86,7 @@ def kv_capacity_per_slot(obs: ClusterObservation) -> float:
 
 class PrefillWorkMeter:
     """Prefill tokens engines computed per token turns appended, over the last
-    ``window_s`` seconds of observations.
+    ``window_s`` seconds of observations, kept per mode (colocated or split).
 
     Forecasts count appended tokens; what prefill engines compute for them differs: near
     one where prefix caches hold earlier context, many times more where KV pressure
@@ -95,6 +95,13 @@ class PrefillWorkMeter:
     a group's shared prompt is cached. Policies scale forecast prefill by this ratio.
     Until ``min_appended_tokens`` have arrived in the window the ratio stays at its last
     value (1.0 at first).
+
+    The ratio depends on the mode: under re-prefill a split's prefill engines recompute
+    contexts the colocated engines kept (235B tau2 async 16/GPU: ~1x colocated, 15-60x
+    split). Priced at the split's ratio, colocation looked as short of prefill as the
+    split and a policy never went back. The window restarts when the mode changes, and
+    :meth:`ratio_for` gives the last ratio measured in a mode (the current one until
+    then; a policy adds a split's recompute itself, :func:`split_recompute_slots`).
     """
 
     def __init__(self, window_s: float = 30.0, min_appended_tokens: float = 10_000.0) -> None:
@@ -104,11 +111,18 @@ class PrefillWorkMeter:
         self.min_appended_tokens = min_appended_tokens
         self.samples: deque[tuple[float, int, int]] = deque()
         self.ratio = 1.0
+        self.colocated: bool | None = None
+        self.by_mode: dict[bool, float] = {}
 
     def update(self, obs: ClusterObservation) -> float:
         """Record ``obs``'s totals; the computed-per-appended ratio over the window."""
         now = obs.time_s
         appended, computed = obs.prefill_tokens_appended_total, obs.prefill_tokens_computed_total
+        mode = colocated_now(obs)
+        if mode != self.colocated:
+            self.samples.clear()
+            self.colocated = mode
+            self.ratio = self.ratio_for(mode)
         self.samples.append((now, appended, computed))
         # Keep the newest sample at or before the window's start as the baseline.
         while len(self.samples) > 2 and self.samples[1][0] <= now - self.window_s:
@@ -116,7 +130,12 @@ class PrefillWorkMeter:
         _, appended0, computed0 = self.samples[0]
         if appended - appended0 >= self.min_appended_tokens:
             self.ratio = (computed - computed0) / (appended - appended0)
+            self.by_mode[mode] = self.ratio
         return self.ratio
+
+    def ratio_for(self, colocated: bool) -> float:
+        """The last ratio measured while colocated (or split); the current one if none."""
+        return self.by_mode.get(colocated, self.ratio)
 
 
 def forecast_rate(
@@ -189,7 +208,11 @@ def best_split(slots: int, need_p: float, need_d: float) -> int:
 
 
 def colocated_shortage(
-    spec: ClusterSpec, need_p: float, need_d: float, decode_sequences_per_gpu: float | None = None
+    spec: ClusterSpec,
+    need_p: float,
+    need_d: float,
+    decode_sequences_per_gpu: float | None = None,
+    decode_context_tokens: float | None = None,
 ) -> float:
     """Slots of demand left unserved with every slot colocated.
 
@@ -200,7 +223,8 @@ def colocated_shortage(
     throughput relative to decode's at ``decode_sequences_per_gpu``
     (:meth:`ClusterSpec.colocated_decode_ratio_at`).
     """
-    need_d = need_d / spec.colocated_decode_ratio_at(decode_sequences_per_gpu)
+    ratio = spec.colocated_decode_ratio_at(decode_sequences_per_gpu, decode_context_tokens)
+    need_d = need_d / ratio
     return max(need_p * spec.prefill_interference_at(need_p) + need_d - spec.num_slots, 0.0)
 
 
@@ -237,6 +261,7 @@ def choose_mode(
     current_prefill: int,
     payback_s: float,
     switch_cost_weight: float,
+    colocated_need_p: float | None = None,
 ) -> str | int | None:
     """Whether to change between colocation and disaggregation.
 
@@ -248,10 +273,16 @@ def choose_mode(
     Leaving colocation under re-prefill, the split's prefill also recomputes the live
     trajectories' contexts (:func:`split_recompute_slots`). When decode and colocated run
     different layouts, every slot reshards, not only the prefill ones.
+    ``colocated_need_p`` is the prefill need were the slots colocated (a split's prefill
+    engines may compute more per appended token, :class:`PrefillWorkMeter`); default
+    ``need_p``.
     """
     n = spec.num_slots
-    per_gpu = current_load(obs).decode_sequences / max(spec.total_gpus, 1)
-    c_short = colocated_shortage(spec, need_p, need_d, per_gpu)
+    load = current_load(obs)
+    per_gpu = load.decode_sequences / max(spec.total_gpus, 1)
+    context = load.decode_kv_tokens / load.decode_sequences if load.decode_sequences else None
+    c_need_p = need_p if colocated_need_p is None else colocated_need_p
+    c_short = colocated_shortage(spec, c_need_p, need_d, per_gpu, context)
     if colocated_now(obs):
         # A split must also recompute what the colocated engines cache (re-prefill).
         need_p = need_p + split_recompute_slots(obs, spec)

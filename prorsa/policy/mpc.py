@@ -105,9 +105,10 @@ class MPCPolicy(ModeChoosingPolicy):
         self.work_ = PrefillWorkMeter()
 
     def requirements(
-        self, obs: ClusterObservation, forecast: Forecast
+        self, obs: ClusterObservation, forecast: Forecast, work_ratio: float | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Interval lengths and the prefill / decode slots each interval needs."""
+        """Interval lengths and the prefill / decode slots each interval needs, with
+        engines computing ``work_ratio`` tokens per appended one (default: as measured)."""
         spec, sizing = self.cluster_, self.sizing_
         horizons = np.asarray(forecast.horizons_s, dtype=float)
         if len(horizons) == 0 or (horizons <= 0).any() or (np.diff(horizons) <= 0).any():
@@ -123,7 +124,8 @@ class MPCPolicy(ModeChoosingPolicy):
         backlog = load.prefill_backlog_tokens * lengths / lengths.sum()
         per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * sizing.prefill_target_util
         # Forecasts count appended tokens; engines compute what caches miss of them.
-        need_p = (arriving * self.work_.ratio + backlog) / lengths / per_slot
+        ratio = self.work_.ratio if work_ratio is None else work_ratio
+        need_p = (arriving * ratio + backlog) / lengths / per_slot
         seqs = np.maximum(np.asarray(table["decode_sequences"], dtype=float), 0.0)
         kv = np.maximum(np.asarray(table["decode_kv_tokens"], dtype=float), 0.0)
         seqs[0] = max(seqs[0], load.decode_sequences)
@@ -185,6 +187,7 @@ class MPCPolicy(ModeChoosingPolicy):
         # Colocation versus disaggregation on the horizon's average demand; within a split,
         # the DP below plans the split itself.
         weights = lengths / lengths.sum()
+        colocated_p = self.requirements(obs, forecast, self.work_.ratio_for(colocated=True))[1]
         mode = choose_mode(
             obs,
             self.cluster_,
@@ -193,6 +196,7 @@ class MPCPolicy(ModeChoosingPolicy):
             current_prefill=max(current, 1),
             payback_s=float(lengths.sum()),
             switch_cost_weight=1.0,
+            colocated_need_p=float(colocated_p @ weights),
         )
         changed = self.apply_mode(obs, mode, "mpc")
         if changed is not None:

@@ -108,12 +108,16 @@ class PredictivePolicy(ModeChoosingPolicy):
         )
         self.work_ = PrefillWorkMeter()
 
-    def needs(self, obs: ClusterObservation, forecast: Forecast) -> tuple[float, float]:
-        """(prefill slots, decode slots) the forecast demand calls for."""
+    def needs(
+        self, obs: ClusterObservation, forecast: Forecast, work_ratio: float | None = None
+    ) -> tuple[float, float]:
+        """(prefill slots, decode slots) the forecast demand calls for, with engines
+        computing ``work_ratio`` tokens per appended token (default: as measured now)."""
         spec, h, q = self.cluster_, self.horizon_s, self.quantile
         load = current_load(obs)
         # Forecasts count appended tokens; engines compute what caches miss of them.
-        rate = forecast_rate(forecast, "prefill_tokens", h, q) * self.work_.ratio
+        ratio = self.work_.ratio if work_ratio is None else work_ratio
+        rate = forecast_rate(forecast, "prefill_tokens", h, q) * ratio
         prefill = self.sizing_.prefill_slots_needed(spec, rate, load.prefill_backlog_tokens, h)
         use_q = q is not None and q in forecast.quantiles
         seqs = forecast.at("decode_sequences", h, q if use_q else None)
@@ -141,6 +145,7 @@ class PredictivePolicy(ModeChoosingPolicy):
             current_prefill=max(current, 1),
             payback_s=self.payback_s,
             switch_cost_weight=self.switch_cost_weight,
+            colocated_need_p=self.needs(obs, forecast, self.work_.ratio_for(colocated=True))[0],
         )
         changed = self.apply_mode(obs, mode, "predictive", f" (need {need_p:.1f}P/{need_d:.1f}D)")
         if changed is not None:

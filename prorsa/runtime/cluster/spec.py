@@ -111,20 +111,24 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
     )
 
 
-#: Decode sequences per GPU at which the colocated and decode layouts are compared.
+#: Decode sequences per GPU and contexts at which the colocated and decode layouts are
+#: compared.
 RATIO_LOADS_PER_GPU = (1, 2, 4, 8, 16, 32, 64, 128)
+RATIO_CONTEXT_TOKENS = (2048, 8192, 32768)
 
 
-def _decode_ratio_by_load(decode, colocated) -> tuple[tuple[float, float], ...]:
-    """(sequences per GPU, colocated over decode tokens/s per GPU) at equal loads: each
-    layout batches what that load puts on its ranks, up to its batch and KV limits."""
+def _decode_ratio_by_load(decode, colocated) -> tuple[tuple[float, float, float], ...]:
+    """(sequences per GPU, context, colocated over decode tokens/s per GPU) at equal
+    loads: each layout batches what that load puts on its ranks, up to its batch and KV
+    limits."""
     table = []
-    for per_gpu in RATIO_LOADS_PER_GPU:
-        point = OperatingPoint(batch_per_gpu=per_gpu, context_tokens=THROUGHPUT_CONTEXT_TOKENS)
-        ratio = decode_tokens_per_s_per_gpu(colocated, point) / decode_tokens_per_s_per_gpu(
-            decode, point
-        )
-        table.append((float(per_gpu), ratio))
+    for context in RATIO_CONTEXT_TOKENS:
+        for per_gpu in RATIO_LOADS_PER_GPU:
+            point = OperatingPoint(batch_per_gpu=per_gpu, context_tokens=context)
+            ratio = decode_tokens_per_s_per_gpu(colocated, point) / decode_tokens_per_s_per_gpu(
+                decode, point
+            )
+            table.append((float(per_gpu), float(context), ratio))
     return tuple(table)
 
 
