@@ -271,22 +271,25 @@ def test_layout_spec_quotes_packed_prefill_from_the_cost_model():
     assert 0.1 < moe.colocated_packed_prefill_ratio < 10
 
 
-def test_prefill_work_meter_scales_appended_tokens_by_what_engines_computed():
-    from dataclasses import replace
+def _meter_at(meter, base, t: float, appended: int, computed: int) -> float:
+    """``meter``'s ratio after an observation like ``base`` at ``t`` with these totals."""
+    obs = replace(
+        base,
+        time_s=t,
+        prefill_tokens_appended_total=appended,
+        prefill_tokens_computed_total=computed,
+    )
+    return meter.update(obs)
 
+
+def test_prefill_work_meter_scales_appended_tokens_by_what_engines_computed():
     from prorsa.policy.demand import PrefillWorkMeter
 
     meter = PrefillWorkMeter(window_s=30.0, min_appended_tokens=1_000)
     base = observation(0.0, ["colocated"] * 2)
 
     def at(t, appended, computed):
-        obs = replace(
-            base,
-            time_s=t,
-            prefill_tokens_appended_total=appended,
-            prefill_tokens_computed_total=computed,
-        )
-        return meter.update(obs)
+        return _meter_at(meter, base, t, appended, computed)
 
     assert at(0.0, 0, 0) == 1.0
     assert at(10.0, 500, 5_000) == 1.0  # too few appended tokens to judge: hold
@@ -302,8 +305,6 @@ def test_prefill_work_meter_keeps_a_ratio_per_mode():
     # Found in the regime map (235B tau2 async 16/GPU): a split's prefill engines
     # recompute what colocated engines cache (15-60x what turns append, ~1x colocated);
     # priced at the split's ratio colocation looked as short and was never chosen again.
-    from dataclasses import replace
-
     from prorsa.policy.demand import PrefillWorkMeter
 
     meter = PrefillWorkMeter(window_s=30.0, min_appended_tokens=1_000)
@@ -311,13 +312,7 @@ def test_prefill_work_meter_keeps_a_ratio_per_mode():
     split = observation(0.0, ["prefill", "decode"])
 
     def at(base, t, appended, computed):
-        obs = replace(
-            base,
-            time_s=t,
-            prefill_tokens_appended_total=appended,
-            prefill_tokens_computed_total=computed,
-        )
-        return meter.update(obs)
+        return _meter_at(meter, base, t, appended, computed)
 
     at(colocated, 0.0, 0, 0)
     assert at(colocated, 20.0, 10_000, 11_000) == pytest.approx(1.1)

@@ -187,7 +187,12 @@ class MPCPolicy(ModeChoosingPolicy):
         # Colocation versus disaggregation on the horizon's average demand; within a split,
         # the DP below plans the split itself.
         weights = lengths / lengths.sum()
-        colocated_p = self.requirements(obs, forecast, self.work_.ratio_for(colocated=True))[1]
+        colocated_ratio = self.work_.ratio_for(colocated=True)
+        colocated_p = (
+            need_p
+            if colocated_ratio == self.work_.ratio
+            else self.requirements(obs, forecast, colocated_ratio)[1]
+        )
         mode = choose_mode(
             obs,
             self.cluster_,

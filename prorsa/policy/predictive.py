@@ -137,6 +137,14 @@ class PredictivePolicy(ModeChoosingPolicy):
         if forecast is None:
             return self.before_forecast(obs, current, "predictive")
         need_p, need_d = self.needs(obs, forecast)
+        # Colocation is priced at the work ratio measured colocated (the same one unless
+        # a split measured its own, see PrefillWorkMeter).
+        colocated_ratio = self.work_.ratio_for(colocated=True)
+        colocated_p = (
+            need_p
+            if colocated_ratio == self.work_.ratio
+            else self.needs(obs, forecast, colocated_ratio)[0]
+        )
         mode = choose_mode(
             obs,
             self.cluster_,
@@ -145,7 +153,7 @@ class PredictivePolicy(ModeChoosingPolicy):
             current_prefill=max(current, 1),
             payback_s=self.payback_s,
             switch_cost_weight=self.switch_cost_weight,
-            colocated_need_p=self.needs(obs, forecast, self.work_.ratio_for(colocated=True))[0],
+            colocated_need_p=colocated_p,
         )
         changed = self.apply_mode(obs, mode, "predictive", f" (need {need_p:.1f}P/{need_d:.1f}D)")
         if changed is not None:
