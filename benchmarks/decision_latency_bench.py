@@ -104,6 +104,9 @@ def measure(
         return spent
 
     controller.tick()  # the first tick ingests the 20 s of history
+    # Steady state: the turn models' compiled libraries (built in the background on the
+    # first large batch, cached per machine) are ready before the measured ticks.
+    compiled = warm_compiled(model)
     if ref is not None:
         feed_reference()
     parts: dict[str, list[float]] = {"observe": [], "ingest": [], "predict": [], "decide": []}
@@ -143,11 +146,22 @@ def measure(
         "goal_p99_ms": GOAL_P99_MS,
         "met": bool(np.percentile(1e3 * np.asarray(totals), 99) < GOAL_P99_MS),
         "bench_wall_s": round(wall, 1),
+        "compiled_tree_inference": compiled,
     }
     if ref is not None:
         out["ingest_per_event_reference"] = _percentiles(sequential)
         out["reference_state_equal"] = _same_state(ref, model.tracker_)
     return out
+
+
+def warm_compiled(model) -> bool:
+    """Wait for the compiled libraries of a LightGBM forecaster's per-turn models."""
+    from prorsa.forecast import compiled_trees
+    from prorsa.forecast.trajectory import TURN_MODELS
+
+    boosters = getattr(model, "boosters_", {})
+    turn = [boosters[name] for name in TURN_MODELS if name in boosters]
+    return bool(turn) and compiled_trees.warm(turn)
 
 
 def _same_state(a, b) -> bool:

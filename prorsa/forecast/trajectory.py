@@ -299,7 +299,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         x = self.tracker_.frozen[slots]
         for name, arr in zip(TURN_MODELS, _SLOT_ARRAYS, strict=True):
             booster = self.boosters_.get(name)
-            values = lgbm.predict(booster, x) if booster is not None else self.default_[name]
+            values = lgbm.predict_online(booster, x) if booster is not None else self.default_[name]
             self.tracker_.slot_array(arr)[slots] = values
 
     def _live(self, snap: dict, mus: dict, task: np.ndarray, rate, ttft) -> Live:

@@ -620,26 +620,41 @@ class SimCluster:
     # ------------------------------------------------------------ observation
     def slot_views(self) -> list[SlotView]:
         """Every slot as the controller sees it."""
-        views = []
-        for slot in self.slots:
-            engines = slot.engines
-            views.append(
-                SlotView(
-                    slot_id=slot.slot_id,
-                    role=slot.role,
-                    target_role=slot.target_role,
-                    gpus=slot.gpus,
-                    engines=len(engines),
-                    queued_prefill_tokens=sum(e.queued_prefill_tokens for e in engines),
-                    running_sequences=sum(len(e.running) + len(e.decode_waiting) for e in engines),
-                    kv_used_tokens=sum(e.kv_used for e in engines),
-                    kv_capacity_tokens=sum(e.kv_capacity for e in engines),
-                    busy=any(e.phase != 0 for e in engines),
-                    since_s=slot.since_s,
-                    cached_tokens=sum(e.cache.total for e in engines),
-                )
+        return [self._slot_view(slot) for slot in self.slots]
+
+    @staticmethod
+    def _slot_view(slot) -> SlotView:
+        engines = slot.engines
+        if len(engines) == 1:  # the common case, read directly (512 slots per tick)
+            (e,) = engines
+            return SlotView(
+                slot_id=slot.slot_id,
+                role=slot.role,
+                target_role=slot.target_role,
+                gpus=slot.gpus,
+                engines=1,
+                queued_prefill_tokens=e.queued_prefill_tokens,
+                running_sequences=len(e.running) + len(e.decode_waiting),
+                kv_used_tokens=e.kv_used,
+                kv_capacity_tokens=e.kv_capacity,
+                busy=e.phase != 0,
+                since_s=slot.since_s,
+                cached_tokens=e.cache.total,
             )
-        return views
+        return SlotView(
+            slot_id=slot.slot_id,
+            role=slot.role,
+            target_role=slot.target_role,
+            gpus=slot.gpus,
+            engines=len(engines),
+            queued_prefill_tokens=sum(e.queued_prefill_tokens for e in engines),
+            running_sequences=sum(len(e.running) + len(e.decode_waiting) for e in engines),
+            kv_used_tokens=sum(e.kv_used for e in engines),
+            kv_capacity_tokens=sum(e.kv_capacity for e in engines),
+            busy=any(e.phase != 0 for e in engines),
+            since_s=slot.since_s,
+            cached_tokens=sum(e.cache.total for e in engines),
+        )
 
     def observe(
         self, spec: ClusterSpec, total_trajectories: int | None = None
