@@ -103,6 +103,13 @@ def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
     assert all(c.cluster.layouts == run_plan["layouts"] for c in dynamic)
     assert all(c.control.policy_params["start"] == run_plan["start"] for c in dynamic)
     assert all(c.control.forecaster == "ewma" for c in dynamic if c.policy != "oracle")
+    # No simulated allocation beats the regime's bound: every speedup is within the ceiling.
+    ceiling = summary["ceiling"]
+    assert ceiling["binding"] == "critical_path"
+    assert 1.0 < ceiling["ceiling"] < 50.0
+    assert all(sp <= ceiling["ceiling"] for sp in summary["speedup"].values())
+    runs = [*colocate.values(), *(s["objective"] for s in summary["static_searches"])]
+    assert min(runs) >= ceiling["bound"]
 
 
 def test_simulated_plan_starts_split_only_where_the_split_won():
@@ -167,8 +174,11 @@ def test_goals_cell_by_cell():
         summary("far-from-oracle", 1.0, 1.2, 1.0, model="qwen2.5-7b"),
         summary("below-static", 1.0, 1.0, 1.05, model="qwen2.5-7b"),
     ]
+    rows[1]["ceiling"] = {"ceiling": 1.2}  # no allocation could reach 1.3x there
+    rows[0]["ceiling"] = {"ceiling": 1.6}
     met = goals(rows)
     assert met["missed"]["seed_1.3x"] == ["seed-short"]
+    assert met["seed_1.3x_beyond_ceiling"] == ["seed-short"]
     assert met["missed"]["vs_colocate_0.98"] == ["below-colocation"]
     assert met["missed"]["vs_oracle_5pct"] == ["far-from-oracle"]
     assert met["missed"]["vs_best_static_2pct"] == ["below-static"]

@@ -162,9 +162,9 @@ def regime_table(rows: list[dict]) -> str:
     TP1, labelled)."""
     head = (
         "| regime | colocation@best | policies' P / D / C, start | best-static split | "
-        "best-static | predictive | mpc | oracle | predictive vs coloc@TP1 |"
+        "best-static | predictive | mpc | oracle | ceiling | predictive vs coloc@TP1 |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for s in rows:
         best = s["colocate_best"]
         # summaries written before the run plan was recorded ran the planner's layouts
@@ -180,6 +180,8 @@ def regime_table(rows: list[dict]) -> str:
         base = s["colocate_baseline"]
         vs_base = s.get("speedup_vs_baseline", {}).get("predictive")
         tail = f" | {vs_base:.3f}x ({base['layout']}) |" if vs_base else " | - |"
+        ceiling = s.get("ceiling")
+        tail = (f" | {ceiling['ceiling']:.2f}x" if ceiling else " | -") + tail
         lines.append(
             f"| {s['label']} | {best['layout']} {_objective(best['objective'], s)} | "
             f"{plan['prefill']} / {plan['decode']} / {plan['colocated']}, {run['start']} | "
@@ -220,6 +222,12 @@ def goals_markdown(met: dict) -> str:
             f"{met['seed_setting_predictive_min']:.3f}x - "
             f"{met['seed_setting_predictive_max']:.3f}x"
         )
+    beyond = met.get("seed_1.3x_beyond_ceiling", [])
+    if beyond:
+        lines.append(
+            f"* seed cells where no allocation can reach 1.3x (ceiling below it): {len(beyond)}"
+        )
+        lines += [f"  * {label}" for label in beyond]
     return "\n".join(lines)
 
 
@@ -236,7 +244,8 @@ def write_map_report(
         f"# {title}",
         "",
         "Speedup = colocation at its best layout / policy (sync "
-        "makespan; async seconds per trajectory), same trajectories.",
+        "makespan; async seconds per trajectory), same trajectories. Ceiling = the largest "
+        "speedup any allocation could reach (prorsa/experiments/ceiling.py).",
         "",
     ]
     lines += [headline_markdown(summaries), "", "## Goals", "", goals_markdown(met), ""]

@@ -1,0 +1,78 @@
+"""The regime bound: critical paths and GPU work at the family's best rates, and a bound
+no simulated allocation beats."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorsa.experiments.ceiling import (
+    Floors,
+    critical_paths_s,
+    gpu_work_s,
+    layout_floors,
+    regime_ceiling,
+)
+from prorsa.experiments.regimes import MapConfig, Regime, plan_regime, regime_ceiling_of
+from prorsa.runtime.sim.cost.layout_registry import get_layout_cost
+from prorsa.workload.spec import TrajectorySpec
+from tests.test_regimes import TOY
+
+FLOORS = Floors(
+    decode_step_s=0.01,
+    prefill_tokens_per_s=1000.0,
+    prefill_tokens_per_s_per_gpu=500.0,
+    decode_tokens_per_s_per_gpu=100.0,
+)
+
+
+def _spec(name: str, new, out, tool) -> TrajectorySpec:
+    return TrajectorySpec(name, new_tokens=new, output_tokens=out, tool_latency_s=tool)
+
+
+SHORT = _spec("short", [1000, 100], [10, 10], [1.0, 0.0])  # 1 + 1.1 + 0.2 = 2.3 s
+LONG = _spec("long", [2000, 1000], [100, 50], [5.0, 0.0])  # 5 + 3 + 1.5 = 9.5 s
+
+
+def test_critical_path_is_tools_plus_own_work_at_the_best_rates():
+    assert critical_paths_s([SHORT, LONG], FLOORS) == pytest.approx([2.3, 9.5])
+    # 4,100 prefill tokens at 500/s per GPU, 170 decode tokens at 100/s per GPU
+    assert gpu_work_s([SHORT, LONG], FLOORS) == pytest.approx(4100 / 500 + 170 / 100)
+
+
+def test_sync_bound_is_the_longest_path_of_each_step():
+    c = regime_ceiling(
+        "sync", [[SHORT, LONG], [SHORT]], FLOORS, in_flight=2, gpus=1, colocate_objective=23.6
+    )
+    assert c["bound"] == pytest.approx(9.5 + 2.3)
+    assert c["ceiling"] == pytest.approx(2.0)
+    assert c["binding"] == "critical_path"
+
+
+def test_async_bound_takes_the_binding_limit_per_trajectory():
+    specs = [SHORT, LONG, SHORT, LONG]
+    # one place in flight: the paths run one after another (23.6 s) > the longest (9.5 s)
+    c = regime_ceiling("async", [specs], FLOORS, in_flight=1, gpus=8, colocate_objective=11.8)
+    assert c["binding"] == "in_flight"
+    assert c["bound"] == pytest.approx(23.6 / 4)
+    assert c["ceiling"] == pytest.approx(2.0)
+    # one GPU: the work (2 x 9.9 GPU-s) binds
+    c = regime_ceiling("async", [specs], FLOORS, in_flight=4, gpus=1, colocate_objective=10.0)
+    assert c["binding"] == "gpu_work"
+    assert c["bound"] == pytest.approx(2 * (4100 / 500 + 170 / 100) / 4)
+
+
+def test_floors_are_the_fastest_layout_of_each_kind():
+    costs = [get_layout_cost(f"h200-qwen2.5-7b-{name}") for name in ("tp1", "tp2")]
+    floors = layout_floors(costs)
+    for cost in costs:
+        assert floors.decode_step_s <= cost.decode_step_s([1], [1])
+        assert floors.decode_tokens_per_s_per_gpu >= cost.decode_tokens_per_s_per_gpu(64, 4096)
+        assert floors.prefill_tokens_per_s_per_gpu >= cost.prefill_tokens_per_s_per_gpu(2048)
+
+
+def test_async_regime_bound_reads_the_runs_trajectories():
+    regime = Regime("toy-7b", "search", "async", 4)
+    cfg = MapConfig(regimes=[regime], families={"toy-7b": TOY}, forecaster="ewma", workers=1)
+    c = regime_ceiling_of(cfg, plan_regime(regime, cfg), {"layout": "tp1", "objective": 1.0})
+    assert set(c["parts"]) == {"critical_path_s", "in_flight_s", "gpu_work_s"}
+    assert c["bound"] > 0 and c["ceiling"] == pytest.approx(1.0 / c["bound"])
