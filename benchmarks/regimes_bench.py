@@ -56,8 +56,9 @@ def compact(summary: dict) -> dict:
         "best_static",
         "speedup",
         "speedup_vs_baseline",
+        "ceiling",
     )
-    out = {k: summary[k] for k in keep}
+    out = {k: summary[k] for k in keep if k in summary}
     if out["best_static"]:
         out["best_static"] = {
             k: v for k, v in out["best_static"].items() if k != "objective_by_prefill_slots"

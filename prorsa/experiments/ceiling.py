@@ -6,16 +6,18 @@ as fast as the model family's fastest engine gets:
 * a trajectory's **critical path** is its tool time plus its own work at the best
   single-sequence speed of any layout of the family: every appended token prefilled at the
   fastest one-rank prefill rate (``prefill_tokens_per_s_per_gpu x tp`` at its best
-  chunk size, over no earlier context), every output token decoded in the fastest single-sequence step (one sequence of
-  one token of context: no real step is shorter). Prefix caching is assumed perfect, and
+  chunk size, over no earlier context), every output token decoded in the fastest
+  single-sequence step at the context its turn starts from (rounded down to a power of
+  two: no real step is shorter). Prefix caching is assumed perfect, and
   transfers, queueing, re-prefills and scheduling are free;
 * **sync** (objective: the step's makespan): at least the longest critical path of the
-  step (summed over steps);
+  step, and at least its GPU work (below) over the cluster's GPUs (summed over steps);
 * **async** (objective: seconds per completed trajectory, ``end_s / completed``): the run
   lasts at least the longest critical path, at least the critical paths' sum over the
   in-flight limit (each of the ``C`` places runs its trajectories one after another), and
   at least the run's GPU work over the cluster's GPUs, each token priced at the family's
-  best per-GPU rate (decode at any batch with one token of context).
+  best per-GPU rate (decode at the batch that maximises it among those the KV cache
+  holds, at the turn's starting context).
 
 ``ceiling = colocation@best objective / bound`` is then the largest speedup over
 colocation that any allocation could reach. Where it is below a goal, the goal is out of
@@ -41,44 +43,73 @@ def _chunks(max_tokens: int) -> list[int]:
     return [*sizes, max_tokens]
 
 
+#: Decode contexts (tokens) the floors are evaluated at; a token decoded at context ``c``
+#: is priced at the largest of these <= ``c`` (decode only slows as context grows).
+CONTEXTS: tuple[int, ...] = tuple(2**k for k in range(18))  # 1 .. 131,072
+
+
 @dataclass(frozen=True)
 class Floors:
-    """The fastest rates any layout of a family reaches (bounds, not operating points)."""
+    """The fastest rates any layout of a family reaches (bounds, not operating points).
 
-    decode_step_s: float  # one sequence, one token of context: the shortest decode step
-    prefill_tokens_per_s: float  # one rank prefilling its largest chunk
+    The decode rates are per context of :data:`CONTEXTS`.
+    """
+
+    decode_step_s: tuple[float, ...]  # one sequence: the shortest decode step
+    decode_tokens_per_s_per_gpu: tuple[float, ...]  # at the batch that maximises it
+    prefill_tokens_per_s: float  # one rank, its best chunk size, no earlier context
     prefill_tokens_per_s_per_gpu: float
-    decode_tokens_per_s_per_gpu: float  # at the batch that maximises it, context 1
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "contexts": list(CONTEXTS)}
 
 
 def layout_floors(costs: Iterable) -> Floors:
     """:class:`Floors` over layout costs (``LayoutCost`` objects of one model)."""
-    step, prefill, prefill_gpu, decode_gpu = np.inf, 0.0, 0.0, 0.0
+    steps = np.full(len(CONTEXTS), np.inf)
+    decode_gpu = np.zeros(len(CONTEXTS))
+    prefill, prefill_gpu = 0.0, 0.0
     for cost in costs:
         ranks = cost.dp_ranks
-        one = [1] + [0] * (ranks - 1)
-        step = min(step, cost.decode_step_s(one, one))
+        idle = [0] * (ranks - 1)
+        for i, context in enumerate(CONTEXTS):
+            if context > cost.kv_capacity_tokens:
+                continue  # one rank cannot hold the sequence
+            steps[i] = min(steps[i], cost.decode_step_s([1, *idle], [context, *idle]))
+            fits = min(cost.max_batch, cost.kv_capacity_tokens // context)
+            for batch in {*(2**k for k in range(fits.bit_length())), fits}:
+                rate = cost.decode_tokens_per_s_per_gpu(batch, context)
+                decode_gpu[i] = max(decode_gpu[i], rate)
         # Attention makes long chunks cost more per token: the best chunk size, not the largest.
         per_gpu = max(cost.prefill_tokens_per_s_per_gpu(c) for c in _chunks(cost.max_step_tokens))
         prefill_gpu = max(prefill_gpu, per_gpu)
         prefill = max(prefill, per_gpu * cost.gpus / ranks)
-        batch = 1
-        while batch <= cost.max_batch:
-            decode_gpu = max(decode_gpu, cost.decode_tokens_per_s_per_gpu(batch, 1))
-            batch *= 2
-    return Floors(step, prefill, prefill_gpu, decode_gpu)
+    # Contexts no layout holds: priced as the longest one some layout does (still a bound).
+    held = np.flatnonzero(np.isfinite(steps))
+    steps[held[-1] + 1 :] = steps[held[-1]]
+    decode_gpu[held[-1] + 1 :] = decode_gpu[held[-1]]
+    return Floors(tuple(steps.tolist()), tuple(decode_gpu.tolist()), prefill, prefill_gpu)
+
+
+def _decode_contexts(spec: TrajectorySpec) -> np.ndarray:
+    """Context each turn's decode starts from: everything appended and decoded before."""
+    new = np.cumsum(np.asarray(spec.new_tokens, float))
+    out = np.asarray(spec.output_tokens, float)
+    return new + np.concatenate([[0.0], np.cumsum(out)[:-1]])
+
+
+def _bucket(contexts: np.ndarray) -> np.ndarray:
+    return np.clip(np.searchsorted(CONTEXTS, contexts, side="right") - 1, 0, len(CONTEXTS) - 1)
 
 
 def critical_paths_s(specs: Sequence[TrajectorySpec], floors: Floors) -> np.ndarray:
     """Each trajectory's critical path (seconds), see the module doc."""
+    step = np.asarray(floors.decode_step_s)
     return np.array(
         [
             float(np.sum(s.tool_latency_s))
             + _computed_tokens(s) / floors.prefill_tokens_per_s
-            + float(np.sum(s.output_tokens)) * floors.decode_step_s
+            + float(np.asarray(s.output_tokens) @ step[_bucket(_decode_contexts(s))])
             for s in specs
         ]
     )
@@ -92,9 +123,13 @@ def _computed_tokens(spec: TrajectorySpec) -> float:
 
 def gpu_work_s(specs: Sequence[TrajectorySpec], floors: Floors) -> float:
     """GPU-seconds the trajectories need at the family's best per-GPU rates."""
-    new = sum(_computed_tokens(s) for s in specs)
-    out = sum(int(np.sum(s.output_tokens)) for s in specs)
-    return new / floors.prefill_tokens_per_s_per_gpu + out / floors.decode_tokens_per_s_per_gpu
+    rate = np.asarray(floors.decode_tokens_per_s_per_gpu)
+    prefill = sum(_computed_tokens(s) for s in specs) / floors.prefill_tokens_per_s_per_gpu
+    decode = sum(
+        float(np.asarray(s.output_tokens) @ (1.0 / rate[_bucket(_decode_contexts(s))]))
+        for s in specs
+    )
+    return prefill + decode
 
 
 def regime_ceiling(
@@ -111,9 +146,18 @@ def regime_ceiling(
     ``steps``: the sync steps' trajectories (async: one sequence, every trajectory).
     """
     if mode == "sync":
-        bound = sum(float(critical_paths_s(step, floors).max()) for step in steps if len(step))
-        parts = {"critical_path_s": bound}
-        binding = "critical_path"
+        paths = sum(float(critical_paths_s(step, floors).max()) for step in steps if len(step))
+        work = sum(gpu_work_s(step, floors) / max(gpus, 1) for step in steps)
+        # per step: the longer of the two limits
+        bound = sum(
+            max(
+                float(critical_paths_s(step, floors).max()), gpu_work_s(step, floors) / max(gpus, 1)
+            )
+            for step in steps
+            if len(step)
+        )
+        parts = {"critical_path_s": paths, "gpu_work_s": work}
+        binding = "critical_path" if paths >= work else "gpu_work"
     else:
         specs = [s for step in steps for s in step]
         paths = critical_paths_s(specs, floors)
