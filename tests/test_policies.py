@@ -172,12 +172,39 @@ def test_mpc_dp_matches_brute_force():
                 eff_p = x - lost * max(x - prev, 0)
                 eff_d = (6 - x) - lost * max(prev - x, 0)
                 short = 6 * max(max(need_p[k] / eff_p, need_d[k] / eff_d) - 1, 0)
-                total += short * lengths[k] + 0.5 * abs(x - prev)
+                beyond = abs(x - prev) * max(3.0 - lengths[k], 0)  # blocked past the interval
+                total += short * lengths[k] + beyond + 0.5 * abs(x - prev)
                 prev = x
             return total
 
         best = min(itertools.product(range(1, 6), repeat=4), key=cost)
         assert cost(plan) == pytest.approx(cost(best))
+
+
+@pytest.mark.parametrize("name", ["predictive", "mpc"])
+def test_resizing_a_split_prices_the_reshard(name):
+    # Prefill and decode of different layouts: a slot moving between them reshards (20 s
+    # here), not the 2 s relabel (found in the regime map: 235B search sync 16/GPU, where
+    # the oracle moved a TP8 decode slot to a DP8 prefill engine, priced as a relabel).
+    # Prefill about a quarter over its one slot: a second slot saves more over the payback
+    # window than a relabel costs (2 s a slot), less than a reshard (20 s).
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = observation(30.0, roles, decoding=100)
+    fc = forecast(30.0, 18_000.0, decoding=100)
+    moved = {}
+    for layouts in ({"prefill": "tp1", "decode": "tp1"}, {"prefill": "tp1", "decode": "tp8"}):
+        policy = make_policy(name)
+        policy.reset(
+            replace(
+                spec(4),
+                role_layouts={**layouts, "colocated": "tp4"},
+                reshard_latency_s=20.0,
+                colocated_prefill_factor=3.0,
+            )
+        )
+        moved[layouts["decode"]] = policy.decide(obs, fc).gpus.get("prefill", 0)
+    assert moved["tp1"] > 1  # the relabel pays for the burst
+    assert moved["tp8"] == 1  # the reshard does not
 
 
 def test_best_static_search_finds_the_minimum():

@@ -29,7 +29,9 @@ class MPCPolicy(ModeChoosingPolicy):
     unserved: the cluster moves at its busier side's pace,
     ``u = max(w_p * r_p / x_eff, w_d * r_d / (N - x)_eff)``, so the interval costs
     ``N * max(u - 1, 0)`` times its length, where slots that switch in this interval
-    serve nothing for ``switch_latency + drain_s``;
+    serve nothing for ``switch_latency + drain_s`` (the reshard latency when prefill and
+    decode run different layouts; what outlasts the interval is charged as lost
+    slot-seconds);
     each switched slot also costs ``switch_cost_s``, and each decode slot moved to prefill
     the prefill slot-seconds needed to rebuild the contexts it caches. The stage cost
     depends only on ``(x_prev, x)``, so dynamic programming over ``x`` finds the exact
@@ -149,7 +151,8 @@ class MPCPolicy(ModeChoosingPolicy):
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan."""
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
-        blocked = self.cluster_.switch_latency_s + self.drain_s
+        # A slot moving between prefill and decode reshards when the two layouts differ.
+        blocked = self.cluster_.switch_latency_between("decode", "prefill") + self.drain_s
         moved = np.abs(xs[None, :] - xs[:, None])  # [prev, next]
         allowed = moved <= (self.max_step or n)
         cost = np.full(len(xs), np.inf)
@@ -167,7 +170,15 @@ class MPCPolicy(ModeChoosingPolicy):
                 self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
             )
             short = n * np.maximum(busier - 1.0, 0.0)
-            stage = short * length + self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
+            # A switch that outlasts the interval keeps its slots out of the next ones
+            # too: those slot-seconds are charged here, where the switch starts.
+            beyond = moved * max(blocked - length, 0.0)
+            stage = (
+                short * length
+                + beyond
+                + self.switch_cost_s * moved
+                + rebuild_s_per_slot * gained_p
+            )
             total = np.where(allowed, cost[:, None] + stage, np.inf)
             best_prev = np.argmin(total, axis=0)
             cost = total[best_prev, np.arange(len(xs))]

@@ -171,9 +171,10 @@ class PredictivePolicy(ModeChoosingPolicy):
         # A switch costs the slots' service while they switch, and moving decode slots to
         # prefill also throws away the contexts they cache (re-prefilled next turn).
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, target - current)
-        lost = self.switch_cost_weight * (
-            abs(target - current) * self.cluster_.switch_latency_s + rebuild
-        )
+        # Between prefill and decode of different layouts a slot reshards.
+        old, new = ("decode", "prefill") if target > current else ("prefill", "decode")
+        latency = self.cluster_.switch_latency_between(old, new)
+        lost = self.switch_cost_weight * (abs(target - current) * latency + rebuild)
         if gain >= self.min_gain and saved >= lost:
             return self.split(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
         return self.split(
