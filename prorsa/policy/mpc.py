@@ -174,10 +174,7 @@ class MPCPolicy(ModeChoosingPolicy):
             # too: those slot-seconds are charged here, where the switch starts.
             beyond = moved * max(blocked - length, 0.0)
             stage = (
-                short * length
-                + beyond
-                + self.switch_cost_s * moved
-                + rebuild_s_per_slot * gained_p
+                short * length + beyond + self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
             )
             total = np.where(allowed, cost[:, None] + stage, np.inf)
             best_prev = np.argmin(total, axis=0)
