@@ -6,13 +6,14 @@ import copy
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from prorsa.errors import ConfigError
-from prorsa.policy import POLICIES, Allocation, make_policy
+from prorsa.policy import POLICIES, Allocation, Forecast, make_policy
 from prorsa.policy.best_static import search_best_static
 from prorsa.runtime.controller import plan_switches, roles_for_allocation
-from tests.policy_helpers import forecast, observation, spec
+from tests.policy_helpers import HORIZONS, forecast, observation, spec
 
 PARAMS = {"best-static": {"prefill_gpus": 2}}
 ROLES8 = ["prefill"] * 2 + ["decode"] * 6
@@ -205,6 +206,40 @@ def test_resizing_a_split_prices_the_reshard(name):
         moved[layouts["decode"]] = policy.decide(obs, fc).gpus.get("prefill", 0)
     assert moved["tp1"] > 1  # the relabel pays for the burst
     assert moved["tp8"] == 1  # the reshard does not
+
+
+def _burst_forecast(t: float, prefill_by_horizon, sequences: float) -> Forecast:
+    """Cumulative prefill tokens per horizon (a burst stops growing), steady decode."""
+    h = np.asarray(HORIZONS)
+    point = {
+        "prefill_tokens": np.asarray(prefill_by_horizon, float),
+        "decode_tokens": 50.0 * sequences * h,
+        "decode_sequences": np.full(len(h), sequences),
+        "decode_kv_tokens": np.full(len(h), 500_000.0),
+    }
+    return Forecast(t, HORIZONS, point, quantiles={0.5: point, 0.9: point})
+
+
+def test_predictive_judges_a_mode_change_over_its_payback_window():
+    # 1 prefill + 3 decode slots; colocation pools them, so with prefill 1.5 slots and
+    # decode 3 it serves what no split does, but reaching it reshards the prefill slot
+    # (20 s). Demand that lasts pays for that; a burst that is over within 5 s does not
+    # (found in the regime map: 235B search sync 16/GPU, where predictive resharded for a
+    # sync step's opening burst and lost 8%).
+    layouts = {"prefill": "tp1", "decode": "tp4", "colocated": "tp4"}
+    cluster = replace(spec(4), role_layouts=layouts, reshard_latency_s=20.0)
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = observation(30.0, roles, decoding=192)
+    per_s = 1.5 * 20_000 * 0.8  # 1.5 prefill slots at the sizing target
+    lasting = [per_s * h for h in HORIZONS]
+    burst = [per_s * min(h, 5.0) for h in HORIZONS]
+    chosen = {}
+    for name, tokens in (("lasting", lasting), ("burst", burst)):
+        policy = make_policy("predictive")
+        policy.reset(cluster)
+        chosen[name] = policy.decide(obs, _burst_forecast(30.0, tokens, 192.0)).gpus
+    assert chosen["lasting"] == {"colocated": 4}
+    assert "colocated" not in chosen["burst"]
 
 
 def test_best_static_search_finds_the_minimum():

@@ -36,7 +36,9 @@ class PredictivePolicy(ModeChoosingPolicy):
     Colocation is part of the action space: with every slot colocated the cluster pools
     its capacity (prefill costing ``prefill_interference`` times its work under data-parallel
     attention), and the policy moves between colocation and a split when the same
-    savings-versus-cost test says so (:func:`prorsa.policy.demand.choose_mode`).
+    savings-versus-cost test says so (:func:`prorsa.policy.demand.choose_mode`), on the
+    demand forecast over the payback window (the longest forecast horizon within
+    ``payback_s``).
 
     Args:
         horizon_s: forecast horizon used for sizing (must be one the forecaster predicts).
@@ -109,11 +111,17 @@ class PredictivePolicy(ModeChoosingPolicy):
         self.work_ = PrefillWorkMeter()
 
     def needs(
-        self, obs: ClusterObservation, forecast: Forecast, work_ratio: float | None = None
+        self,
+        obs: ClusterObservation,
+        forecast: Forecast,
+        work_ratio: float | None = None,
+        horizon_s: float | None = None,
     ) -> tuple[float, float]:
-        """(prefill slots, decode slots) the forecast demand calls for, with engines
-        computing ``work_ratio`` tokens per appended token (default: as measured now)."""
-        spec, h, q = self.cluster_, self.horizon_s, self.quantile
+        """(prefill slots, decode slots) the forecast demand over ``horizon_s`` (default:
+        the sizing horizon) calls for, with engines computing ``work_ratio`` tokens per
+        appended token (default: as measured now)."""
+        spec, q = self.cluster_, self.quantile
+        h = self.horizon_s if horizon_s is None else horizon_s
         load = current_load(obs)
         # Forecasts count appended tokens; engines compute what caches miss of them.
         ratio = self.work_.ratio if work_ratio is None else work_ratio
@@ -137,19 +145,28 @@ class PredictivePolicy(ModeChoosingPolicy):
         if forecast is None:
             return self.before_forecast(obs, current, "predictive")
         need_p, need_d = self.needs(obs, forecast)
+        # A mode change commits the cluster (often a reshard) for its payback window: it is
+        # judged on the demand forecast over that window, not on the sizing horizon, where
+        # a sync step's opening burst looks like lasting demand.
+        window = mode_horizon_s(forecast, self.horizon_s, self.payback_s)
+        mode_p, mode_d = (
+            (need_p, need_d)
+            if window == self.horizon_s
+            else self.needs(obs, forecast, horizon_s=window)
+        )
         # Colocation is priced at the work ratio measured colocated (the same one unless
         # a split measured its own, see PrefillWorkMeter).
         colocated_ratio = self.work_.ratio_for(colocated=True)
         colocated_p = (
-            need_p
+            mode_p
             if colocated_ratio == self.work_.ratio
-            else self.needs(obs, forecast, colocated_ratio)[0]
+            else self.needs(obs, forecast, colocated_ratio, horizon_s=window)[0]
         )
         mode = choose_mode(
             obs,
             self.cluster_,
-            need_p,
-            need_d,
+            mode_p,
+            mode_d,
             current_prefill=max(current, 1),
             payback_s=self.payback_s,
             switch_cost_weight=self.switch_cost_weight,
@@ -181,3 +198,10 @@ class PredictivePolicy(ModeChoosingPolicy):
             current,
             f"predictive: hold (need {need_p:.1f}P/{need_d:.1f}D; gain below switch cost)",
         )
+
+
+def mode_horizon_s(forecast: Forecast, sizing_s: float, payback_s: float) -> float:
+    """The forecast horizon a mode change is judged on: the longest one within the
+    payback window, and no shorter than the sizing horizon."""
+    within = [h for h in forecast.horizons_s if sizing_s <= h <= payback_s]
+    return max(within) if within else sizing_s
