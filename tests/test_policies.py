@@ -220,7 +220,7 @@ def _burst_forecast(t: float, prefill_by_horizon, sequences: float) -> Forecast:
     return Forecast(t, HORIZONS, point, quantiles={0.5: point, 0.9: point})
 
 
-def test_predictive_judges_a_mode_change_over_its_payback_window():
+def test_predictive_judges_a_switch_over_its_payback_window():
     # 1 prefill + 3 decode slots; colocation pools them, so with prefill 1.5 slots and
     # decode 3 it serves what no split does, but reaching it reshards the prefill slot
     # (20 s). Demand that lasts pays for that; a burst that is over within 5 s does not
@@ -239,7 +239,8 @@ def test_predictive_judges_a_mode_change_over_its_payback_window():
         policy.reset(cluster)
         chosen[name] = policy.decide(obs, _burst_forecast(30.0, tokens, 192.0)).gpus
     assert chosen["lasting"] == {"colocated": 4}
-    assert "colocated" not in chosen["burst"]
+    # nor a reshard of decode slots into prefill for it
+    assert chosen["burst"] == {"prefill": 1, "decode": 3}
 
 
 def test_best_static_search_finds_the_minimum():

@@ -36,9 +36,10 @@ class PredictivePolicy(ModeChoosingPolicy):
     Colocation is part of the action space: with every slot colocated the cluster pools
     its capacity (prefill costing ``prefill_interference`` times its work under data-parallel
     attention), and the policy moves between colocation and a split when the same
-    savings-versus-cost test says so (:func:`prorsa.policy.demand.choose_mode`), on the
-    demand forecast over the payback window (the longest forecast horizon within
-    ``payback_s``).
+    savings-versus-cost test says so (:func:`prorsa.policy.demand.choose_mode`). Every
+    switch's savings are counted on the demand forecast over the payback window (the
+    longest forecast horizon within ``payback_s``); the split it sizes to comes from
+    ``horizon_s``.
 
     Args:
         horizon_s: forecast horizon used for sizing (must be one the forecaster predicts).
@@ -145,11 +146,11 @@ class PredictivePolicy(ModeChoosingPolicy):
         if forecast is None:
             return self.before_forecast(obs, current, "predictive")
         need_p, need_d = self.needs(obs, forecast)
-        # A mode change commits the cluster (often a reshard) for its payback window: it is
-        # judged on the demand forecast over that window, not on the sizing horizon, where
-        # a sync step's opening burst looks like lasting demand.
-        window = mode_horizon_s(forecast, self.horizon_s, self.payback_s)
-        mode_p, mode_d = (
+        # A switch is paid once and pays back over ``payback_s``: its savings are judged on
+        # the demand forecast over that window, not on the sizing horizon, where a sync
+        # step's opening burst looks like lasting demand.
+        window = payback_horizon_s(forecast, self.horizon_s, self.payback_s)
+        window_p, window_d = (
             (need_p, need_d)
             if window == self.horizon_s
             else self.needs(obs, forecast, horizon_s=window)
@@ -158,15 +159,15 @@ class PredictivePolicy(ModeChoosingPolicy):
         # a split measured its own, see PrefillWorkMeter).
         colocated_ratio = self.work_.ratio_for(colocated=True)
         colocated_p = (
-            mode_p
+            window_p
             if colocated_ratio == self.work_.ratio
             else self.needs(obs, forecast, colocated_ratio, horizon_s=window)[0]
         )
         mode = choose_mode(
             obs,
             self.cluster_,
-            mode_p,
-            mode_d,
+            window_p,
+            window_d,
             current_prefill=max(current, 1),
             payback_s=self.payback_s,
             switch_cost_weight=self.switch_cost_weight,
@@ -182,8 +183,8 @@ class PredictivePolicy(ModeChoosingPolicy):
             target, slots, need_p, need_d
         )
         saved = (
-            split_shortage(current, slots, need_p, need_d)
-            - split_shortage(target, slots, need_p, need_d)
+            split_shortage(current, slots, window_p, window_d)
+            - split_shortage(target, slots, window_p, window_d)
         ) * self.payback_s
         # A switch costs the slots' service while they switch, and moving decode slots to
         # prefill also throws away the contexts they cache (re-prefilled next turn).
@@ -200,8 +201,8 @@ class PredictivePolicy(ModeChoosingPolicy):
         )
 
 
-def mode_horizon_s(forecast: Forecast, sizing_s: float, payback_s: float) -> float:
-    """The forecast horizon a mode change is judged on: the longest one within the
+def payback_horizon_s(forecast: Forecast, sizing_s: float, payback_s: float) -> float:
+    """The forecast horizon a switch's savings are judged on: the longest one within the
     payback window, and no shorter than the sizing horizon."""
     within = [h for h in forecast.horizons_s if sizing_s <= h <= payback_s]
     return max(within) if within else sizing_s
