@@ -235,12 +235,35 @@ def test_predictive_judges_a_switch_over_its_payback_window():
     burst = [per_s * min(h, 5.0) for h in HORIZONS]
     chosen = {}
     for name, tokens in (("lasting", lasting), ("burst", burst)):
-        policy = make_policy("predictive")
+        policy = make_policy("predictive", payback_s=60.0)
         policy.reset(cluster)
         chosen[name] = policy.decide(obs, _burst_forecast(30.0, tokens, 192.0)).gpus
     assert chosen["lasting"] == {"colocated": 4}
     # nor a reshard of decode slots into prefill for it
     assert chosen["burst"] == {"prefill": 1, "decode": 3}
+
+
+def test_predictive_counts_savings_only_once_a_switch_completes():
+    # The lasting demand above colocates when the 20 s reshard leaves 40 s of a 60 s
+    # payback window; a reshard as long as the window saves nothing (found in the regime
+    # map: 235B search async 16/GPU, where predictive resharded 16 of 32 GPUs for the
+    # opening burst, waited 37 s for them and ended at 0.77x of colocation).
+    per_s = 1.5 * 20_000 * 0.8
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = observation(30.0, roles, decoding=192)
+    chosen = {}
+    for reshard_s in (20.0, 60.0):
+        cluster = replace(
+            spec(4),
+            role_layouts={"prefill": "tp1", "decode": "tp4", "colocated": "tp4"},
+            reshard_latency_s=reshard_s,
+        )
+        policy = make_policy("predictive", payback_s=60.0)
+        policy.reset(cluster)
+        fc = _burst_forecast(30.0, [per_s * h for h in HORIZONS], 192.0)
+        chosen[reshard_s] = policy.decide(obs, fc).gpus
+    assert chosen[20.0] == {"colocated": 4}
+    assert chosen[60.0] == {"prefill": 1, "decode": 3}
 
 
 def test_best_static_search_finds_the_minimum():

@@ -252,6 +252,12 @@ def split_recompute_slots(
     return float(live) / max(window_s, 1e-9) / max(per_slot, 1e-9)
 
 
+def paying_s(payback_s: float, switch_s: float) -> float:
+    """Seconds of the payback window a switch taking ``switch_s`` still pays back over:
+    its slots serve their new role only once it completes."""
+    return max(payback_s - switch_s, 0.0)
+
+
 def choose_mode(
     obs: ClusterObservation,
     spec: ClusterSpec,
@@ -269,7 +275,9 @@ def choose_mode(
     or None to stay in the current mode (a split policy then tunes its split). A change
     must save more unserved slot-seconds over ``payback_s`` than it costs: the switching
     slots' latency plus rebuilding the contexts cached on the decode-side slots it moves;
-    from a split it must also net more than re-sizing the split would.
+    from a split it must also net more than re-sizing the split would. Savings start
+    only once the switch completes (:func:`paying_s`): a reshard that outlasts the window
+    saves nothing.
     Leaving colocation under re-prefill, the split's prefill also recomputes the live
     trajectories' contexts (:func:`split_recompute_slots`). When decode and colocated run
     different layouts, every slot reshards, not only the prefill ones.
@@ -293,26 +301,33 @@ def choose_mode(
     layouts = spec.role_layouts or spec.role_tp
     relabel = layouts.get("decode") == layouts.get("colocated")
     if colocated_now(obs):
-        saved = (c_short - pd_short) * payback_s
-        latency = best_x * spec.switch_latency_between("colocated", "prefill")
+        done_s = spec.switch_latency_between("colocated", "prefill")
+        latency = best_x * done_s
         moved = best_x
         if not relabel:
             latency += (n - best_x) * spec.switch_latency_between("colocated", "decode")
+            done_s = max(done_s, spec.switch_latency_between("colocated", "decode"))
             moved = n
+        saved = (c_short - pd_short) * paying_s(payback_s, done_s)
         lost = latency + decode_slot_rebuild_s(obs, spec, moved)
         return best_x if saved > switch_cost_weight * lost else None
     current_short = split_shortage(current_prefill, n, need_p, need_d)
-    saved = (current_short - c_short) * payback_s
     # Prefill slots move (decode slots only change how the router uses them, if relabelled).
-    latency = current_prefill * spec.switch_latency_between("prefill", "colocated")
+    done_s = spec.switch_latency_between("prefill", "colocated")
+    latency = current_prefill * done_s
     moved = current_prefill
     if not relabel:
         latency += (n - current_prefill) * spec.switch_latency_between("decode", "colocated")
+        done_s = max(done_s, spec.switch_latency_between("decode", "colocated"))
         moved = n
+    saved = (current_short - c_short) * paying_s(payback_s, done_s)
     colocate_net = saved - switch_cost_weight * (latency + decode_slot_rebuild_s(obs, spec, moved))
     # Colocate only if that nets more than re-sizing the split would (the split policy
     # does that itself when this returns None).
-    resized = abs(best_x - current_prefill) * spec.switch_latency_between("decode", "prefill")
+    resize_s = spec.switch_latency_between("decode", "prefill")
+    resized = abs(best_x - current_prefill) * resize_s
     resized += decode_slot_rebuild_s(obs, spec, best_x - current_prefill)
-    resize_net = (current_short - pd_short) * payback_s - switch_cost_weight * resized
+    resize_net = (current_short - pd_short) * paying_s(
+        payback_s, resize_s
+    ) - switch_cost_weight * resized
     return "colocated" if colocate_net > max(resize_net, 0.0) else None

@@ -14,6 +14,7 @@ from prorsa.policy.demand import (
     decode_slot_rebuild_s,
     forecast_rate,
     kv_capacity_per_slot,
+    paying_s,
     split_shortage,
     split_slots,
 )
@@ -182,16 +183,17 @@ class PredictivePolicy(ModeChoosingPolicy):
         gain = busier_utilisation(current, slots, need_p, need_d) - busier_utilisation(
             target, slots, need_p, need_d
         )
+        # Between prefill and decode of different layouts a slot reshards; it serves its
+        # new role (and saves anything) only once that is done.
+        old, new = ("decode", "prefill") if target > current else ("prefill", "decode")
+        latency = self.cluster_.switch_latency_between(old, new)
         saved = (
             split_shortage(current, slots, window_p, window_d)
             - split_shortage(target, slots, window_p, window_d)
-        ) * self.payback_s
+        ) * paying_s(self.payback_s, latency)
         # A switch costs the slots' service while they switch, and moving decode slots to
         # prefill also throws away the contexts they cache (re-prefilled next turn).
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, target - current)
-        # Between prefill and decode of different layouts a slot reshards.
-        old, new = ("decode", "prefill") if target > current else ("prefill", "decode")
-        latency = self.cluster_.switch_latency_between(old, new)
         lost = self.switch_cost_weight * (abs(target - current) * latency + rebuild)
         if gain >= self.min_gain and saved >= lost:
             return self.split(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
