@@ -286,6 +286,30 @@ def test_controller_plan_never_touches_switching_or_dwelling_slots():
     assert len(orders) == 1  # 1 + 1 switching already = 2; one more reaches 3
 
 
+@pytest.mark.parametrize("name", ["predictive", "mpc"])
+def test_a_mode_change_held_back_by_dwell_is_finished_not_retuned(name):
+    # Found in the regime map (235B tau2 sync 128/GPU): predictive disaggregated from
+    # colocation, dwell held one colocated slot back, and the next tick tuned the split
+    # on the slots already moved, sending the straggler to decode (a 20 s reshard);
+    # 18 switches where 4 do.
+    policy = make_policy(name)
+    policy.reset(spec(4))
+    colocated = observation(50.0, ["colocated"] * 4)
+    assert policy.apply_mode(colocated, 3, name).gpus == {"prefill": 3, "decode": 1}
+    straggler = observation(52.0, ["prefill", "prefill", "colocated", "decode"])
+    finishing = policy.apply_mode(straggler, None, name)
+    assert finishing is not None and finishing.gpus == {"prefill": 3, "decode": 1}
+    # and back: a colocation under way is finished too
+    assert policy.apply_mode(straggler, "colocated", name).gpus == {"colocated": 4}
+    leftover = observation(60.0, ["colocated", "colocated", "prefill", "decode"])
+    assert policy.apply_mode(leftover, None, name).gpus == {"colocated": 4}
+    # once every slot is in one mode, the split is the policy's to tune again
+    assert (
+        policy.apply_mode(observation(70.0, ["prefill", "decode", "decode", "decode"]), None, name)
+        is None
+    )
+
+
 def test_mode_choice_colocates_dense_models_and_splits_under_dp_attention():
     from dataclasses import replace
 

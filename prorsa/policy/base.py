@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prorsa.errors import ConfigError
 from prorsa.policy.types import (
@@ -174,6 +174,13 @@ class Policy(ABC):
         return {}
 
 
+def mixed_modes(obs: ClusterObservation) -> bool:
+    """True when some slots serve (or head to) colocation and others prefill or decode:
+    a change of mode under way."""
+    roles = {s.target_role if s.role == SWITCHING else s.role for s in obs.slots}
+    return "colocated" in roles and len(roles) > 1
+
+
 def colocated_now(obs: ClusterObservation) -> bool:
     """True when no slot serves (or is heading to) prefill or decode alone."""
     roles = [s.target_role if s.role == SWITCHING else s.role for s in obs.slots]
@@ -238,6 +245,9 @@ class ModeChoosingPolicy(SplitPolicy):
             raise ConfigError(
                 f"{type(self).__name__}: start must be 'auto', 'colocated' or 'split'"
             )
+        # The last mode change ordered (colocate, or disaggregate into a split), kept
+        # until every slot has left the old mode.
+        self.mode_change_: Allocation | None = None
 
     def starts_colocated(self, start: str) -> bool:
         """Resolve a ``start`` parameter: ``"auto"`` colocates unless the colocated engines
@@ -262,11 +272,19 @@ class ModeChoosingPolicy(SplitPolicy):
         disaggregate into ``mode`` prefill slots, or hold colocation; None when the cluster
         is split and stays split."""
         if mode == "colocated":
-            return self.colocate(f"{name}: colocate{why}")
+            self.mode_change_ = self.colocate(f"{name}: colocate{why}")
+            return self.mode_change_
         if mode is not None:
-            return self.split(mode, f"{name}: disaggregate{why}")
+            self.mode_change_ = self.split(mode, f"{name}: disaggregate{why}")
+            return self.mode_change_
         if colocated_now(obs):
             return self.colocate(f"{name}: hold colocated")
+        if self.mode_change_ is not None and mixed_modes(obs):
+            # Slots held back by their dwell time are still in the old mode: finish the
+            # change. Tuning the split now would count only the slots already moved and
+            # send the rest elsewhere (a colocated slot left behind would reshard to
+            # decode instead of joining prefill).
+            return replace(self.mode_change_, reason=f"{name}: finishing the mode change{why}")
         return None
 
 
