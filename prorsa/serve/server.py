@@ -81,8 +81,6 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 async def _serve(
     config: ServeConfig, on_ready: Callable[[Any], None] | None, fleet: Any, sock: socket.socket
 ) -> int:
-    import uvicorn
-
     from prorsa.serve.app import create_app
     from prorsa.serve.service import RolloutService
 
@@ -99,16 +97,7 @@ async def _serve(
         finally:
             if in_main:
                 loop.remove_signal_handler(signal.SIGTERM)
-        uv_config = uvicorn.Config(
-            create_app(service),
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=30,
-        )
-        server = _Server(uv_config)
+        server = _Server(uvicorn_config(config, create_app(service)))
         if on_ready is not None:
             asyncio.get_running_loop().create_task(_when_started(server, on_ready, service))
         await server.serve(sock)
@@ -116,6 +105,23 @@ async def _serve(
         logger.info("shutting down the rollout service")
         await service.shutdown()
     return server.signal_number if server is not None else 0
+
+
+def uvicorn_config(config: ServeConfig, app: Any) -> Any:
+    """The HTTP server's settings, for ``prorsa serve`` and :class:`BackgroundServer`:
+    quiet logs (the service logs what matters), no lifespan events (the service starts
+    before the server and stops after it), in-flight requests given 30 s to finish."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=30,
+    )
 
 
 async def _when_started(server: Any, on_ready: Callable[[Any], None], service: Any) -> None:
@@ -245,16 +251,7 @@ class BackgroundServer:
         try:
             await service.start()
             self.service = service
-            self._server = uvicorn.Server(
-                uvicorn.Config(
-                    create_app(service),
-                    host=self.config.host,
-                    port=self.config.port,
-                    log_level="warning",
-                    access_log=False,
-                    lifespan="off",
-                )
-            )
+            self._server = uvicorn.Server(uvicorn_config(self.config, create_app(service)))
             await self._server.serve(sockets=[self._socket])
         finally:
             await service.shutdown()
