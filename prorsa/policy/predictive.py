@@ -39,8 +39,10 @@ class PredictivePolicy(ModeChoosingPolicy):
     attention), and the policy moves between colocation and a split when the same
     savings-versus-cost test says so (:func:`prorsa.policy.demand.choose_mode`). Every
     switch's savings are counted on the demand forecast over the payback window (the
-    longest forecast horizon within ``payback_s``); the split it sizes to comes from
-    ``horizon_s``.
+    longest forecast horizon within ``payback_s``), from the moment the switch completes
+    (a 20 s reshard saves over ``payback_s - 20`` only); the split it sizes to comes from
+    ``horizon_s``. A mode change that dwell times hold back is finished before the split
+    is tuned again.
 
     Args:
         horizon_s: forecast horizon used for sizing (must be one the forecaster predicts).
