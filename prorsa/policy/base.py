@@ -6,6 +6,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from prorsa.errors import ConfigError
 from prorsa.policy.types import (
@@ -82,17 +83,22 @@ class ClusterSpec:
         GPU and 0.14x at 32 (the fixed ratio's load); a light run priced at 32 per GPU
         left colocation, the fastest layout there, for a split (docs/regime_map.md).
         """
-        table = self.colocated_decode_ratio_by_load
-        if not table or sequences_per_gpu is None:
+        if not self.colocated_decode_ratio_by_load or sequences_per_gpu is None:
             return self.colocated_decode_ratio
-        contexts = sorted({c for _, c, _ in table})
+        rows = self._decode_ratio_rows
+        contexts = list(rows)
         context = context_tokens if context_tokens else contexts[len(contexts) // 2]
-        rows = [[(load, r) for load, c, r in table if c == ctx] for ctx in contexts]
-        by_context = [
-            (ctx, _interp_log(row, sequences_per_gpu))
-            for ctx, row in zip(contexts, rows, strict=True)
-        ]
+        by_context = [(ctx, _interp_log(row, sequences_per_gpu)) for ctx, row in rows.items()]
         return _interp_log(by_context, context)
+
+    @cached_property
+    def _decode_ratio_rows(self) -> dict[float, list[tuple[float, float]]]:
+        """:attr:`colocated_decode_ratio_by_load` as (load, ratio) rows per context, in
+        increasing context and load (grouped once; read every decision)."""
+        rows: dict[float, list[tuple[float, float]]] = {}
+        for load, context, ratio in sorted(self.colocated_decode_ratio_by_load):
+            rows.setdefault(context, []).append((load, ratio))
+        return dict(sorted(rows.items()))
 
     @property
     def prefill_interference(self) -> float:
