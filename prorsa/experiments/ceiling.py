@@ -146,16 +146,15 @@ def regime_ceiling(
     ``steps``: the sync steps' trajectories (async: one sequence, every trajectory).
     """
     if mode == "sync":
-        paths = sum(float(critical_paths_s(step, floors).max()) for step in steps if len(step))
-        work = sum(gpu_work_s(step, floors) / max(gpus, 1) for step in steps)
-        # per step: the longer of the two limits
-        bound = sum(
-            max(
-                float(critical_paths_s(step, floors).max()), gpu_work_s(step, floors) / max(gpus, 1)
-            )
+        # per step: (longest critical path, GPU work over the GPUs); a step lasts the longer
+        limits = [
+            (float(critical_paths_s(step, floors).max()), gpu_work_s(step, floors) / max(gpus, 1))
             for step in steps
             if len(step)
-        )
+        ]
+        paths = sum(path for path, _ in limits)
+        work = sum(w for _, w in limits)
+        bound = sum(max(path, w) for path, w in limits)
         parts = {"critical_path_s": paths, "gpu_work_s": work}
         binding = "critical_path" if paths >= work else "gpu_work"
     else:

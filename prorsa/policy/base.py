@@ -180,17 +180,21 @@ class Policy(ABC):
         return {}
 
 
+def heading_roles(obs: ClusterObservation) -> set[str]:
+    """The roles the slots serve, a switching slot counted in the role it heads to."""
+    return {s.target_role if s.role == SWITCHING else s.role for s in obs.slots}
+
+
 def mixed_modes(obs: ClusterObservation) -> bool:
     """True when some slots serve (or head to) colocation and others prefill or decode:
     a change of mode under way."""
-    roles = {s.target_role if s.role == SWITCHING else s.role for s in obs.slots}
+    roles = heading_roles(obs)
     return "colocated" in roles and len(roles) > 1
 
 
 def colocated_now(obs: ClusterObservation) -> bool:
     """True when no slot serves (or is heading to) prefill or decode alone."""
-    roles = [s.target_role if s.role == SWITCHING else s.role for s in obs.slots]
-    return all(r == "colocated" for r in roles)
+    return heading_roles(obs) <= {"colocated"}
 
 
 class SplitPolicy(Policy):

@@ -627,33 +627,30 @@ class SimCluster:
         engines = slot.engines
         if len(engines) == 1:  # the common case, read directly (512 slots per tick)
             (e,) = engines
-            return SlotView(
-                slot_id=slot.slot_id,
-                role=slot.role,
-                target_role=slot.target_role,
-                gpus=slot.gpus,
-                engines=1,
-                queued_prefill_tokens=e.queued_prefill_tokens,
-                running_sequences=len(e.running) + len(e.decode_waiting),
-                kv_used_tokens=e.kv_used,
-                kv_capacity_tokens=e.kv_capacity,
-                busy=e.phase != 0,
-                since_s=slot.since_s,
-                cached_tokens=e.cache.total,
-            )
+            queued = e.queued_prefill_tokens
+            running = len(e.running) + len(e.decode_waiting)
+            kv_used, kv_capacity = e.kv_used, e.kv_capacity
+            busy, cached = e.phase != 0, e.cache.total
+        else:
+            queued = sum(e.queued_prefill_tokens for e in engines)
+            running = sum(len(e.running) + len(e.decode_waiting) for e in engines)
+            kv_used = sum(e.kv_used for e in engines)
+            kv_capacity = sum(e.kv_capacity for e in engines)
+            busy = any(e.phase != 0 for e in engines)
+            cached = sum(e.cache.total for e in engines)
         return SlotView(
             slot_id=slot.slot_id,
             role=slot.role,
             target_role=slot.target_role,
             gpus=slot.gpus,
             engines=len(engines),
-            queued_prefill_tokens=sum(e.queued_prefill_tokens for e in engines),
-            running_sequences=sum(len(e.running) + len(e.decode_waiting) for e in engines),
-            kv_used_tokens=sum(e.kv_used for e in engines),
-            kv_capacity_tokens=sum(e.kv_capacity for e in engines),
-            busy=any(e.phase != 0 for e in engines),
+            queued_prefill_tokens=queued,
+            running_sequences=running,
+            kv_used_tokens=kv_used,
+            kv_capacity_tokens=kv_capacity,
+            busy=busy,
             since_s=slot.since_s,
-            cached_tokens=sum(e.cache.total for e in engines),
+            cached_tokens=cached,
         )
 
     def observe(
