@@ -120,7 +120,12 @@ def test_sigterm_mid_rollout_ends_interrupted_and_engines_keep_serving(
     from prorsa.runtime.ray.rollout import RolloutInterrupted
     from prorsa.telemetry.manifest import check_complete, read_manifest
 
-    cfg = config(tiny_model_dir, mode="async", max_in_flight=2, trajectories=6, group_size=2)
+    # Two groups in flight and up to six turns each, so that when the first trajectory ends
+    # others are surely mid-way (with one group of short trajectories in flight, its partner
+    # could end before the signal lands and nothing would be left to interrupt).
+    cfg = config(
+        tiny_model_dir, mode="async", max_in_flight=4, trajectories=8, group_size=2, max_turns=6
+    )
 
     def progress(done: int, total: int) -> None:
         if done == 1:
