@@ -19,6 +19,9 @@ once (Ray tasks, local or on a cluster) and resumed after an interruption:
   engines, trajectories, profile, cluster overrides, fixed parameters, seeds, objectives)
   is stored as the study's ``settings`` attribute; resuming with different settings is
   refused. The default study name carries a hash of them.
+- **Defaults first.** A new study's first trial runs the policy's defaults (with the fixed
+  parameters applied; :func:`default_trial_params`), so the best trial is never worse
+  than them on the tuning seeds.
 
 Tuning uses workload seeds ``seed_offset ..`` (1000 by default), apart from the seeds
 ``0 ..`` that ``prorsa compare`` evaluates on, so tuned parameters are compared on
@@ -142,6 +145,39 @@ def fixed_params(settings: dict) -> dict:
     the flat cell of studies created before the run configs were shared)."""
     cell = settings.get("cell", {})
     return dict(cell.get("control", cell).get("policy_params") or {})
+
+
+class _DefaultsTrial:
+    """A stand-in Optuna trial that answers each draw with the policy's default for it
+    (or the range's low end / first choice when it has none), noting which it knew."""
+
+    def __init__(self, defaults: dict) -> None:
+        self.defaults = defaults
+        self.params: dict[str, Any] = {}
+
+    def _draw(self, name: str, fallback: Any) -> Any:
+        if name in self.defaults:
+            self.params[name] = self.defaults[name]
+            return self.defaults[name]
+        return fallback
+
+    def suggest_float(self, name: str, low: float, high: float, **_: Any) -> float:
+        return self._draw(name, low)
+
+    def suggest_int(self, name: str, low: int, high: int, **_: Any) -> int:
+        return self._draw(name, low)
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:
+        return self._draw(name, choices[0])
+
+
+def default_trial_params(policy: str, fixed: dict | None = None) -> dict:
+    """The Optuna parameters of ``policy``'s search space that reproduce its defaults
+    (with the study's fixed parameters applied): a new study's first trial."""
+    policy_cls = POLICIES.get(policy)
+    trial = _DefaultsTrial({**policy_cls.search_defaults(), **(fixed or {})})
+    policy_cls.search_space(trial)
+    return trial.params
 
 
 # ---------------------------------------------------------------------------------------
@@ -453,6 +489,10 @@ def _create_or_check(storage, name: str, settings: dict, n_objectives: int):
                 hint="use a new --study name (or another --storage)",
             )
         study.set_user_attr(SETTINGS_ATTR, settings)
+        defaults = default_trial_params(settings["policy"], fixed_params(settings))
+        if defaults:
+            # skip_if_exists: a concurrent run that loaded the fresh study may enqueue too.
+            study.enqueue_trial(defaults, skip_if_exists=True)
         return study
     if stored != settings:
         diff = _differences(stored, settings)

@@ -33,6 +33,34 @@ def test_every_policy_accepts_its_own_defaults(name):
     assert set(policy_parameters(name)) == set(defaults)
 
 
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_the_search_space_holds_every_policys_defaults(name):
+    import optuna
+
+    from prorsa.tune import default_trial_params
+
+    cls = POLICIES.get(name)
+    trial = optuna.create_study().ask()
+    cls.search_space(trial)
+    params = default_trial_params(name)
+    # Every drawn parameter has a default, and the defaults lie in their ranges...
+    assert set(params) == set(trial.params)
+    for key, value in params.items():
+        dist = trial.distributions[key]
+        if isinstance(dist, optuna.distributions.CategoricalDistribution):
+            assert value in dist.choices, key
+        else:
+            assert dist.low <= value <= dist.high, key
+    # ...and drawing them gives the constructor's defaults back.
+    defaults = {
+        p.name: p.default
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.default is not inspect.Parameter.empty
+    }
+    space = cls.search_space(optuna.trial.FixedTrial(params))
+    assert space == {k: defaults[k] for k in space}
+
+
 def test_unknown_parameter_names_the_closest_and_lists_all():
     with pytest.raises(ConfigError, match="policy 'static' has no parameter 'prefill_gpu'") as info:
         check_policy_params("static", {"prefill_gpu": 4})

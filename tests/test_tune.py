@@ -81,6 +81,20 @@ def test_study_persists_and_resumes(tmp_path):
     assert len(set(_param_sets(again))) == 5
 
 
+def test_a_new_study_runs_the_defaults_first_and_only_once(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    cfg = TuneConfig(policy="static", base=_base(tmp_path), trials=2, seeds=1, storage=storage)
+    first = tune(cfg)
+    assert first.trials[0].params == {"prefill_fraction": 0.25}  # StaticPolicy's default
+    assert first.best_value <= first.trials[0].value  # never worse than the defaults
+    again = tune(replace(cfg, trials=4))
+    assert [t.params["prefill_fraction"] for t in again.trials].count(0.25) == 1
+    # Fixed parameters are part of "the defaults" the study starts from.
+    fixed = _base(tmp_path, policy_params={"prefill_fraction": 0.5})
+    other = tune(replace(cfg, base=fixed, study_name="fixed", trials=1))
+    assert other.trials[0].params == {"prefill_fraction": 0.5}
+
+
 def test_sampler_seed_follows_the_trial_number():
     sampler = PerTrialSeedSampler(seed=7)
     assert len({sampler.seed_for(n) for n in range(10_000)}) == 10_000

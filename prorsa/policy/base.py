@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from abc import ABC, abstractmethod
@@ -178,6 +179,19 @@ class Policy(ABC):
     def search_space(cls, trial) -> dict:
         """Parameters an Optuna ``trial`` should tune (none by default)."""
         return {}
+
+    @classmethod
+    def search_defaults(cls) -> dict:
+        """Values of :meth:`search_space`'s Optuna parameters that give the constructor's
+        defaults. A new study runs them as its first trial, so tuning never settles on
+        parameters worse than the defaults on its own seeds. By default the constructor
+        defaults of the parameters named alike; override when a drawn parameter is
+        derived (a ratio, say)."""
+        return {
+            name: p.default
+            for name, p in inspect.signature(cls.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
 
 
 def heading_roles(obs: ClusterObservation) -> set[str]:

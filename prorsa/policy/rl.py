@@ -202,7 +202,7 @@ class RLPolicy(TargetPolicy):
     def search_space(cls, trial) -> dict:
         return {
             "min_hold_s": trial.suggest_float("min_hold_s", 5.0, 60.0),
-            "decision_interval_s": trial.suggest_float("decision_interval_s", 5.0, 20.0),
+            "decision_interval_s": trial.suggest_float("decision_interval_s", 5.0, 60.0),
         }
 
 

@@ -51,6 +51,12 @@ class ThresholdPolicy(SplitPolicy):
             "cooldown_s": trial.suggest_float("cooldown_s", 0.0, 60.0),
         }
 
+    @classmethod
+    def search_defaults(cls) -> dict:
+        defaults = super().search_defaults()
+        low_over_high = defaults["prefill_wait_low_s"] / defaults["prefill_wait_high_s"]
+        return {**defaults, "low_over_high": low_over_high}
+
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
         if not 0 <= self.prefill_wait_low_s < self.prefill_wait_high_s:
