@@ -326,8 +326,11 @@ def _load(spec: _WorkerSpec):
     )
 
 
-def run_trials(spec: _WorkerSpec, on_trial: Callable[[], None] | None = None) -> int:
-    """Run trials of the study until its budget is used; returns how many this worker ran."""
+def run_trials(
+    spec: _WorkerSpec, on_trial: Callable[[], None] | None = None, n_trials: int | None = None
+) -> int:
+    """Run trials of the study until its budget is used (or ``n_trials`` of them); returns
+    how many this worker ran."""
     from optuna.study import MaxTrialsCallback
 
     from prorsa.experiments.cells import run_cell
@@ -372,7 +375,7 @@ def run_trials(spec: _WorkerSpec, on_trial: Callable[[], None] | None = None) ->
     if on_trial is not None:
         callbacks.append(lambda _study, _trial: on_trial())
     if len(counted_trials(study)) < spec.trials:
-        study.optimize(objective, catch=(_OverBudget,), callbacks=callbacks)
+        study.optimize(objective, n_trials=n_trials, catch=(_OverBudget,), callbacks=callbacks)
     return ran
 
 
@@ -429,12 +432,18 @@ def tune(
 
     report()
     try:
-        if cfg.workers == 1 and cfg.address is None:
-            from prorsa.experiments.sweep import signals_interrupt
+        from prorsa.experiments.sweep import signals_interrupt
 
+        if cfg.workers == 1 and cfg.address is None:
             with signals_interrupt():
                 run_trials(spec, on_trial=report)
         else:
+            if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                # The enqueued defaults run here first: on SQLite two workers can both
+                # take a waiting trial (no row locks), and the second then fails to
+                # report a trial the first completed.
+                with signals_interrupt():
+                    run_trials(spec, on_trial=report, n_trials=1)
             _run_on_ray(spec, cfg, report)
     except KeyboardInterrupt:
         _fail_own_trials(storage, study, spec.run_token)

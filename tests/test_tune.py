@@ -164,6 +164,9 @@ def test_two_ray_workers_fill_the_budget_exactly(tmp_path, ray_local):
     surplus = [t for t in study.trials if t.user_attrs.get("over_budget")]
     assert all(not t.params for t in surplus)  # a surplus trial never samples
     assert done[-1] == (7, 7)
+    # The defaults ran once, first (taken by the driver, not raced for by both workers).
+    assert study.trials[0].params == {"prefill_fraction": 0.25}
+    assert [t.params.get("prefill_fraction") for t in study.trials].count(0.25) == 1
     # Another run on the full study runs nothing more.
     assert _finished(tune(cfg)) == 7
 

@@ -1,0 +1,175 @@
+"""Does tuning pay on seeds it never saw? Tuned against default predictive on map cells.
+
+For each chosen cell of the regime map (its predictive runs at base knobs, read from
+``results/regimes/cells.jsonl``: one sync and one async cell per model family, the fastest
+to simulate), ``prorsa tune predictive`` runs a study on workload seeds 1000.. (its first
+trial is the defaults), then the defaults and the best trial's parameters are both
+evaluated on seeds 0.. that the study never ran. ``gain`` is default objective / tuned
+objective (makespan in sync, seconds per trajectory in async): above 1, tuning helped.
+``gain_best_sampled`` does the same for the best trial other than the defaults: what a
+study without its defaults trial would have handed ``prorsa compare --tuned``.
+
+    .venv/bin/python benchmarks/tune_bench.py [--trials 12] [--tune-seeds 2] [--eval-seeds 3]
+
+Writes benchmarks/results/tune.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import RESULTS, save
+from prorsa.experiments.cells import Cell, run_cell
+from prorsa.tune import TuneConfig, tune, tuned_params
+
+MAP_CELLS = RESULTS / "regimes" / "cells.jsonl"
+FAMILIES = ("qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b", "qwen3-235b-a22b")
+SCENARIOS = ("swe", "search", "math-tool", "mixed", "tau2")
+
+
+def chosen_cells(max_wall_s: float) -> list[Cell]:
+    """Per model family and mode, the map's quickest predictive cell at base knobs, the
+    scenario rotating over families and modes (the quickest of any scenario if that
+    one has no cell quick enough)."""
+    best: dict[tuple[str, str, str], tuple[float, Cell]] = {}
+    for line in MAP_CELLS.read_text().splitlines():
+        result = json.loads(line)["result"]
+        cell = Cell.from_dict(result["cell"])
+        if cell.policy != "predictive" or cell.seed != 0 or cell.work.trace is not None:
+            continue
+        if (cell.knobs.tool_scale, cell.knobs.growth_scale) != (1.0, 1.0):
+            continue
+        family = next((f for f in FAMILIES if f in cell.cluster.profile), None)
+        if family is None or result["wall_s"] > max_wall_s:
+            continue
+        for key in ((family, cell.mode, cell.workload), (family, cell.mode, "")):
+            if key not in best or result["wall_s"] < best[key][0]:
+                best[key] = (result["wall_s"], cell)
+    chosen = []
+    for i, family in enumerate(FAMILIES):
+        for j, mode in enumerate(("sync", "async")):
+            scenario = SCENARIOS[(2 * i + j) % len(SCENARIOS)]
+            found = best.get((family, mode, scenario)) or best.get((family, mode, ""))
+            if found is not None:
+                chosen.append(found[1].changed(series=False, record=False))
+    return chosen
+
+
+def evaluate(cell: Cell, params: dict, seeds: int) -> list[float]:
+    return [run_cell(cell.changed(seed=s, policy_params=params))["objective"] for s in range(seeds)]
+
+
+def bench_cell(cell: Cell, args: argparse.Namespace, storage: str) -> dict:
+    started = time.perf_counter()
+    study = tune(
+        TuneConfig(
+            policy="predictive",
+            base=cell,
+            trials=args.trials,
+            seeds=args.tune_seeds,
+            storage=storage,
+            study_name=cell.key(),
+            workers=args.workers,
+        )
+    )
+    best = tuned_params(storage, ["predictive"], [cell.key()])["predictive"]
+    defaults = dict(cell.control.policy_params)
+    default_eval = evaluate(cell, defaults, args.eval_seeds)
+    tuned_eval = evaluate(cell, best["params"], args.eval_seeds)
+    gain = float(np.mean(default_eval) / np.mean(tuned_eval))
+    # What the study would have chosen without its defaults trial (trial 0).
+    sampled = [t for t in study.trials[1:] if t.value is not None]
+    best_sampled = min(sampled, key=lambda t: (t.value, t.number))
+    sampled_eval = evaluate(cell, best_sampled.user_attrs["policy_params"], args.eval_seeds)
+    return {
+        "cell": {
+            "profile": cell.cluster.profile,
+            "layouts": cell.cluster.layouts,
+            "num_slots": cell.cluster.num_slots,
+            "scenario": cell.workload,
+            "mode": cell.mode,
+            "trajectories": cell.work.trajectories,
+            "fixed_params": defaults,
+        },
+        "tuning": {
+            "default_objective": study.trials[0].value,
+            "best_objective": study.best_value,
+            "best_trial": best["trial"],
+            "trials": len(study.trials),
+            "trial_values": [t.value for t in study.trials],
+            "trial_states": [t.state.name for t in study.trials],
+        },
+        "tuned_params": best["params"],
+        "eval_default": default_eval,
+        "eval_tuned": tuned_eval,
+        "gain": gain,
+        "best_sampled_trial": best_sampled.number,
+        "eval_best_sampled": sampled_eval,
+        "gain_best_sampled": float(np.mean(default_eval) / np.mean(sampled_eval)),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=12)
+    parser.add_argument("--tune-seeds", type=int, default=2)
+    parser.add_argument("--eval-seeds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-cell-wall-s", type=float, default=6.0)
+    args = parser.parse_args()
+    cells = chosen_cells(args.max_cell_wall_s)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        storage = f"sqlite:///{Path(tmp) / 'optuna.db'}"
+        for cell in cells:
+            row = bench_cell(cell, args, storage)
+            rows.append(row)
+            c = row["cell"]
+            print(
+                f"{c['profile']} {c['scenario']} {c['mode']} {c['trajectories']}: "
+                f"default {np.mean(row['eval_default']):.4g} tuned "
+                f"{np.mean(row['eval_tuned']):.4g} -> gain {row['gain']:.3f} "
+                f"(best sampled trial {row['gain_best_sampled']:.3f}; {row['wall_s']:.0f} s)",
+                flush=True,
+            )
+    gains = [r["gain"] for r in rows]
+    summary = {
+        "cells": len(rows),
+        "gain_min": min(gains),
+        "gain_geomean": float(np.exp(np.mean(np.log(gains)))),
+        "cells_tuned_at_least_default": sum(g >= 1.0 for g in gains),
+        "goal_tuned_at_least_default_everywhere": all(g >= 1.0 for g in gains),
+        "cells_best_is_defaults": sum(r["tuning"]["best_trial"] == 0 for r in rows),
+        "gain_best_sampled_min": min(r["gain_best_sampled"] for r in rows),
+        "cells_best_sampled_below_default": sum(r["gain_best_sampled"] < 1.0 for r in rows),
+    }
+    print(json.dumps(summary, indent=1))
+    path = save(
+        "tune",
+        {
+            "setup": {
+                "policy": "predictive",
+                "trials": args.trials,
+                "tune_seeds": f"1000..{1000 + args.tune_seeds - 1}",
+                "eval_seeds": f"0..{args.eval_seeds - 1}",
+                "workers": args.workers,
+            },
+            "summary": summary,
+            "cells": rows,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
