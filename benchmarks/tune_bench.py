@@ -83,13 +83,21 @@ def bench_cell(cell: Cell, args: argparse.Namespace, storage: str) -> dict:
     )
     best = tuned_params(storage, ["predictive"], [cell.key()])["predictive"]
     defaults = dict(cell.control.policy_params)
-    default_eval = evaluate(cell, defaults, args.eval_seeds)
-    tuned_eval = evaluate(cell, best["params"], args.eval_seeds)
+    # Held-out objectives per trial; trial 0 is the defaults, each trial runs once.
+    evals = {0: evaluate(cell, defaults, args.eval_seeds)}
+
+    def held_out(number: int, params: dict) -> list[float]:
+        if number not in evals:
+            evals[number] = evaluate(cell, params, args.eval_seeds)
+        return evals[number]
+
+    default_eval = evals[0]
+    tuned_eval = held_out(best["trial"], best["params"])
     gain = float(np.mean(default_eval) / np.mean(tuned_eval))
-    # What the study would have chosen without its defaults trial (trial 0).
+    # What the study would have chosen without its defaults trial.
     sampled = [t for t in study.trials[1:] if t.value is not None]
     best_sampled = min(sampled, key=lambda t: (t.value, t.number))
-    sampled_eval = evaluate(cell, best_sampled.user_attrs["policy_params"], args.eval_seeds)
+    sampled_eval = held_out(best_sampled.number, best_sampled.user_attrs["policy_params"])
     return {
         "cell": {
             "profile": cell.cluster.profile,

@@ -21,14 +21,18 @@ from prorsa.policy.params import (
 )
 
 
-@pytest.mark.parametrize("name", POLICIES.names())
-def test_every_policy_accepts_its_own_defaults(name):
-    cls = POLICIES.get(name)
-    defaults = {
+def _constructor_defaults(cls) -> dict:
+    return {
         p.name: p.default
         for p in inspect.signature(cls.__init__).parameters.values()
         if p.name != "self" and p.default is not inspect.Parameter.empty
     }
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_every_policy_accepts_its_own_defaults(name):
+    cls = POLICIES.get(name)
+    defaults = _constructor_defaults(cls)
     assert check_policy_params(name, defaults).keys() == defaults.keys()
     assert set(policy_parameters(name)) == set(defaults)
 
@@ -52,11 +56,7 @@ def test_the_search_space_holds_every_policys_defaults(name):
         else:
             assert dist.low <= value <= dist.high, key
     # ...and drawing them gives the constructor's defaults back.
-    defaults = {
-        p.name: p.default
-        for p in inspect.signature(cls.__init__).parameters.values()
-        if p.default is not inspect.Parameter.empty
-    }
+    defaults = _constructor_defaults(cls)
     space = cls.search_space(optuna.trial.FixedTrial(params))
     assert space == {k: defaults[k] for k in space}
 
