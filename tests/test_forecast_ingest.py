@@ -1,4 +1,8 @@
-"""Vectorised ingestion equals the per-event reference, on simulated runs and edge cases."""
+"""Vectorised ingestion equals the per-event reference, on simulated runs and edge cases.
+
+Every test runs twice: through the compiled kernel (when numba is installed) and through
+the round-based numpy path it falls back to.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from prorsa.forecast import ingest, ingest_kernel
 from prorsa.forecast.events import as_batch, slice_batch, table_batch
 from prorsa.forecast.tracker import LifecycleTracker
 from prorsa.telemetry import events_to_table
@@ -13,6 +18,24 @@ from prorsa.telemetry.columns import EventLog
 from prorsa.telemetry.schema import FIELDS
 from tests.conftest import make_two_turn_events
 from tests.sim_helpers import random_specs, run
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        pytest.param(
+            True,
+            id="compiled",
+            marks=pytest.mark.skipif(not ingest_kernel.AVAILABLE, reason="numba not installed"),
+        ),
+        pytest.param(False, id="numpy"),
+    ],
+)
+def ingestion_path(request, monkeypatch):
+    """Run the test through the compiled kernel, then through the numpy path."""
+    monkeypatch.setattr(ingest, "COMPILED", request.param)
+    return request.param
+
 
 _ARRAYS = (
     "alive",

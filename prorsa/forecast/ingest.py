@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prorsa.forecast import ingest_kernel
 from prorsa.forecast.events import FIRST_CLUSTER_KIND
 from prorsa.telemetry.columns import KIND_CODE, EventBatch
 
@@ -37,6 +38,9 @@ _NAN = float("nan")
 _QUEUED_K = KIND_CODE["prefill_queued"]
 _END_K = KIND_CODE["traj_end"]
 _N_KINDS = FIRST_CLUSTER_KIND
+#: Use the compiled kernel (:mod:`prorsa.forecast.ingest_kernel`) when numba is installed;
+#: tests switch it off to check the numpy path too.
+COMPILED = ingest_kernel.AVAILABLE
 
 #: Group statistics (tracker arrays) in the order of the deferred contribution columns.
 GROUP_STATS = (
@@ -124,12 +128,20 @@ class _Pass:
         batch, pos = self.batch, self.pos
         key = batch.key[pos].astype(np.int64)
         kind = batch.kind[pos]
-        slot = self._slots(key, kind)
+        slot, born = self._slots(key, kind)
         keep = slot >= 0
         if not keep.all():
-            pos, key, kind, slot = pos[keep], key[keep], kind[keep], slot[keep]
+            pos, key, kind, slot, born = pos[keep], key[keep], kind[keep], slot[keep], born[keep]
         if not len(pos):
             return
+        if COMPILED:
+            self._run_compiled(pos, key, slot, born)
+            return
+        if born.any():
+            at = np.flatnonzero(born)
+            values = np.zeros((len(at), len(GROUP_STATS)))
+            values[:, _G["g_members"]] = 1.0
+            self._defer(pos[at], self.tr.group[slot[at]], values)
         self.slot = slot
         self.key = key
         self.kind = kind
@@ -146,14 +158,45 @@ class _Pass:
             _HANDLERS[code](self, events, s)
         self._finish()
 
-    def _slots(self, key: np.ndarray, kind: np.ndarray) -> np.ndarray:
-        """Slot of each event; new trajectories get one at their first event, -1 = drop."""
+    def _run_compiled(
+        self, pos: np.ndarray, key: np.ndarray, slot: np.ndarray, born: np.ndarray
+    ) -> None:
+        """The whole pass in the compiled kernel; Python finishes what needs objects."""
+        tr = self.tr
+        done = ingest_kernel.run(tr, slot, born, self.batch, pos)
+        for name in ("turns", "decode_ends", "tool_ends", "ends"):
+            tr.counts[name] += done["counts"][name]
+        frozen_slots = slot[done["frozen_event"]]
+        tr.pending.extend(frozen_slots.tolist())
+        if tr.record_event_rows:
+            rows = done["rows"]
+            times = self.batch.time[pos[done["frozen_event"]]]
+            tr.event_rows.extend(
+                zip(
+                    tr.ids[frozen_slots].tolist(),
+                    rows[:, 1].astype(np.int64).tolist(),
+                    times.tolist(),
+                    map(tuple, rows.tolist()),
+                    strict=True,
+                )
+            )
+        tr.rate.add_many(*done["rate"])
+        tr.ttft.add_many(done["ttft"], np.ones(len(done["ttft"])))
+        ended = done["ended_event"]
+        if len(ended):
+            tr.end_slots(slot[ended], key[ended])
+            tr.release_slots(slot[ended])
+
+    def _slots(self, key: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slot of each event (new trajectories get one at their first event, -1 = drop)
+        and whether the event is the one that created its slot."""
         tr = self.tr
         cache = tr.key_slots(self.batch.keys)
         slot = cache[key]
+        born_at = np.zeros(len(key), bool)
         unknown = np.flatnonzero(slot < 0)
         if not len(unknown):
-            return slot
+            return slot, born_at
         new_keys, first = np.unique(key[unknown], return_index=True)
         order = np.argsort(unknown[first], kind="stable")
         keys = self.batch.keys
@@ -168,12 +211,10 @@ class _Pass:
         if born:
             at = np.fromiter((b[1] for b in born), np.int64, len(born))
             tids, group_ids, tasks = (list(c) for c in zip(*(b[2] for b in born), strict=True))
-            slots, groups = tr.new_slots(tids, group_ids, tasks, self.batch.time[self.pos[at]])
+            slots, _ = tr.new_slots(tids, group_ids, tasks, self.batch.time[self.pos[at]])
             cache[np.fromiter((b[0] for b in born), np.int64, len(born))] = slots
-            values = np.zeros((len(born), len(GROUP_STATS)))
-            values[:, _G["g_members"]] = 1.0
-            self._defer(self.pos[at], groups, values)
-        return cache[key]
+            born_at[at] = True
+        return cache[key], born_at
 
     # --------------------------------------------------------------- helpers
     def _set_state(self, s: np.ndarray, state: int, ev: np.ndarray) -> None:
