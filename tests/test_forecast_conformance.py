@@ -99,12 +99,20 @@ def test_forecaster_conformance(name, data, tmp_path):
                 assert (lo >= 0).all() and (lo <= mid).all() and (mid <= hi).all()
         elif model.provides_quantiles and name != "lightgbm-trajectory":
             pytest.fail(f"{name} promises quantiles but gave none")
-    # Any subset of the fitted horizons; nothing else.
-    sub = model.predict([5.0])
-    assert sub.horizons_s == (5.0,)
-    np.testing.assert_allclose(
-        sub.point["decode_tokens"], forecasts[-1].point["decode_tokens"][1:2]
-    )
+    # Any subset of the fitted horizons, each predicted on its own (the controller asks
+    # only for the horizons its policy reads); nothing else.
+    last = forecasts[-1]
+    for subset in ([5.0], [HORIZONS[0], HORIZONS[-1]]):
+        sub = model.predict(subset)
+        assert sub.horizons_s == tuple(subset)
+        at = [HORIZONS.index(h) for h in subset]
+        assert sub.quantiles.keys() == last.quantiles.keys()
+        for target in TARGETS:
+            np.testing.assert_allclose(sub.point[target], last.point[target][at], rtol=1e-12)
+            for q in sub.quantiles:
+                np.testing.assert_allclose(
+                    sub.quantiles[q][target], last.quantiles[q][target][at], rtol=1e-12
+                )
     with pytest.raises(ConfigError, match="not fitted"):
         model.predict([3.0])
 

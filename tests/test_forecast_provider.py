@@ -102,3 +102,39 @@ def test_resolving_names_and_paths(tmp_path, monkeypatch):
     # A shipped model is found by name.
     model.save(tmp_path / "no-shipped-models" / "my-ewma")
     assert make_provider("my-ewma").horizons == (2.0,)
+
+
+def test_policies_name_the_horizons_they_read():
+    from prorsa.policy import make_policy
+
+    fitted = (1.0, 2.0, 5.0, 10.0, 30.0)
+    assert make_policy("predictive").forecast_horizons(fitted) == (5.0, 30.0)
+    assert make_policy("predictive", horizon_s=2.0, payback_s=8.0).forecast_horizons(fitted) == (
+        2.0,
+        5.0,
+    )
+    assert make_policy("mpc").forecast_horizons(fitted) is None  # reads every horizon
+
+
+def test_the_controller_forecasts_only_what_the_policy_reads_and_decides_the_same():
+    """Narrowed to the policy's horizons, the shipped model gives the same decisions."""
+    from prorsa.policy import make_policy
+    from prorsa.workload import get_scenario
+
+    runs = {}
+    for keep in (False, True):
+        provider = make_provider("lightgbm-trajectory")
+        sim = Simulation(
+            ClusterConfig(profile="h200-qwen2.5-7b-tp1", num_slots=8),
+            make_policy("predictive", min_gain=0.0, start="split"),  # it switches here
+            SyncDriver([get_scenario("swe").sample(256, seed=3, group_size=8)]),
+            forecaster=provider,
+            keep_forecasts=keep,
+        )
+        result = sim.run()
+        decisions = [(d.time_s, d.gpus_target, d.switches) for d in sim.controller.decisions]
+        runs[keep] = (provider.horizons, decisions, result.metrics["makespan_s"])
+    assert runs[False][0] == (5.0, 30.0)
+    assert runs[True][0] == (1.0, 2.0, 5.0, 10.0, 30.0)
+    assert sum(len(switches) for *_, switches in runs[False][1]) > 0
+    assert runs[False][1:] == runs[True][1:]

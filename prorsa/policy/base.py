@@ -6,6 +6,7 @@ import inspect
 import itertools
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -174,6 +175,15 @@ class Policy(ABC):
     @abstractmethod
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         """Return the target allocation for this tick."""
+
+    def forecast_horizons(self, fitted: Sequence[float]) -> tuple[float, ...] | None:
+        """The horizons of ``fitted`` that :meth:`decide` reads (None: all of them).
+
+        The controller then asks its forecaster for these only: every forecaster predicts
+        each horizon on its own (a conformance test checks it), so the decisions are the
+        same and the tick is cheaper.
+        """
+        return None
 
     @classmethod
     def search_space(cls, trial) -> dict:

@@ -3,6 +3,8 @@ horizon, and switch only when the gain outweighs the cost of switching."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
@@ -142,6 +144,11 @@ class PredictivePolicy(ModeChoosingPolicy):
         )
         return prefill, decode
 
+    def forecast_horizons(self, fitted: Sequence[float]) -> tuple[float, ...]:
+        """The sizing horizon and the payback horizon (see :func:`payback_horizon_s`)."""
+        window = payback_horizon_s(fitted, self.horizon_s, self.payback_s)
+        return tuple(sorted({self.horizon_s, window}))
+
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
@@ -205,8 +212,12 @@ class PredictivePolicy(ModeChoosingPolicy):
         )
 
 
-def payback_horizon_s(forecast: Forecast, sizing_s: float, payback_s: float) -> float:
+def payback_horizon_s(
+    forecast: Forecast | Sequence[float], sizing_s: float, payback_s: float
+) -> float:
     """The forecast horizon a switch's savings are judged on: the longest one within the
-    payback window, and no shorter than the sizing horizon."""
-    within = [h for h in forecast.horizons_s if sizing_s <= h <= payback_s]
+    payback window, and no shorter than the sizing horizon. ``forecast``: a forecast or
+    its horizons."""
+    horizons = forecast.horizons_s if isinstance(forecast, Forecast) else forecast
+    within = [h for h in horizons if sizing_s <= h <= payback_s]
     return max(within) if within else sizing_s

@@ -178,6 +178,12 @@ class Controller:
         self.forecaster = forecaster
         if forecaster is not None:
             forecaster.attach(actuator.events, actuator.truth)
+            # Forecast only the horizons the policy reads, unless every forecast is kept.
+            narrow = getattr(forecaster, "use_horizons", None)
+            if narrow is not None and not keep_forecasts:
+                wanted = policy.forecast_horizons(forecaster.horizons)  # type: ignore[attr-defined]
+                if wanted is not None:
+                    narrow(wanted)
         self.keep_forecasts = keep_forecasts
         self.decisions: list[Decision] = []
         self._stopped = False

@@ -70,15 +70,23 @@ class ForecastProvider:
 
     def __init__(self, forecaster: Forecaster, horizons: Sequence[float] | None = None) -> None:
         self.forecaster = forecaster.reset()
-        fitted = forecaster.horizons_
-        self.horizons = fitted if horizons is None else check_horizons(horizons)
-        unknown = [h for h in self.horizons if h not in fitted]
-        if unknown:
-            raise ConfigError(
-                f"horizon(s) {unknown} not fitted by '{forecaster.name}' ({list(fitted)})"
-            )
+        self.horizons: tuple[float, ...] = forecaster.horizons_
+        if horizons is not None:
+            self.use_horizons(horizons)
         self._seen = 0
         self._events: EventLog | None = None
+
+    def use_horizons(self, horizons: Sequence[float]) -> None:
+        """Forecast ``horizons`` (fitted ones) from now on; the controller narrows the
+        provider to the horizons its policy reads."""
+        fitted = self.forecaster.horizons_
+        wanted = check_horizons(horizons)
+        unknown = [h for h in wanted if h not in fitted]
+        if unknown:
+            raise ConfigError(
+                f"horizon(s) {unknown} not fitted by '{self.forecaster.name}' ({list(fitted)})"
+            )
+        self.horizons = wanted
 
     def attach(self, events: EventLog, truth: GroundTruth | None = None) -> None:
         """Start a new stream from a run's event log (and ground truth, for the oracle)."""
