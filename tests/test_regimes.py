@@ -124,6 +124,21 @@ def test_simulated_plan_starts_split_only_where_the_split_won():
     assert won.layouts == {"prefill": "tp1", "decode": "tp2", "colocated": "tp2"}
 
 
+def test_a_split_start_keeps_slots_fine_enough_for_its_split():
+    """A TP2 colocated layout would make 2-GPU slots: a 1-GPU TP1 prefill pool cannot be
+    formed from them, so the colocated role takes the fastest layout that can."""
+    plan = plan_regime(Regime("toy-7b", "swe", "async", 8), toy_config())
+    colocate = {"tp1": 100.0, "tp2": 90.0}
+    odd = {"prefill_layout": "tp1", "decode_layout": "tp1", "prefill_gpus": 1, "objective": 80.0}
+    run = simulated_run_plan(plan, colocate, odd)
+    assert run.start == "split" and run.layouts["colocated"] == "tp1"
+    assert plan.slots(run.layouts) == plan.family.gpus  # 1-GPU slots: the split is exact
+    even = simulated_run_plan(plan, colocate, {**odd, "prefill_gpus": 2})
+    assert even.layouts["colocated"] == "tp2"  # 2-GPU slots form a 2-GPU pool
+    lost = simulated_run_plan(plan, colocate, {**odd, "objective": 95.0})
+    assert lost.start == "colocated" and lost.layouts["colocated"] == "tp2"
+
+
 def test_analytic_plan_runs_the_cost_model_planners_layouts(tmp_path):
     result = run_map(toy_config(tmp_path, plan_by="analytic"))
     (summary,) = result["regimes"]

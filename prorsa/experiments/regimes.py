@@ -341,6 +341,12 @@ def simulated_run_plan(
     fastest layout; prefill and decode at the fastest static split's pair (the planner's
     when no search ran); start split only where that split beat colocation.
 
+    A run's slots all have the size of its largest layout, so a split can only move whole
+    slots. When the run starts split and colocation's fastest layout would make the slots
+    too coarse for that split (a TP4 colocated layout next to a 6-GPU TP1 prefill pool),
+    the colocated role takes the fastest layout that keeps the split exact: otherwise the
+    run would start from a split the search never measured.
+
     ``colocate`` maps layout -> objective; ``static`` is the best static search result.
     """
     colocated = min(colocate, key=lambda n: (colocate[n], n))
@@ -354,6 +360,15 @@ def simulated_run_plan(
     }
     fraction = static["prefill_gpus"] / plan.family.gpus
     start = "split" if static["objective"] < colocate[colocated] else "colocated"
+    if start == "split":
+
+        def exact(layout: str) -> bool:
+            slot = plan.slot_gpus({**layouts, "colocated": layout})
+            return static["prefill_gpus"] % slot == 0 and plan.family.gpus % slot == 0
+
+        fits = [n for n in colocate if exact(n)]
+        if not exact(colocated) and fits:
+            layouts["colocated"] = min(fits, key=lambda n: (colocate[n], n))
     return RunPlan(layouts, start, fraction, "simulation")
 
 
