@@ -9,9 +9,14 @@ objective (makespan in sync, seconds per trajectory in async): above 1, tuning h
 ``gain_best_sampled`` does the same for the best trial other than the defaults: what a
 study without its defaults trial would have handed ``prorsa compare --tuned``.
 
-    .venv/bin/python benchmarks/tune_bench.py [--trials 12] [--tune-seeds 2] [--eval-seeds 3]
+With ``--draw-start`` the study also draws the start mode and split, which the map fixes
+from its exhaustive best-static search; the defaults it is judged against stay the map's
+plan, so ``gain`` then says whether tuning finds that plan (or better) on its own.
 
-Writes benchmarks/results/tune.json.
+    .venv/bin/python benchmarks/tune_bench.py [--trials 12] [--tune-seeds 2] [--eval-seeds 3]
+    .venv/bin/python benchmarks/tune_bench.py --draw-start --trials 24
+
+Writes benchmarks/results/tune.json (tune-start.json with ``--draw-start``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from prorsa.experiments.cells import Cell, run_cell
 from prorsa.tune import TuneConfig, tune, tuned_params
 
 MAP_CELLS = RESULTS / "regimes" / "cells.jsonl"
+#: The parameters the map fixes from its searches; ``--draw-start`` lets the study draw them.
+START_PARAMS = ("start", "prefill_fraction")
 FAMILIES = ("qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b", "qwen3-235b-a22b")
 SCENARIOS = ("swe", "search", "math-tool", "mixed", "tau2")
 
@@ -70,18 +77,22 @@ def evaluate(cell: Cell, params: dict, seeds: int) -> list[float]:
 
 def bench_cell(cell: Cell, args: argparse.Namespace, storage: str) -> dict:
     started = time.perf_counter()
+    base = cell
+    if args.draw_start:  # the study draws the start mode and split too
+        fixed = {k: v for k, v in cell.control.policy_params.items() if k not in START_PARAMS}
+        base = cell.changed(policy_params=fixed)
     study = tune(
         TuneConfig(
             policy="predictive",
-            base=cell,
+            base=base,
             trials=args.trials,
             seeds=args.tune_seeds,
             storage=storage,
-            study_name=cell.key(),
+            study_name=base.key(),
             workers=args.workers,
         )
     )
-    best = tuned_params(storage, ["predictive"], [cell.key()])["predictive"]
+    best = tuned_params(storage, ["predictive"], [base.key()])["predictive"]
     defaults = dict(cell.control.policy_params)
     # Held-out objectives per trial; trial 0 is the defaults, each trial runs once.
     evals = {0: evaluate(cell, defaults, args.eval_seeds)}
@@ -134,6 +145,12 @@ def main() -> None:
     parser.add_argument("--eval-seeds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-cell-wall-s", type=float, default=6.0)
+    parser.add_argument(
+        "--draw-start",
+        action="store_true",
+        help="tune the start mode and split with the knobs (writes tune-start.json); the "
+        "default they are evaluated against stays the map's plan",
+    )
     args = parser.parse_args()
     cells = chosen_cells(args.max_cell_wall_s)
     rows = []
@@ -163,10 +180,11 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1))
     path = save(
-        "tune",
+        "tune-start" if args.draw_start else "tune",
         {
             "setup": {
                 "policy": "predictive",
+                "draws_start_and_split": args.draw_start,
                 "trials": args.trials,
                 "tune_seeds": f"1000..{1000 + args.tune_seeds - 1}",
                 "eval_seeds": f"0..{args.eval_seeds - 1}",

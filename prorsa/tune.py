@@ -171,12 +171,43 @@ class _DefaultsTrial:
         return self._draw(name, choices[0])
 
 
+class _Fixing:
+    """Wraps an Optuna trial: a parameter the study fixes is answered with its fixed value
+    and never drawn (nor recorded among the trial's parameters); the rest are drawn."""
+
+    def __init__(self, trial: Any, fixed: dict) -> None:
+        self.trial = trial
+        self.fixed = fixed
+
+    def suggest_float(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name in self.fixed:
+            return self.fixed[name]
+        return self.trial.suggest_float(name, *args, **kwargs)
+
+    def suggest_int(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name in self.fixed:
+            return self.fixed[name]
+        return self.trial.suggest_int(name, *args, **kwargs)
+
+    def suggest_categorical(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name in self.fixed:
+            return self.fixed[name]
+        return self.trial.suggest_categorical(name, *args, **kwargs)
+
+
+def drawn_params(policy_cls: type, trial: Any, fixed: dict | None = None) -> dict:
+    """``policy_cls``'s parameters for ``trial``: the study's fixed ones as fixed, the
+    rest of its search space drawn."""
+    fixed = dict(fixed or {})
+    return {**fixed, **policy_cls.search_space(_Fixing(trial, fixed))}
+
+
 def default_trial_params(policy: str, fixed: dict | None = None) -> dict:
     """The Optuna parameters of ``policy``'s search space that reproduce its defaults
-    (with the study's fixed parameters applied): a new study's first trial."""
+    (the study's fixed parameters are not drawn): a new study's first trial."""
     policy_cls = POLICIES.get(policy)
-    trial = _DefaultsTrial({**policy_cls.search_defaults(), **(fixed or {})})
-    policy_cls.search_space(trial)
+    trial = _DefaultsTrial(policy_cls.search_defaults())
+    drawn_params(policy_cls, trial, fixed)
     return trial.params
 
 
@@ -346,7 +377,7 @@ def run_trials(
             trial.set_user_attr("over_budget", True)
             study.stop()
             raise _OverBudget(f"trial {trial.number}: the study's {spec.trials} trials are taken")
-        params = {**spec.base.control.policy_params, **policy_cls.search_space(trial)}
+        params = drawn_params(policy_cls, trial, spec.base.control.policy_params)
         trial.set_user_attr("policy_params", params)
         ran += 1
         objective_sum = switches_sum = 0.0
@@ -550,8 +581,7 @@ def policy_params_of(trial, policy: str, fixed: dict | None = None) -> dict:
     """The policy parameters a trial ran with (recorded, else rebuilt from its draws)."""
     if "policy_params" in trial.user_attrs:
         return dict(trial.user_attrs["policy_params"])
-    drawn = POLICIES.get(policy).search_space(optuna.trial.FixedTrial(trial.params))
-    return {**(fixed or {}), **drawn}
+    return drawn_params(POLICIES.get(policy), optuna.trial.FixedTrial(trial.params), fixed)
 
 
 def study_summary(study) -> dict:

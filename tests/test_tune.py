@@ -16,6 +16,7 @@ from optuna.trial import TrialState
 from prorsa.errors import ConfigError, OutputError
 from prorsa.experiments.cells import Cell, cell_of
 from prorsa.experiments.compare import CompareConfig, run_compare
+from prorsa.policy import POLICIES
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.tracking import Tracker
 from prorsa.tune import (
@@ -24,6 +25,8 @@ from prorsa.tune import (
     TuneConfig,
     _within_budget,
     default_study_name,
+    default_trial_params,
+    drawn_params,
     tune,
     tuned_params,
 )
@@ -89,10 +92,30 @@ def test_a_new_study_runs_the_defaults_first_and_only_once(tmp_path):
     assert first.best_value <= first.trials[0].value  # never worse than the defaults
     again = tune(replace(cfg, trials=4))
     assert [t.params["prefill_fraction"] for t in again.trials].count(0.25) == 1
-    # Fixed parameters are part of "the defaults" the study starts from.
+    # A fixed parameter is never drawn: every trial runs it as fixed.
     fixed = _base(tmp_path, policy_params={"prefill_fraction": 0.5})
-    other = tune(replace(cfg, base=fixed, study_name="fixed", trials=1))
-    assert other.trials[0].params == {"prefill_fraction": 0.5}
+    other = tune(replace(cfg, base=fixed, study_name="fixed", trials=2))
+    assert [t.params for t in other.trials] == [{}, {}]
+    assert all(t.user_attrs["policy_params"] == {"prefill_fraction": 0.5} for t in other.trials)
+
+
+def test_tuning_draws_the_start_mode_and_split_unless_they_are_fixed():
+    defaults = default_trial_params("predictive")
+    assert defaults["start"] == "auto" and defaults["prefill_fraction"] == 0.25
+    fixed = {"start": "split", "prefill_fraction": 0.1875}
+    assert not {"start", "prefill_fraction"} & set(default_trial_params("predictive", fixed))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    drawn = []
+    for _ in range(12):
+        trial = study.ask()
+        drawn.append(drawn_params(POLICIES.get("predictive"), trial, fixed))
+        assert "start" not in trial.params and "prefill_fraction" not in trial.params
+        study.tell(trial, 1.0)
+    assert all(p["start"] == "split" and p["prefill_fraction"] == 0.1875 for p in drawn)
+    assert len({p["horizon_s"] for p in drawn}) > 1  # the knobs are still drawn
+    free = study.ask()
+    params = drawn_params(POLICIES.get("mpc"), free)
+    assert params["start"] in ("auto", "colocated", "split") and "start" in free.params
 
 
 def test_sampler_seed_follows_the_trial_number():

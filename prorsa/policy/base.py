@@ -283,6 +283,15 @@ class ModeChoosingPolicy(SplitPolicy):
         # until every slot has left the old mode.
         self.mode_change_: Allocation | None = None
 
+    @staticmethod
+    def start_space(trial) -> dict:
+        """The start mode and split drawn by tuning: together with the knobs, since in
+        many regimes they, not the knobs, decide the outcome."""
+        return {
+            "start": trial.suggest_categorical("start", ["auto", "colocated", "split"]),
+            "prefill_fraction": trial.suggest_float("prefill_fraction", 0.05, 0.75),
+        }
+
     def starts_colocated(self, start: str) -> bool:
         """Resolve a ``start`` parameter: ``"auto"`` colocates unless the colocated engines
         use data-parallel attention, whose prefill stalls every rank."""

@@ -92,6 +92,7 @@ class MPCPolicy(ModeChoosingPolicy):
             "target_batch_per_gpu": trial.suggest_float(
                 "target_batch_per_gpu", 16.0, 256.0, log=True
             ),
+            **cls.start_space(trial),
         }
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:

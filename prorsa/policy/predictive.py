@@ -101,6 +101,7 @@ class PredictivePolicy(ModeChoosingPolicy):
                 "target_batch_per_gpu", 16.0, 256.0, log=True
             ),
             "prefill_target_util": trial.suggest_float("prefill_target_util", 0.4, 0.95),
+            **cls.start_space(trial),
         }
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
