@@ -12,7 +12,7 @@ import pytest
 
 from prorsa.forecast import ingest, ingest_kernel
 from prorsa.forecast.events import as_batch, slice_batch, table_batch
-from prorsa.forecast.tracker import LifecycleTracker
+from prorsa.forecast.tracker import GROUP_ARRAYS, LifecycleTracker
 from prorsa.telemetry import events_to_table
 from prorsa.telemetry.columns import EventLog
 from prorsa.telemetry.schema import FIELDS
@@ -63,18 +63,6 @@ _ARRAYS = (
     "tool_last",
     "frozen",
 )
-_GROUPS = (
-    "g_members",
-    "g_done",
-    "g_final_sum",
-    "g_turn_sum",
-    "g_out_sum",
-    "g_out_n",
-    "g_tool_sum",
-    "g_tool_n",
-    "g_new_sum",
-    "g_new_n",
-)
 
 
 def assert_same(a: LifecycleTracker, b: LifecycleTracker) -> None:
@@ -91,7 +79,7 @@ def assert_same(a: LifecycleTracker, b: LifecycleTracker) -> None:
         )
     g = len(a._group)
     assert a._group == b._group
-    for name in _GROUPS:
+    for name in GROUP_ARRAYS:
         np.testing.assert_allclose(getattr(a, name)[:g], getattr(b, name)[:g], rtol=1e-12)
     assert a.counts == b.counts
     assert a.cum_prefill == b.cum_prefill and a.out_completed == b.out_completed

@@ -23,16 +23,12 @@ so a pass never sees events after a trajectory's end.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from prorsa.forecast import ingest_kernel
 from prorsa.forecast.events import FIRST_CLUSTER_KIND
+from prorsa.forecast.tracker import GROUP_ARRAYS, LifecycleTracker
 from prorsa.telemetry.columns import KIND_CODE, EventBatch
-
-if TYPE_CHECKING:
-    from prorsa.forecast.tracker import LifecycleTracker
 
 _NAN = float("nan")
 _QUEUED_K = KIND_CODE["prefill_queued"]
@@ -43,18 +39,7 @@ _N_KINDS = FIRST_CLUSTER_KIND
 COMPILED = ingest_kernel.AVAILABLE
 
 #: Group statistics (tracker arrays) in the order of the deferred contribution columns.
-GROUP_STATS = (
-    "g_members",
-    "g_done",
-    "g_final_sum",
-    "g_turn_sum",
-    "g_out_sum",
-    "g_out_n",
-    "g_tool_sum",
-    "g_tool_n",
-    "g_new_sum",
-    "g_new_n",
-)
+GROUP_STATS = GROUP_ARRAYS
 _G = {name: i for i, name in enumerate(GROUP_STATS)}
 
 

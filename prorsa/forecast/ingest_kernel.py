@@ -25,6 +25,7 @@ try:  # numba is optional: without it the numpy path in ingest.py is used.
 except ImportError:  # pragma: no cover - exercised only where numba is absent
     njit = None
 
+from prorsa.forecast.tracker import GROUP_ARRAYS
 from prorsa.telemetry.columns import KIND_CODE
 
 #: True when the compiled kernel can be used.
@@ -69,19 +70,6 @@ SLOT_ARRAYS = (
     "start_s",
     "frozen",
 )
-#: Group arrays, in argument order (the same order as ``ingest.GROUP_STATS``).
-GROUP_ARRAYS = (
-    "g_members",
-    "g_done",
-    "g_final_sum",
-    "g_turn_sum",
-    "g_out_sum",
-    "g_out_n",
-    "g_tool_sum",
-    "g_tool_n",
-    "g_new_sum",
-    "g_new_n",
-)
 #: Layout of the kernel's counter output.
 COUNTERS = ("turns", "decode_ends", "tool_ends", "ends", "frozen", "rates", "ttfts")
 
@@ -113,12 +101,8 @@ def _kernel(
         if k == _QUEUED:
             nw = new[i]
             cum_prefill += nw
-            if dec_open[s] == dec_open[s]:  # a preempted decode is re-queued
-                dec_done[s] += t - dec_open[s]
-                dec_open[s] = nan
-            if state[s] != 0:
-                state[s] = 0
-                state_since[s] = t
+            _close_segment(dec_open, dec_done, s, t)  # a preempted decode is re-queued
+            _to_state(state, state_since, s, 0, t)
             tn = turn[i]
             if tn != started_turn[s]:
                 started_turn[s] = tn
@@ -147,39 +131,24 @@ def _kernel(
                 frozen_event[n_frozen] = i
                 n_frozen += 1
         elif k == _PREFILL_START:
-            if state[s] != 1:
-                state[s] = 1
-                state_since[s] = t
+            _to_state(state, state_since, s, 1, t)
         elif k == _PREFILL_END:
-            if state[s] != 2:
-                state[s] = 2
-                state_since[s] = t
+            _to_state(state, state_since, s, 2, t)
         elif k == _KV_START:
-            if dec_open[s] == dec_open[s]:
-                dec_done[s] += t - dec_open[s]
-                dec_open[s] = nan
-            if state[s] != 2:
-                state[s] = 2
-                state_since[s] = t
+            _close_segment(dec_open, dec_done, s, t)
+            _to_state(state, state_since, s, 2, t)
         elif k == _KV_END:
-            if state[s] != 3:
-                state[s] = 3
-                state_since[s] = t
+            _to_state(state, state_since, s, 3, t)
         elif k == _DECODE_START:
             if dec_open[s] == dec_open[s]:
-                dec_done[s] += t - dec_open[s]
-                dec_open[s] = nan
+                _close_segment(dec_open, dec_done, s, t)
             elif dec_done[s] == 0.0:
                 ttft_s[n_ttft] = t - queued_s[s]
                 n_ttft += 1
             dec_open[s] = t
-            if state[s] != 3:
-                state[s] = 3
-                state_since[s] = t
+            _to_state(state, state_since, s, 3, t)
         elif k == _DECODE_END:
-            if dec_open[s] == dec_open[s]:
-                dec_done[s] += t - dec_open[s]
-                dec_open[s] = nan
+            _close_segment(dec_open, dec_done, s, t)
             o = out[i]
             dur = dec_done[s]
             if dur > 0:
@@ -195,14 +164,10 @@ def _kernel(
                 g_out_sum[g] += o
                 g_out_n[g] += 1.0
             n_dec += 1
-            if state[s] != 4:
-                state[s] = 4
-                state_since[s] = t
+            _to_state(state, state_since, s, 4, t)
         elif k == _TOOL_START:
             tool_start[s] = t
-            if state[s] != 4:
-                state[s] = 4
-                state_since[s] = t
+            _to_state(state, state_since, s, 4, t)
         elif k == _TOOL_END:
             st = tool_start[s]
             if st == st:
@@ -215,9 +180,7 @@ def _kernel(
                     g_tool_n[g] += 1.0
             tool_start[s] = nan
             n_tool += 1
-            if state[s] != 0:
-                state[s] = 0
-                state_since[s] = t
+            _to_state(state, state_since, s, 0, t)
         elif k == _TRAJ_END:
             alive[s] = False
             state[s] = 5
@@ -236,6 +199,20 @@ def _kernel(
     counters[4] = n_frozen
     counters[5] = n_rate
     counters[6] = n_ttft
+
+
+def _to_state(state, state_since, s, value, t):
+    """Move slot ``s`` to ``value``, noting when it changed."""
+    if state[s] != value:
+        state[s] = value
+        state_since[s] = t
+
+
+def _close_segment(dec_open, dec_done, s, t):
+    """End slot ``s``'s open decode segment (if any), adding its length to ``dec_done``."""
+    if dec_open[s] == dec_open[s]:  # not NaN: a segment is open
+        dec_done[s] += t - dec_open[s]
+        dec_open[s] = math.nan
 
 
 def _freeze(
@@ -282,6 +259,8 @@ def _freeze(
 
 
 if AVAILABLE:
+    _to_state = njit(cache=True, nogil=True)(_to_state)
+    _close_segment = njit(cache=True, nogil=True)(_close_segment)
     _freeze = njit(cache=True, nogil=True)(_freeze)
     _kernel = njit(cache=True, nogil=True)(_kernel)
 

@@ -256,7 +256,7 @@ class LifecycleTracker:
 
     def _grow_groups(self, cap: int) -> None:
         old = self._gcap
-        for name in _GROUP_ARRAYS:
+        for name in GROUP_ARRAYS:
             new = np.zeros(cap)
             prev = self.__dict__.get(name)
             if prev is not None and old:
@@ -739,7 +739,8 @@ _HISTORY = (
     "tool_ends",
     "live",
 )
-_GROUP_ARRAYS = (
+#: Per-group statistics of the GRPO siblings (one array each, indexed by group).
+GROUP_ARRAYS = (
     "g_members",
     "g_done",
     "g_final_sum",
