@@ -112,12 +112,7 @@ def _kernel(
                 dec_done[s] = 0.0
                 n_turns += 1
                 if tn > 0:
-                    new_sum[s] += nw
-                    new_n[s] += 1.0
-                    new_last[s] = nw
-                    if g >= 0:
-                        g_new_sum[g] += nw
-                        g_new_n[g] += 1.0
+                    _observe(new_sum, new_n, new_last, g_new_sum, g_new_n, s, g, nw)
                 if g >= 0:
                     g_turn_sum[g] += 1.0
                 _freeze(
@@ -171,13 +166,7 @@ def _kernel(
         elif k == _TOOL_END:
             st = tool_start[s]
             if st == st:
-                dur = t - st
-                tool_sum[s] += dur
-                tool_n[s] += 1.0
-                tool_last[s] = dur
-                if g >= 0:
-                    g_tool_sum[g] += dur
-                    g_tool_n[g] += 1.0
+                _observe(tool_sum, tool_n, tool_last, g_tool_sum, g_tool_n, s, g, t - st)
             tool_start[s] = nan
             n_tool += 1
             _to_state(state, state_since, s, 0, t)
@@ -213,6 +202,16 @@ def _close_segment(dec_open, dec_done, s, t):
     if dec_open[s] == dec_open[s]:  # not NaN: a segment is open
         dec_done[s] += t - dec_open[s]
         dec_open[s] = math.nan
+
+
+def _observe(sums, counts, lasts, g_sums, g_counts, s, g, value):
+    """One more observation ``value`` of a per-turn quantity of slot ``s`` (and its group)."""
+    sums[s] += value
+    counts[s] += 1.0
+    lasts[s] = value
+    if g >= 0:
+        g_sums[g] += value
+        g_counts[g] += 1.0
 
 
 def _freeze(
@@ -261,6 +260,7 @@ def _freeze(
 if AVAILABLE:
     _to_state = njit(cache=True, nogil=True)(_to_state)
     _close_segment = njit(cache=True, nogil=True)(_close_segment)
+    _observe = njit(cache=True, nogil=True)(_observe)
     _freeze = njit(cache=True, nogil=True)(_freeze)
     _kernel = njit(cache=True, nogil=True)(_kernel)
 
