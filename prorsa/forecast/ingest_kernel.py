@@ -84,6 +84,8 @@ def _kernel(
     totals,  # [cum_prefill, out_completed], updated in place
     frozen_event, rows_out, rate_num, rate_den, ttft_s, ended_event, counters,  # outputs
 ):  # fmt: skip
+    """Apply events ``slot``/``born``/``kind``/... (one entry each, in time order) to the
+    tracker's arrays in place; samples and counts go to the output arrays (see :func:`run`)."""
     nan = math.nan
     n_turns = n_dec = n_tool = n_end = n_frozen = n_rate = n_ttft = 0
     cum_prefill, out_completed = totals[0], totals[1]
@@ -152,12 +154,7 @@ def _kernel(
                 n_rate += 1
             dec_done[s] = 0.0
             out_completed += o
-            turns_done[s] += 1.0
-            out_sum[s] += o
-            out_last[s] = o
-            if g >= 0:
-                g_out_sum[g] += o
-                g_out_n[g] += 1.0
+            _observe(out_sum, turns_done, out_last, g_out_sum, g_out_n, s, g, o)
             n_dec += 1
             _to_state(state, state_since, s, 4, t)
         elif k == _TOOL_START:
