@@ -254,12 +254,21 @@ def _freeze(
             row[j] = nan
 
 
+def _jit(fn):
+    """Compile ``fn`` lazily, cached on disk where numba finds a writable place for it
+    (next to this file, else the user's cache directory); compiled per process if none."""
+    try:
+        return njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # numba: "no locator available" for a read-only install
+        return njit(nogil=True)(fn)
+
+
 if AVAILABLE:
-    _to_state = njit(cache=True, nogil=True)(_to_state)
-    _close_segment = njit(cache=True, nogil=True)(_close_segment)
-    _observe = njit(cache=True, nogil=True)(_observe)
-    _freeze = njit(cache=True, nogil=True)(_freeze)
-    _kernel = njit(cache=True, nogil=True)(_kernel)
+    _to_state = _jit(_to_state)
+    _close_segment = _jit(_close_segment)
+    _observe = _jit(_observe)
+    _freeze = _jit(_freeze)
+    _kernel = _jit(_kernel)
 
 
 def run(tracker, slot: np.ndarray, born: np.ndarray, batch, pos: np.ndarray) -> dict:
