@@ -15,6 +15,7 @@ plan, so ``gain`` then says whether tuning finds that plan (or better) on its ow
 
     .venv/bin/python benchmarks/tune_bench.py [--trials 12] [--tune-seeds 2] [--eval-seeds 3]
     .venv/bin/python benchmarks/tune_bench.py --draw-start --trials 24
+    .venv/bin/python benchmarks/tune_bench.py --losing --trials 24   # where predictive loses
 
 Writes benchmarks/results/tune.json (tune-start.json with ``--draw-start``).
 """
@@ -68,6 +69,36 @@ def chosen_cells(max_wall_s: float) -> list[Cell]:
             found = best.get((family, mode, scenario)) or best.get((family, mode, ""))
             if found is not None:
                 chosen.append(found[1].changed(series=False, record=False))
+    return chosen
+
+
+def losing_cells() -> list[Cell]:
+    """The map's predictive cells in the regimes where it misses a goal against
+    colocation or best-static (``regimes.json``), as the map last ran them."""
+    summary = json.loads((RESULTS / "regimes.json").read_text())
+    missed = summary["goals"]["missed"]
+    labels = {*missed["vs_colocate_0.98"], *missed["vs_best_static_2pct"]}
+    wanted = [r for r in summary["regimes"] if r["label"] in labels]
+    chosen = []
+    for line in MAP_CELLS.read_text().splitlines():
+        cell = Cell.from_dict(json.loads(line)["result"]["cell"])
+        if cell.policy != "predictive":
+            continue
+        for r in wanted:
+            regime, plan = r["regime"], r["run_plan"]
+            if (
+                regime["model"] in cell.cluster.profile
+                and cell.workload == regime["workload"]
+                and cell.mode == regime["mode"]
+                and cell.work.max_in_flight == regime["load_per_gpu"] * r["gpus"]
+                and (cell.knobs.tool_scale, cell.knobs.growth_scale)
+                == (regime["tool_scale"], regime["growth_scale"])
+                and cell.cluster.reuse_mode == regime["reuse_mode"]
+                and cell.cluster.layouts == plan["layouts"]
+                and cell.control.policy_params
+                == {"start": plan["start"], "prefill_fraction": plan["prefill_fraction"]}
+            ):
+                chosen.append(cell.changed(series=False, record=False))
     return chosen
 
 
@@ -151,8 +182,13 @@ def main() -> None:
         help="tune the start mode and split with the knobs (writes tune-start.json); the "
         "default they are evaluated against stays the map's plan",
     )
+    parser.add_argument(
+        "--losing",
+        action="store_true",
+        help="tune the map's cells where predictive misses a goal instead (tune-losing.json)",
+    )
     args = parser.parse_args()
-    cells = chosen_cells(args.max_cell_wall_s)
+    cells = losing_cells() if args.losing else chosen_cells(args.max_cell_wall_s)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         storage = f"sqlite:///{Path(tmp) / 'optuna.db'}"
@@ -180,11 +216,12 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1))
     path = save(
-        "tune-start" if args.draw_start else "tune",
+        "tune-losing" if args.losing else "tune-start" if args.draw_start else "tune",
         {
             "setup": {
                 "policy": "predictive",
                 "draws_start_and_split": args.draw_start,
+                "cells": "where predictive misses a goal" if args.losing else "quickest per family",
                 "trials": args.trials,
                 "tune_seeds": f"1000..{1000 + args.tune_seeds - 1}",
                 "eval_seeds": f"0..{args.eval_seeds - 1}",
