@@ -45,10 +45,13 @@ def _run(gc_between_ticks: bool) -> RecordsCollector:
 
 @pytest.fixture
 def collector_on():
+    """The collector on for the test, and as it was afterwards (whatever the test did)."""
     was = gc.isenabled()
     gc.enable()
     yield
-    if not was:
+    if was:
+        gc.enable()
+    else:
         gc.disable()
 
 
