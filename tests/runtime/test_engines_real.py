@@ -252,9 +252,9 @@ def test_pause_modes(fleet, reference):
     client = fleet.clients[COLOCATED]
     prompt = tokens(30, 71)
 
-    async def run(mode):
+    async def run(mode, max_tokens=120):
         turn = asyncio.ensure_future(
-            client.generate(f"pause-{mode}", prompt, 120, 0.0, ignore_eos=True)
+            client.generate(f"pause-{mode}", prompt, max_tokens, 0.0, ignore_eos=True)
         )
         await asyncio.sleep(0.3)
         await client.pause(mode)
@@ -265,10 +265,11 @@ def test_pause_modes(fleet, reference):
 
     frozen_done, kept = asyncio.run(run("keep"))
     waited_done, waited = asyncio.run(run("wait"))
-    _, aborted = asyncio.run(run("abort"))
+    # Long enough to be surely in flight when paused (120 tokens can finish in 0.3 s).
+    _, aborted = asyncio.run(run("abort", max_tokens=900))
     assert not frozen_done and kept["output_token_ids"] == reference(prompt, 120)
     assert waited_done and waited["output_token_ids"] == reference(prompt, 120)
-    assert aborted["finish_reason"] == "abort" and len(aborted["output_token_ids"]) < 120
+    assert aborted["finish_reason"] == "abort" and len(aborted["output_token_ids"]) < 900
     with pytest.raises(InputError, match="pause mode"):
         asyncio.run(client.pause("later"))
 
