@@ -38,9 +38,8 @@ _N_KINDS = FIRST_CLUSTER_KIND
 #: tests switch it off to check the numpy path too.
 COMPILED = ingest_kernel.AVAILABLE
 
-#: Group statistics (tracker arrays) in the order of the deferred contribution columns.
-GROUP_STATS = GROUP_ARRAYS
-_G = {name: i for i, name in enumerate(GROUP_STATS)}
+# Deferred group contributions are [events, GROUP_ARRAYS] columns, in the tracker's order.
+_G = {name: i for i, name in enumerate(GROUP_ARRAYS)}
 
 
 def apply_batch(tracker: LifecycleTracker, batch: EventBatch) -> None:
@@ -124,7 +123,7 @@ class _Pass:
             return
         if born.any():
             at = np.flatnonzero(born)
-            values = np.zeros((len(at), len(GROUP_STATS)))
+            values = np.zeros((len(at), len(GROUP_ARRAYS)))
             values[:, _G["g_members"]] = 1.0
             self._defer(pos[at], self.tr.group[slot[at]], values)
         self.slot = slot
@@ -223,7 +222,7 @@ class _Pass:
             tr.dec_open[so] = _NAN
 
     def _defer(self, at: np.ndarray, group: np.ndarray, values: np.ndarray) -> None:
-        """Group-statistic increments ``values`` [events, GROUP_STATS] at event ``at``."""
+        """Group-statistic increments ``values`` [events, GROUP_ARRAYS] at event ``at``."""
         grouped = group >= 0
         if grouped.any():
             self.contrib_pos.append(at[grouped])
@@ -256,7 +255,7 @@ class _Pass:
             tr.new_sum[sl] += nl
             tr.new_n[sl] += 1.0
             tr.new_last[sl] = nl
-        values = np.zeros((len(ev), len(GROUP_STATS)))
+        values = np.zeros((len(ev), len(GROUP_ARRAYS)))
         values[:, _G["g_turn_sum"]] = 1.0
         values[later, _G["g_new_sum"]] = new[later]
         values[later, _G["g_new_n"]] = 1.0
@@ -302,7 +301,7 @@ class _Pass:
         tr.turns_done[s] += 1.0
         tr.out_sum[s] += out
         tr.out_last[s] = out
-        values = np.zeros((len(ev), len(GROUP_STATS)))
+        values = np.zeros((len(ev), len(GROUP_ARRAYS)))
         values[:, _G["g_out_sum"]] = out
         values[:, _G["g_out_n"]] = 1.0
         self._defer(self.order[ev], tr.group[s], values)
@@ -323,7 +322,7 @@ class _Pass:
             tr.tool_sum[sk] += dur
             tr.tool_n[sk] += 1.0
             tr.tool_last[sk] = dur
-            values = np.zeros((len(ek), len(GROUP_STATS)))
+            values = np.zeros((len(ek), len(GROUP_ARRAYS)))
             values[:, _G["g_tool_sum"]] = dur
             values[:, _G["g_tool_n"]] = 1.0
             self._defer(self.order[ek], tr.group[sk], values)
@@ -336,7 +335,7 @@ class _Pass:
         tr.alive[s] = False
         tr.state[s] = 5
         tr.counts["ends"] += len(ev)
-        values = np.zeros((len(ev), len(GROUP_STATS)))
+        values = np.zeros((len(ev), len(GROUP_ARRAYS)))
         values[:, _G["g_done"]] = 1.0
         values[:, _G["g_final_sum"]] = tr.turn[s] + 1.0
         self._defer(self.order[ev], tr.group[s], values)
@@ -393,7 +392,7 @@ class _Pass:
         c_group: np.ndarray,
         c_values: np.ndarray,
     ) -> np.ndarray:
-        """Group statistics [queries, GROUP_STATS] as of each query's event (inclusive)."""
+        """Group statistics [queries, GROUP_ARRAYS] as of each query's event (inclusive)."""
         prior = _prior_stats(self.tr, q_group)
         nq, nc = len(q_pos), len(c_pos)
         groups = np.concatenate([c_group, q_group])
@@ -498,9 +497,9 @@ def _own_columns(tr: LifecycleTracker, s: np.ndarray, t: np.ndarray) -> np.ndarr
 
 
 def _prior_stats(tr: LifecycleTracker, groups: np.ndarray) -> np.ndarray:
-    """Group statistics before the pass [rows, GROUP_STATS] (zeros for ungrouped rows)."""
+    """Group statistics before the pass [rows, GROUP_ARRAYS] (zeros for ungrouped rows)."""
     g = np.maximum(groups, 0)
-    out = np.column_stack([getattr(tr, name)[g] for name in GROUP_STATS])
+    out = np.column_stack([getattr(tr, name)[g] for name in GROUP_ARRAYS])
     out[groups < 0] = 0.0
     return out
 

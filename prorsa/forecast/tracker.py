@@ -386,11 +386,9 @@ class LifecycleTracker:
         self._freed_later.extend(slots.tolist())
 
     def add_group_stats(self, groups: np.ndarray, values: np.ndarray) -> None:
-        """Add ``values`` [events, GROUP_STATS] to the groups' statistics, in event order."""
-        from prorsa.forecast.ingest import GROUP_STATS
-
+        """Add ``values`` [events, GROUP_ARRAYS] to the groups' statistics, in event order."""
         n = len(self._group)
-        for j, name in enumerate(GROUP_STATS):
+        for j, name in enumerate(GROUP_ARRAYS):
             column = values[:, j]
             if column.any():
                 # bincount adds in event order within each group (like one by one).
