@@ -5,8 +5,9 @@ Training drew 4, 6, 8, 12, 16, 24 or 32 slots (dense) and 2, 4, 5, 8 or 12 slots
 4, 8, 16, 32 or 64 trajectories per GPU (see the model's manifest). Every block here
 uses a slot count and a load outside those sets, and one block a cost profile (H100
 roofline) the policy never saw; the mini-swe-agent replay is a workload it never saw.
-Goals (issue 14): rl >= 0.98x best-static's objective in every cell, <= 1 switch per
-minute on average. Writes benchmarks/results/rl.json.
+Goals: rl >= 0.98x best-static's objective in every cell, <= 1 switch per minute on
+average. Each block is run again with rl not reading the workload's expected shape
+(``read_workload=False``), to show what the shape buys. Writes benchmarks/results/rl.json.
 
     .venv/bin/python benchmarks/rl_bench.py            # full (tens of minutes)
     .venv/bin/python benchmarks/rl_bench.py --quick    # 1 seed, two small blocks
@@ -111,7 +112,7 @@ def blocks(quick: bool) -> list[dict]:
     ]
 
 
-def run_block(block: dict, seeds: int, backend: str) -> dict:
+def run_block(block: dict, seeds: int, backend: str, policies=POLICIES, policy_params=None) -> dict:
     cluster = ClusterConfig(
         profile=block["profile"],
         num_slots=block["engines"],
@@ -120,7 +121,8 @@ def run_block(block: dict, seeds: int, backend: str) -> dict:
     in_flight = block["load"] * cluster.total_gpus
     cfg = CompareConfig(
         workloads=block["workloads"],
-        policies=POLICIES,
+        policies=list(policies),
+        policy_params=policy_params or {},
         modes=block["modes"],
         seeds=seeds,
         # Sync: one step of load x GPUs; async: that many in flight, twice as many in all.
@@ -144,15 +146,22 @@ def _with(cfg: CompareConfig, **changes) -> CompareConfig:
     return replace(cfg, **changes)
 
 
-def cell_rows(block: dict, result: dict) -> list[dict]:
-    """One row per (workload, mode): rl against best-static and colocation, and rl's
-    switching rate (slot switches per minute of rollout, mean over seeds)."""
+def _by_cell(result: dict) -> dict:
     by = {}
     for run in result["runs"]:
         cell = cell_of(run)
         work = cell.work
         key = (work.scenario or Path(work.trace).stem, cell.mode)
         by.setdefault(key, {}).setdefault(cell.policy, []).append(run)
+    return by
+
+
+def cell_rows(block: dict, result: dict, hidden: dict | None = None) -> list[dict]:
+    """One row per (workload, mode): rl against best-static and colocation, and rl's
+    switching rate (slot switches per minute of rollout, mean over seeds). ``hidden``:
+    the same cells run with rl not reading the workload's shape (the ablation)."""
+    by = _by_cell(result)
+    hidden_by = _by_cell(hidden) if hidden else {}
     rows = []
     for (workload, mode), runs in sorted(by.items()):
         objective = {p: float(np.mean([r["objective"] for r in rs])) for p, rs in runs.items()}
@@ -183,6 +192,9 @@ def cell_rows(block: dict, result: dict) -> list[dict]:
                 "goal_switches_met": float(np.mean(per_min)) <= GOAL_SWITCHES_PER_MIN,
             }
         )
+        if (workload, mode) in hidden_by:
+            blind = float(np.mean([r["objective"] for r in hidden_by[workload, mode]["rl"]]))
+            rows[-1]["rl_shape_hidden_vs_best_static"] = objective["best-static"] / blind
     return rows
 
 
@@ -197,6 +209,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--backend", default="process", help="compare backend")
+    parser.add_argument(
+        "--no-ablation",
+        action="store_true",
+        help="skip the rerun of rl with the workload's shape hidden",
+    )
     args = parser.parse_args()
     seeds = args.seeds or (1 if args.quick else 2)
     manifest = json.loads((REPO / "models" / "rl-ppo" / "manifest.json").read_text())
@@ -204,7 +221,12 @@ def main() -> None:
     rows, best_static = [], {}
     for block in blocks(args.quick):
         result = run_block(block, seeds, args.backend)
-        rows.extend(cell_rows(block, result))
+        hidden = None
+        if not args.no_ablation:
+            hidden = run_block(
+                block, seeds, args.backend, ["colocate", "rl"], {"rl": {"read_workload": False}}
+            )
+        rows.extend(cell_rows(block, result, hidden))
         best_static[block["name"]] = result["best_static"]
         print(f"block {block['name']} done after {time.perf_counter() - started:,.0f} s")
     ratios = [r["rl_vs_best_static"] for r in rows]
@@ -220,6 +242,14 @@ def main() -> None:
         "goal_at_most_1_switch_per_min_on_average": float(np.mean(per_min))
         <= GOAL_SWITCHES_PER_MIN,
     }
+    blind = [
+        r["rl_shape_hidden_vs_best_static"] for r in rows if "rl_shape_hidden_vs_best_static" in r
+    ]
+    if blind:
+        summary["shape_hidden_cells_meeting_0.98x_best_static"] = sum(
+            x >= GOAL_VS_BEST_STATIC for x in blind
+        )
+        summary["shape_hidden_vs_best_static_min"] = min(blind)
     path = save(
         "rl",
         {
@@ -239,6 +269,11 @@ def main() -> None:
             f"{r['rl_vs_best_static']:.3f}x, rl/colocate {r['rl_vs_colocate']:.3f}x, "
             f"{r['rl_switches_per_min']:.2f} switches/min, "
             f"prefill GPU share {r['rl_prefill_gpu_share']:.2f}"
+            + (
+                f", shape hidden {r['rl_shape_hidden_vs_best_static']:.3f}x"
+                if "rl_shape_hidden_vs_best_static" in r
+                else ""
+            )
         )
     print(json.dumps(summary, indent=2))
     print(f"saved {path}")

@@ -25,6 +25,7 @@ from prorsa.runtime.ray.router import PDRouter, RouterConfig, TurnRequest
 from prorsa.runtime.sim.drivers import ArrivalDriver
 from prorsa.runtime.sim.simulation import Simulation
 from prorsa.telemetry.schema import EventKind
+from prorsa.workload.shape import shape_of
 from prorsa.workload.spec import TrajectorySpec
 from tests.runtime.fakes import FakeEngine
 from tests.sim_helpers import profile
@@ -72,10 +73,12 @@ def run_sim(specs):
         switch_latency_s=0.5,
         kv_capacity_tokens=KV_CAPACITY,
     )
+    driver = ArrivalDriver(specs, ARRIVALS_S)
+    driver.shape = shape_of(specs)
     sim = Simulation(
         config,
         Scripted(),
-        ArrivalDriver(specs, ARRIVALS_S),
+        driver,
         profiles={1: profile(1)},
         interval_s=1.0,
         min_dwell_s=0.0,
@@ -92,7 +95,7 @@ def run_ray(specs, sim_events, spec):
     limits = {i: {"kv_capacity_tokens": KV_CAPACITY} for i in range(len(ROLES))}
     pools = RolePools(engines, dict(enumerate(ROLES)), limits)
     router = PDRouter(pools, RouterConfig(local_prefill_threshold_tokens=THRESHOLD))
-    actuator = RayActuator(router, spec, total_trajectories=len(specs))
+    actuator = RayActuator(router, spec, total_trajectories=len(specs), workload=shape_of(specs))
     by_id = {s.trajectory_id: s for s in specs}
     prompts: dict[str, list[int]] = {}
 

@@ -67,6 +67,9 @@ def train(
     max_trajectories: int = typer.Option(
         _DEFAULT.domain.max_trajectories, help=_DOMAIN_HELP["max_trajectories"]
     ),
+    hide_workload: float = typer.Option(
+        _DEFAULT.domain.hide_workload, help=_DOMAIN_HELP["hide_workload"]
+    ),
     switch_penalty: float = typer.Option(_DEFAULT.switch_penalty, help=_HELP["switch_penalty"]),
     eval_every: int = typer.Option(_DEFAULT.eval_every, help=_HELP["eval_every"]),
     eval_episodes: int = typer.Option(_DEFAULT.eval_episodes, help=_HELP["eval_episodes"]),
@@ -92,6 +95,7 @@ def train(
             loads_per_gpu=_ints(loads, "loads"),
             max_slots=stages[0][1] if stages else _DEFAULT.domain.max_slots,
             max_trajectories=max_trajectories,
+            hide_workload=hide_workload,
         ),
         switch_penalty=switch_penalty,
         eval_every=eval_every,

@@ -51,6 +51,7 @@ def serve_cmd(
     telemetry_dir: Path | None = _opt(None, "telemetry_dir", "--telemetry-dir"),
     profile: str | None = _opt(None, "profile", "--profile"),
     ray_address: str | None = _opt(None, "ray_address", "--ray-address"),
+    workload_scenario: str | None = _opt(None, "workload_scenario", "--workload-scenario"),
     seed: int = _opt(0, "seed", "--seed"),
 ) -> None:
     """Serve SkyRL, prime-rl, AReaL, verl and OpenAI clients from one set of engines.
@@ -85,6 +86,7 @@ def serve_cmd(
         telemetry_dir=str(telemetry_dir) if telemetry_dir else None,
         profile=profile,
         ray_address=ray_address,
+        workload_scenario=workload_scenario,
         seed=seed,
     )
     config.validate()

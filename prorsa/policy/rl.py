@@ -9,6 +9,7 @@ both are :class:`TargetPolicy` subclasses and differ only in who picks the actio
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from abc import abstractmethod
@@ -178,6 +179,8 @@ class RLPolicy(TargetPolicy):
         model: directory holding ``model.zip`` and ``manifest.json`` (relative names are
             looked up under the repository's ``models/``).
         decision_interval_s / min_hold_s / max_changes_per_min: as in :class:`TargetPolicy`.
+        read_workload: read the run's expected shape when the observation has one (False
+            hides it, as if unknown: an ablation).
     """
 
     def __init__(
@@ -186,15 +189,19 @@ class RLPolicy(TargetPolicy):
         decision_interval_s: float = DECISION_INTERVAL_S,
         min_hold_s: float = SwitchGuard.min_hold_s,
         max_changes_per_min: float = SwitchGuard.max_changes_per_min,
+        read_workload: bool = True,
     ) -> None:
         super().__init__(decision_interval_s, min_hold_s, max_changes_per_min)
         self.model = model
+        self.read_workload = read_workload
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
         self.agent_ = load_agent(resolve_model_dir(self.model))
 
     def choose(self, obs: ClusterObservation) -> int:
+        if not self.read_workload:
+            obs = dataclasses.replace(obs, workload=None)
         action, _ = self.agent_.predict(self.features(obs), deterministic=True)
         return int(action)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from prorsa.policy.base import ClusterSpec
 from prorsa.policy.rl_actions import SwitchGuard
-from prorsa.policy.types import SWITCHING, ClusterObservation
+from prorsa.policy.types import SWITCHING, ClusterObservation, WorkloadShape
 
 OBS_FEATURES: tuple[str, ...] = (
     # The cluster (constant over a run).
@@ -41,6 +41,16 @@ OBS_FEATURES: tuple[str, ...] = (
     "progress",  # completed / total trajectories of the run
     # The safety rule.
     "since_change",  # seconds since the last target change / (3 x min hold), clipped
+    # The run's expected shape (ClusterObservation.workload; all zero when unknown). The
+    # first decision, the free initial layout, is taken before any work arrives: without
+    # these a search run and a swe run look identical then.
+    "workload_known",  # 1 when the run's shape is known
+    "turns_per_trajectory",  # log2(1 + turns) / 7
+    "new_per_output",  # a later turn's new tokens per output token, as x / (x + 1)
+    "output_per_turn",  # output tokens per turn, as x / (x + 1k)
+    "tool_per_call",  # tool seconds per call, as x / (x + 5)
+    "prompt_share",  # first prompt / final context
+    "final_context",  # final context tokens / 32k, as x / (x + 1)
 )
 
 # Decode batch size per GPU treated as "full" (the demand sizing's target batch).
@@ -114,5 +124,20 @@ def observation_vector(
         share("in_tool"),
         obs.completed_trajectories / total if total else 0.0,
         min(since_change_s / max(3.0 * min_hold_s, 1e-9), 1.0),
+        *_shape_features(obs.workload),
     ]
     return np.clip(np.asarray(vec, dtype=np.float32), 0.0, 1.0)
+
+
+def _shape_features(shape: WorkloadShape | None) -> list[float]:
+    if shape is None:
+        return [0.0] * 7
+    return [
+        1.0,
+        min(math.log2(1.0 + shape.turns_per_trajectory) / 7.0, 1.0),
+        _squash(shape.new_tokens_per_turn / max(shape.output_tokens_per_turn, 1.0), 1.0),
+        _squash(shape.output_tokens_per_turn, 1000.0),
+        _squash(shape.tool_s_per_call, 5.0),
+        shape.prompt_tokens / max(shape.final_context_tokens, 1.0),
+        _squash(shape.final_context_tokens / _LONG_CONTEXT_TOKENS, 1.0),
+    ]

@@ -55,6 +55,29 @@ class SlotView:
 
 
 @dataclass(frozen=True)
+class WorkloadShape:
+    """What a run's trajectories look like on average, known before it starts.
+
+    An RL trainer's rollout steps repeat one task mix, so the shape of earlier steps (or
+    of a reference sample of the scenario) tells a policy what the next batch will ask
+    for before any of it arrives. Means per trajectory or per turn; never the run's own
+    realised outputs.
+    """
+
+    turns_per_trajectory: float
+    prompt_tokens: float  # first turn's new tokens
+    new_tokens_per_turn: float  # tokens a later turn appends (tool result, user message)
+    output_tokens_per_turn: float
+    tool_s_per_call: float
+    final_context_tokens: float  # prompt, every turn's new tokens and outputs
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value >= 0.0:  # also refuses NaN
+                raise ConfigError(f"WorkloadShape.{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class ClusterObservation:
     """The cluster at one control tick.
 
@@ -77,6 +100,8 @@ class ClusterObservation:
     # (cache misses, recomputation after eviction or preemption included).
     prefill_tokens_appended_total: int = 0
     prefill_tokens_computed_total: int = 0
+    # The run's expected shape when known before it starts (None: unknown).
+    workload: WorkloadShape | None = None
 
     @property
     def total_gpus(self) -> int:

@@ -78,6 +78,13 @@ class ServeConfig:
     kv_storage_dir: str | None = field(
         default=None, **_help("Folder of the 'example' connector (default: a temp folder).")
     )
+    workload_scenario: str | None = field(
+        default=None,
+        **_help(
+            "Tell the policy the rollouts' expected shape: that of this scenario's reference "
+            "sample (a trainer may post its own to /prorsa/workload instead)."
+        ),
+    )
     run_id: str = field(default="serve", **_help("Telemetry run id."))
     seed: int = field(default=0, **_help("Seeds the engines and the policy."))
     ray_address: str | None = field(
@@ -104,6 +111,14 @@ class ServeConfig:
         for name in ("min_dwell_s", "drain_timeout_s", "sync_drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+        if self.workload_scenario is not None:
+            from prorsa.workload import SCENARIOS
+
+            if self.workload_scenario not in SCENARIOS:
+                raise ConfigError(
+                    f"unknown workload scenario {self.workload_scenario!r}",
+                    hint=f"one of {sorted(SCENARIOS)}",
+                )
         if self.admin_token is not None and not self.admin_token.strip():
             raise ConfigError("admin_token is empty", hint="omit it to leave admin routes open")
 

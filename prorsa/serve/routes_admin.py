@@ -15,16 +15,21 @@ trainer that fans control calls out to a list of servers can list this one serve
   ``/start_weight_update``, ``/update_weights {"update_info"}``, ``/finish_weight_update``,
   ``/init_weight_transfer_engine``, ``/collective_rpc``, ``GET /get_world_size``,
   ``GET /weight_info``.
-* ``POST /reset_prefix_cache``; prorsa's ``POST /prorsa/switch_role``, ``GET /prorsa/status``.
+* ``POST /reset_prefix_cache``; prorsa's ``POST /prorsa/switch_role``, ``GET /prorsa/status``,
+  and ``POST /prorsa/workload`` (the coming rollouts' expected shape, as
+  :class:`~prorsa.policy.types.WorkloadShape` fields; ``DELETE`` forgets it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from prorsa.errors import ConfigError
+from prorsa.policy.types import WorkloadShape
 from prorsa.serve.http_errors import HTTPError, json_object
 
 _UPDATE_WINDOW_HINT = "call /start_weight_update first (and /finish_weight_update after)"
@@ -238,6 +243,31 @@ async def switch_role(request: Request) -> dict[str, Any]:
     if not isinstance(engine_id, int) or not isinstance(role, str):
         raise HTTPError(400, "needs 'engine_id' (int) and 'role' (str)", param="engine_id")
     return await _service(request).switch_role(engine_id, role, body.get("drain_timeout_s"))
+
+
+@router.post("/prorsa/workload")
+async def set_workload(request: Request) -> dict[str, Any]:
+    body = await json_object(request)
+    names = [f.name for f in dataclasses.fields(WorkloadShape)]
+    unknown = sorted(set(body) - set(names))
+    if unknown:
+        raise HTTPError(400, f"unknown field {unknown[0]!r}; fields: {names}", param=unknown[0])
+    for name in names:
+        value = body.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise HTTPError(400, f"'{name}' must be a number >= 0, got {value!r}", param=name)
+    try:
+        shape = WorkloadShape(**{name: float(body[name]) for name in names})
+    except ConfigError as exc:
+        raise HTTPError(400, str(exc)) from None
+    _service(request).set_workload(shape)
+    return {"workload": dataclasses.asdict(shape)}
+
+
+@router.delete("/prorsa/workload")
+async def forget_workload(request: Request) -> dict[str, Any]:
+    _service(request).set_workload(None)
+    return {"workload": None}
 
 
 @router.get("/prorsa/status")

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prorsa.errors import ConfigError, InputError
+from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.ray.engine_control import PAUSE_MODES
 from prorsa.runtime.ray.weights import check_weight_dir
 from prorsa.serve.barrier import BarrierClient, DispatchBarrier
@@ -89,6 +91,8 @@ class RolloutService:
         self._external_update: Any = None
         self._sweeper: asyncio.Task | None = None
         self.started_s: float | None = None
+        # The coming rollouts' expected shape, when the trainer or the config gives it.
+        self.workload: WorkloadShape | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> RolloutService:
@@ -118,8 +122,16 @@ class RolloutService:
             from prorsa.runtime.forecast_provider import make_provider
 
             self.forecaster = make_provider(config.forecaster)
+        if config.workload_scenario is not None and self.workload is None:
+            from prorsa.workload.shape import scenario_shape
+
+            self.workload = scenario_shape(config.workload_scenario)
         idle = idle_observation(
-            spec, engines_per_slot=1, kv_capacity_per_slot=0, total_trajectories=None
+            spec,
+            engines_per_slot=1,
+            kv_capacity_per_slot=0,
+            total_trajectories=None,
+            workload=self.workload,
         )
         roles, _ = first_allocation(policy, spec, idle)
         if self.fleet is None:
@@ -164,6 +176,7 @@ class RolloutService:
             spec,
             drain_timeout_s=config.drain_timeout_s,
             monitor=self.monitor,
+            workload=self.workload,
         )
         self.controller = make_controller(
             policy,
@@ -505,6 +518,13 @@ class RolloutService:
         self.router.telemetry.cluster(self.router.now(), kind, engine_id, **detail)
 
     # ------------------------------------------------------------------ state
+    def set_workload(self, shape: WorkloadShape | None) -> None:
+        """Tell the policy what the coming rollouts look like (None: unknown). It reads the
+        shape from the next control tick on (``ClusterObservation.workload``)."""
+        self.workload = shape
+        if self.actuator is not None:
+            self.actuator.workload = shape
+
     def status(self) -> dict[str, Any]:
         """What an operator (and ``/metrics``) wants to know, cheaply."""
         pools = self.router.pools
@@ -528,6 +548,7 @@ class RolloutService:
             "trajectory_states": counts,
             "trajectory_tokens": tokens,
             "policy": self.config.policy,
+            "workload": dataclasses.asdict(self.workload) if self.workload else None,
         }
 
     def latest_forecast(self) -> Any:

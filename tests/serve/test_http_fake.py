@@ -289,3 +289,45 @@ def test_weight_transfer_window_never_stays_open_after_an_error(tmp_path):
     assert failed.status_code == 500 and "start_weight_update" in failed.json()["error"]["message"]
     assert stray.status_code == 409  # no window is open any more
     assert served.status_code == 200 and version == 0
+
+
+def test_a_trainer_tells_the_policy_its_workload_shape(tmp_path):
+    from prorsa.workload.shape import scenario_shape
+
+    shape = {
+        "turns_per_trajectory": 4.5,
+        "prompt_tokens": 400,
+        "new_tokens_per_turn": 480.0,
+        "output_tokens_per_turn": 220.0,
+        "tool_s_per_call": 1.0,
+        "final_context_tokens": 3100.0,
+    }
+
+    async def go():
+        async with client(tmp_path, workload_scenario="search") as (http, (svc, _)):
+            at_start = svc.actuator.observe().workload
+            refused = [
+                await http.post("/prorsa/workload", json=shape),  # no token
+                await http.post("/prorsa/workload", json={**shape, "turns": 3}, headers=ADMIN),
+                await http.post(
+                    "/prorsa/workload", json={**shape, "tool_s_per_call": -1}, headers=ADMIN
+                ),
+                await http.post(
+                    "/prorsa/workload", json={**shape, "prompt_tokens": "many"}, headers=ADMIN
+                ),
+            ]
+            kept = svc.actuator.observe().workload  # a refused post changes nothing
+            posted = await http.post("/prorsa/workload", json=shape, headers=ADMIN)
+            seen = svc.actuator.observe().workload
+            status = (await http.get("/prorsa/status", headers=ADMIN)).json()
+            await http.delete("/prorsa/workload", headers=ADMIN)
+            return at_start, refused, kept, posted, seen, status, svc.actuator.observe().workload
+
+    at_start, refused, kept, posted, seen, status, forgotten = run(go())
+    assert at_start == kept == scenario_shape("search")
+    assert [r.status_code for r in refused] == [401, 400, 400, 400]
+    assert "turns" in refused[1].json()["error"]["message"]
+    assert "tool_s_per_call" in refused[2].json()["error"]["message"]
+    assert posted.status_code == 200 and seen.prompt_tokens == 400.0
+    assert status["workload"]["turns_per_trajectory"] == 4.5
+    assert forgotten is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prorsa.policy.base import ClusterSpec
-from prorsa.policy.types import ClusterObservation, SlotView
+from prorsa.policy.types import ClusterObservation, SlotView, WorkloadShape
 from prorsa.telemetry.views import STATES
 
 
@@ -69,6 +69,7 @@ def build_observation(
     total: int | None,
     local_prefill_threshold: int,
     work: PrefillWork | None = None,
+    workload: WorkloadShape | None = None,
 ) -> ClusterObservation:
     """The cluster at ``time_s`` as policies see it (plain values only)."""
     work = work or PrefillWork()
@@ -84,4 +85,5 @@ def build_observation(
         local_prefill_threshold=local_prefill_threshold,
         prefill_tokens_appended_total=work.appended_tokens,
         prefill_tokens_computed_total=work.computed_tokens,
+        workload=workload,
     )

@@ -8,7 +8,7 @@ takes over for dynamic policies. The simulator and the Ray runtime both start th
 from __future__ import annotations
 
 from prorsa.policy.base import ClusterSpec, Policy
-from prorsa.policy.types import Allocation, ClusterObservation, SlotView
+from prorsa.policy.types import Allocation, ClusterObservation, SlotView, WorkloadShape
 from prorsa.runtime.cluster.observation import TrajectoryStates, build_observation
 from prorsa.runtime.controller import (
     Actuator,
@@ -26,8 +26,10 @@ def idle_observation(
     kv_capacity_per_slot: int,
     total_trajectories: int | None,
     local_prefill_threshold: int = 0,
+    workload: WorkloadShape | None = None,
 ) -> ClusterObservation:
-    """An all-colocated cluster with nothing running, at time 0."""
+    """An all-colocated cluster with nothing running, at time 0 (``workload``: the run's
+    expected shape, when known)."""
     slots = [
         SlotView(
             slot_id=i,
@@ -52,6 +54,7 @@ def idle_observation(
         completed=0,
         total=total_trajectories,
         local_prefill_threshold=local_prefill_threshold,
+        workload=workload,
     )
 
 

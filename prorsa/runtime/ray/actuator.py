@@ -20,7 +20,7 @@ from typing import Any
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec
-from prorsa.policy.types import ClusterObservation, SlotView
+from prorsa.policy.types import ClusterObservation, SlotView, WorkloadShape
 from prorsa.runtime.cluster.observation import build_observation
 from prorsa.runtime.cluster.telemetry import ALLOCATION
 from prorsa.runtime.ray.monitor import LoadMonitor, estimate
@@ -56,6 +56,7 @@ class RayActuator:
         drain_timeout_s: drain time per switch; the router's default when None.
         monitor: polls vLLM's scheduler load; without one KV use is the router's estimate.
         total_trajectories: trajectories in the run, if known (observation field).
+        workload: the run's expected shape, if known (observation field).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class RayActuator:
         drain_timeout_s: float | None = None,
         monitor: LoadMonitor | None = None,
         total_trajectories: int | None = None,
+        workload: WorkloadShape | None = None,
     ) -> None:
         self.router = router
         self.spec = spec
@@ -73,6 +75,7 @@ class RayActuator:
         self.truth = None  # real engines have no ground truth
         self.monitor = monitor
         self.total_trajectories = total_trajectories
+        self.workload = workload
         self.kv_sources: dict[int, str] = {}
         self.drain_timeout_s = drain_timeout_s
         self._tasks: dict[int, asyncio.Task] = {}
@@ -205,4 +208,5 @@ class RayActuator:
             total=self.total_trajectories,
             local_prefill_threshold=self.router.config.local_prefill_threshold_tokens,
             work=self.router.prefill_work,
+            workload=self.workload,
         )

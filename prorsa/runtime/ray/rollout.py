@@ -42,6 +42,7 @@ import pyarrow as pa
 
 from prorsa.errors import ConfigError
 from prorsa.policy import ClusterSpec, Policy, make_policy
+from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.cluster.startup import first_allocation, idle_observation, make_controller
 from prorsa.runtime.controller import ForecastSource
 from prorsa.runtime.ray import cpu_profile  # noqa: F401  (registers the CPU profile)
@@ -52,6 +53,7 @@ from prorsa.runtime.ray.rollout_config import RolloutConfig
 from prorsa.runtime.ray.rollout_metrics import rollout_metrics
 from prorsa.runtime.ray.router import PDRouter, RouterConfig
 from prorsa.runtime.ray.specs import TokenSource, fit_specs
+from prorsa.workload.shape import REFERENCE_SEED, REFERENCE_TRAJECTORIES, shape_of
 from prorsa.workload.spec import TrajectorySpec
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,24 @@ def sample_specs(config: RolloutConfig, max_context_tokens: int) -> list[Traject
         group_size=work.group_size,
         id_prefix=f"{work.scenario}-s{work.seed}",
     )
+    return _fit(config, raw, max_context_tokens)
+
+
+def reference_shape(config: RolloutConfig) -> WorkloadShape:
+    """The run's expected shape: the scenario's reference sample
+    (:func:`~prorsa.workload.shape.scenario_shape`), fitted to the engines as the run's
+    own specs are."""
+    from prorsa.workload import get_scenario
+
+    raw = get_scenario(config.work.scenario).sample(
+        REFERENCE_TRAJECTORIES, REFERENCE_SEED, id_prefix="shape"
+    )
+    return shape_of(_fit(config, raw, config.max_model_len))
+
+
+def _fit(
+    config: RolloutConfig, raw: list[TrajectorySpec], max_context_tokens: int
+) -> list[TrajectorySpec]:
     return fit_specs(
         raw,
         max_context_tokens=max_context_tokens,
@@ -107,11 +127,21 @@ def cluster_spec_for(config: RolloutConfig) -> ClusterSpec:
     return cluster_spec(config.cluster, load_profiles(config.cluster), config.control.min_dwell_s)
 
 
-def initial_roles(policy: Policy, spec: ClusterSpec, total: int, kv_capacity: int) -> list[str]:
+def initial_roles(
+    policy: Policy,
+    spec: ClusterSpec,
+    total: int,
+    kv_capacity: int,
+    workload: WorkloadShape | None = None,
+) -> list[str]:
     """Roles the policy's first decision gives an idle, all-colocated cluster (free, as in
     the simulator)."""
     idle = idle_observation(
-        spec, engines_per_slot=1, kv_capacity_per_slot=kv_capacity, total_trajectories=total
+        spec,
+        engines_per_slot=1,
+        kv_capacity_per_slot=kv_capacity,
+        total_trajectories=total,
+        workload=workload,
     )
     return first_allocation(policy, spec, idle)[0]
 
@@ -179,7 +209,8 @@ def run_rollout(
             )
         forecaster = make_forecast_provider(control.forecaster)
     work = list(specs) if specs is not None else sample_specs(config, config.max_model_len)
-    roles = initial_roles(policy, spec, len(work), 0)
+    shape = reference_shape(config)
+    roles = initial_roles(policy, spec, len(work), 0, shape)
     owned = fleet is None
     if not owned and len(fleet.clients) != config.engines:
         raise ConfigError(
@@ -198,7 +229,9 @@ def run_rollout(
             if owned:
                 fleet, ray_started = start_fleet(config, roles, out)
             try:
-                run_all = _run(config, fleet, roles, policy, forecaster, work, out, progress, stop)
+                run_all = _run(
+                    config, fleet, roles, policy, forecaster, work, out, progress, stop, shape
+                )
                 result = asyncio.run(run_all)
             finally:
                 if owned:
@@ -314,6 +347,7 @@ async def _run(
     out: Path,
     progress: Progress | None,
     stop: _StopOnSignal,
+    shape: WorkloadShape | None = None,
 ) -> RolloutResult:
     from prorsa.runtime.ray.tools import make_tools
     from prorsa.runtime.ray.tools.search import project_corpus
@@ -347,6 +381,7 @@ async def _run(
         drain_timeout_s=config.cluster.drain_timeout_s,
         monitor=monitor,
         total_trajectories=len(specs),
+        workload=shape,
     )
     controller = make_controller(
         policy,

@@ -14,7 +14,7 @@ from heapq import heappush
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec
-from prorsa.policy.types import ROLES, ClusterObservation, SlotView
+from prorsa.policy.types import ROLES, ClusterObservation, SlotView, WorkloadShape
 from prorsa.runtime.cluster import telemetry as ev
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.observation import PrefillWork, TrajectoryStates, build_observation
@@ -654,7 +654,10 @@ class SimCluster:
         )
 
     def observe(
-        self, spec: ClusterSpec, total_trajectories: int | None = None
+        self,
+        spec: ClusterSpec,
+        total_trajectories: int | None = None,
+        workload: WorkloadShape | None = None,
     ) -> ClusterObservation:
         """The cluster now, as policies see it."""
         return build_observation(
@@ -666,4 +669,5 @@ class SimCluster:
             total=total_trajectories,
             local_prefill_threshold=self.local_prefill_threshold,
             work=self.prefill_work,
+            workload=workload,
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.errors import ConfigError
+from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.sim.core import PRIORITY_ARRIVAL, Environment
 from prorsa.runtime.sim.request import TrajState
 from prorsa.workload.spec import TrajectorySpec
@@ -38,12 +39,15 @@ class Driver(ABC):
     """How trajectories enter a simulation, and when the run ends.
 
     ``total`` is how many trajectories the run completes (an async driver may lower it
-    when its stream runs dry); ``result`` is filled as the run goes.
+    when its stream runs dry); ``result`` is filled as the run goes. ``shape`` is the
+    workload's expected shape when known before the run (policies see it in every
+    observation), else None.
     """
 
     mode: str
     total: int
     result: DriverResult
+    shape: WorkloadShape | None = None
 
     @abstractmethod
     def start(self, env: Environment, launch: Callable[[TrajectorySpec], TrajState]) -> None:

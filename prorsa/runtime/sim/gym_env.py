@@ -2,7 +2,8 @@
 
 An episode is one simulated rollout drawn from a :class:`~prorsa.runtime.sim.rl_domain.
 DomainConfig` (cluster family and size, load, scenario, sync/async). The first action
-picks the initial layout (free, before any work arrives); each later action is the agent's
+picks the initial layout (free, before any work arrives, but seeing the workload's expected
+shape unless the episode hides it); each later action is the agent's
 decision at the next decision point where the safety rule would let a change through
 (the others hold without asking, as in the deployed policy), applied through the same
 :class:`ExternalPolicy` machinery that the deployed ``rl`` policy uses.
@@ -29,10 +30,10 @@ from prorsa.policy import make_policy
 from prorsa.policy.base import ClusterSpec, Policy
 from prorsa.policy.rl import OBS_FEATURES, TARGETS, ExternalPolicy
 from prorsa.policy.rl_actions import DECISION_INTERVAL_S, SwitchGuard
-from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+from prorsa.policy.types import Allocation, ClusterObservation, Forecast, WorkloadShape
 from prorsa.runtime.sim.drivers import Driver, DriverResult
 from prorsa.runtime.sim.rl_domain import DomainConfig, EpisodeConfig
-from prorsa.runtime.sim.scenario import build_driver
+from prorsa.runtime.sim.scenario import build_driver, reference_shape
 from prorsa.runtime.sim.simulation import Simulation
 
 # Stop just before a decision tick, so the agent's action is in place when it fires.
@@ -94,7 +95,9 @@ class AllocationEnv(gym.Env):
         self.episode = pinned or self.domain.sample(self.np_random)
         self.reference_s = self._colocated_end_s(self.episode)
         self.policy = self._new_policy()
-        obs, spec = _first_observation(self._simulation(self.episode, _FirstObservation()))
+        shape = reference_shape(self.episode.workload()) if self.episode.workload_known else None
+        idle = _IdleDriver(self.episode.trajectories, shape)
+        obs, spec = _first_observation(self._simulation(self.episode, _FirstObservation(), idle))
         self.policy.reset(spec, self.episode.seed)
         self.sim = None
         self.steps = 0
@@ -106,9 +109,7 @@ class AllocationEnv(gym.Env):
             raise RuntimeError("call reset() before step()")
         self.policy.action = int(action)
         if self.sim is None:
-            self.sim = self._simulation(
-                self.episode, self.policy, build_driver(self.episode.workload())
-            )
+            self.sim = self._simulation(self.episode, self.policy, self._driver(self.episode))
             self.sim.start()
             tick = self.policy.next_decision_s_
         else:
@@ -151,11 +152,18 @@ class AllocationEnv(gym.Env):
             max_changes_per_min=self.max_changes_per_min,
         )
 
-    def _simulation(self, episode: EpisodeConfig, policy: Policy, driver=None) -> Simulation:
+    @staticmethod
+    def _driver(episode: EpisodeConfig) -> Driver:
+        driver = build_driver(episode.workload())
+        if not episode.workload_known:
+            driver.shape = None
+        return driver
+
+    def _simulation(self, episode: EpisodeConfig, policy: Policy, driver: Driver) -> Simulation:
         return Simulation(
             episode.cluster(),
             policy,
-            driver if driver is not None else _IdleDriver(episode.trajectories),
+            driver,
             interval_s=self.interval_s,
             min_dwell_s=self.min_dwell_s,
             seed=episode.seed,
@@ -195,8 +203,9 @@ class _IdleDriver(Driver):
 
     mode = "sync"
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, shape: WorkloadShape | None) -> None:
         self.total = total
+        self.shape = shape
         self.result = DriverResult(mode="sync")
 
     def start(self, env, launch) -> None:

@@ -78,6 +78,9 @@ class EpisodeConfig:
     mode: str
     trajectories_per_gpu: int
     seed: int
+    # Whether the policy is told the workload's shape (``ClusterObservation.workload``);
+    # training hides it in some episodes so the agent also acts sensibly without it.
+    workload_known: bool = True
 
     @property
     def gpus(self) -> int:
@@ -131,6 +134,9 @@ class DomainConfig:
     max_trajectories: int = field(
         default=1024, metadata={"help": "largest episode, in trajectories (cost cap)"}
     )
+    hide_workload: float = field(
+        default=0.2, metadata={"help": "share of episodes that hide the workload's shape"}
+    )
 
     def validate(self) -> None:
         unknown = set(self.families) - set(FAMILIES)
@@ -142,6 +148,8 @@ class DomainConfig:
             raise ConfigError("the training domain needs a family, scenario, mode and load")
         if self.max_slots < 2 or self.max_trajectories < 1:
             raise ConfigError("max_slots must be >= 2 and max_trajectories >= 1")
+        if not 0.0 <= self.hide_workload <= 1.0:
+            raise ConfigError("hide_workload must be a share in [0, 1]")
 
     def sample(self, rng: np.random.Generator) -> EpisodeConfig:
         """Draw one episode (a load too heavy for the cap falls back to a lighter one)."""
@@ -160,4 +168,5 @@ class DomainConfig:
             mode=mode,
             trajectories_per_gpu=int(loads[rng.integers(len(loads))]),
             seed=int(rng.integers(2**31)),
+            workload_known=bool(rng.random() >= self.hide_workload),
         )

@@ -10,12 +10,14 @@ from pathlib import Path
 
 from prorsa.errors import ConfigError
 from prorsa.policy import make_policy
+from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.runtime.sim.drivers import AsyncDriver, SyncDriver
 from prorsa.runtime.sim.simulation import Simulation, SimulationResult
 from prorsa.workload import get_scenario, specs_from_trace
 from prorsa.workload.config import WorkloadConfig
+from prorsa.workload.shape import scenario_shape, shape_of, trace_shape
 from prorsa.workload.spec import TrajectorySpec
 
 __all__ = ["ControlConfig", "RunRequest", "WorkloadConfig", "build_driver", "simulate"]
@@ -31,9 +33,27 @@ def _spec_stream(work: WorkloadConfig) -> tuple[list[TrajectorySpec] | None, obj
 
 
 def build_driver(work: WorkloadConfig) -> SyncDriver | AsyncDriver:
-    """Sync steps of ``trajectories`` specs, or an async stream; replayed traces cycle."""
+    """Sync steps of ``trajectories`` specs, or an async stream; replayed traces cycle.
+    The driver carries the workload's expected shape (:func:`reference_shape`)."""
     work.validate()
     replay, profile = _spec_stream(work)
+    driver = _build_driver(work, replay, profile)
+    driver.shape = shape_of(replay) if replay is not None else scenario_shape(work.scenario)
+    return driver
+
+
+def reference_shape(work: WorkloadConfig) -> WorkloadShape:
+    """What ``work``'s trajectories look like on average, known before the run: the
+    scenario's reference sample (:func:`~prorsa.workload.shape.scenario_shape`, never the
+    run's own batch) or the replayed trace's means."""
+    if work.trace is not None:
+        return trace_shape(work.trace)
+    return scenario_shape(work.scenario)
+
+
+def _build_driver(
+    work: WorkloadConfig, replay: list[TrajectorySpec] | None, profile
+) -> SyncDriver | AsyncDriver:
     if work.mode == "sync":
         batches = []
         for step in range(work.steps):

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec, Policy
-from prorsa.policy.types import ClusterObservation
+from prorsa.policy.types import ClusterObservation, WorkloadShape
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
 from prorsa.runtime.cluster.startup import first_allocation, idle_observation, make_controller
@@ -40,15 +40,22 @@ class SimClock:
 class SimActuator:
     """Applies controller orders to a :class:`SimCluster` (the controller's ``Actuator``)."""
 
-    def __init__(self, cluster: SimCluster, spec: ClusterSpec, total: int | None) -> None:
+    def __init__(
+        self,
+        cluster: SimCluster,
+        spec: ClusterSpec,
+        total: int | None,
+        workload: WorkloadShape | None = None,
+    ) -> None:
         self.cluster = cluster
         self.spec = spec
         self.total = total
+        self.workload = workload
         self.events = cluster.telemetry.log
         self.truth = cluster.truth
 
     def observe(self) -> ClusterObservation:
-        return self.cluster.observe(self.spec, self.total)
+        return self.cluster.observe(self.spec, self.total, self.workload)
 
     def switch(self, slot_id: int, role: str) -> bool:
         return self.cluster.switch_slot(slot_id, role)
@@ -149,6 +156,7 @@ class Simulation:
             kv_capacity_per_slot=sum(e.kv_capacity for e in probe),
             total_trajectories=total,
             local_prefill_threshold=self.config.local_prefill_threshold,
+            workload=self.driver.shape,
         )
         roles, first = first_allocation(self.policy, spec, idle)
         cluster = self.cluster = SimCluster(
@@ -162,7 +170,7 @@ class Simulation:
         if first.local_prefill_threshold is not None:
             cluster.set_local_prefill_threshold(first.local_prefill_threshold)
         self._check_fits(cluster)
-        self.actuator = SimActuator(cluster, spec, total)
+        self.actuator = SimActuator(cluster, spec, total, self.driver.shape)
         if self.forecaster is not None and not self.record:
             raise ConfigError(
                 "this run records no telemetry, so the forecaster has nothing to read",
