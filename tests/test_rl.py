@@ -218,3 +218,21 @@ def test_curriculum_and_bad_configs():
         TrainConfig(curriculum=((0.5, 8),)).validate()
     with pytest.raises(ConfigError, match="unknown cluster families"):
         DomainConfig(families=("tpu",)).validate()
+
+
+def test_family_weights_skew_the_draws_and_are_checked():
+    import numpy as np
+
+    families = ("qwen2.5-7b-h200", "qwen3-30b-a3b-h200-dp8")
+    weighted = DomainConfig(families=families, family_weights=(1.0, 3.0))
+    weighted.validate()
+    rng = np.random.default_rng(0)
+    draws = [weighted.sample(rng).family for _ in range(2_000)]
+    share = draws.count("qwen3-30b-a3b-h200-dp8") / len(draws)
+    assert 0.70 < share < 0.80  # 3 of 4, within sampling noise
+    with pytest.raises(ConfigError, match="1 family weights for 2 families"):
+        DomainConfig(families=families, family_weights=(1.0,)).validate()
+    with pytest.raises(ConfigError, match="not all zero"):
+        DomainConfig(families=families, family_weights=(0.0, 0.0)).validate()
+    with pytest.raises(ConfigError, match="not all zero"):
+        DomainConfig(families=families, family_weights=(1.0, float("nan"))).validate()

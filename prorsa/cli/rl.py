@@ -29,6 +29,13 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
         raise ConfigError(f"--{what} takes comma-separated integers, not '{text}'") from None
 
 
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in _names(text))
+    except ValueError:
+        raise ConfigError(f"--{what} takes comma-separated numbers, not '{text}'") from None
+
+
 def parse_curriculum(text: str) -> tuple[tuple[float, int], ...]:
     """``"0:8,0.25:16,0.5:32"`` -> ((0.0, 8), (0.25, 16), (0.5, 32))."""
     stages = []
@@ -57,6 +64,7 @@ def train(
     seed: int = typer.Option(_DEFAULT.seed, help=_HELP["seed"]),
     curriculum: str = typer.Option(_curriculum_text(_DEFAULT.curriculum), help=_HELP["curriculum"]),
     families: str = typer.Option(",".join(_DEFAULT.domain.families), help=_DOMAIN_HELP["families"]),
+    family_weights: str = typer.Option("", help=_DOMAIN_HELP["family_weights"]),
     scenarios: str = typer.Option(
         ",".join(_DEFAULT.domain.scenarios), help=_DOMAIN_HELP["scenarios"]
     ),
@@ -71,6 +79,7 @@ def train(
         _DEFAULT.domain.hide_workload, help=_DOMAIN_HELP["hide_workload"]
     ),
     switch_penalty: float = typer.Option(_DEFAULT.switch_penalty, help=_HELP["switch_penalty"]),
+    ent_coef: float = typer.Option(_DEFAULT.ent_coef, help=_HELP["ent_coef"]),
     eval_every: int = typer.Option(_DEFAULT.eval_every, help=_HELP["eval_every"]),
     eval_episodes: int = typer.Option(_DEFAULT.eval_episodes, help=_HELP["eval_episodes"]),
     tracking_uri: str | None = typer.Option(None, help=_HELP["tracking_uri"]),
@@ -90,6 +99,7 @@ def train(
         curriculum=stages,
         domain=DomainConfig(
             families=_names(families),
+            family_weights=_floats(family_weights, "family-weights"),
             scenarios=_names(scenarios),
             modes=_names(modes),
             loads_per_gpu=_ints(loads, "loads"),
@@ -98,6 +108,7 @@ def train(
             hide_workload=hide_workload,
         ),
         switch_penalty=switch_penalty,
+        ent_coef=ent_coef,
         eval_every=eval_every,
         eval_episodes=eval_episodes,
         tracking_uri=tracking_uri,

@@ -118,10 +118,15 @@ class EpisodeConfig:
 
 @dataclass
 class DomainConfig:
-    """What training episodes are drawn from (uniformly per field)."""
+    """What training episodes are drawn from (uniformly per field, families optionally
+    weighted)."""
 
     families: tuple[str, ...] = field(
         default=tuple(FAMILIES), metadata={"help": "cluster families (model, profile, layout)"}
+    )
+    family_weights: tuple[float, ...] = field(
+        default=(),
+        metadata={"help": "relative draw weight per family (empty: uniform)"},
     )
     scenarios: tuple[str, ...] = field(
         default=("swe", "search", "math-tool", "mixed"), metadata={"help": "workload scenarios"}
@@ -150,10 +155,23 @@ class DomainConfig:
             raise ConfigError("max_slots must be >= 2 and max_trajectories >= 1")
         if not 0.0 <= self.hide_workload <= 1.0:
             raise ConfigError("hide_workload must be a share in [0, 1]")
+        if self.family_weights:
+            weights = np.asarray(self.family_weights, dtype=float)
+            if len(weights) != len(self.families):
+                raise ConfigError(
+                    f"{len(weights)} family weights for {len(self.families)} families",
+                    hint="give one weight per family, in the same order",
+                )
+            if not (np.all(np.isfinite(weights)) and np.all(weights >= 0) and weights.sum() > 0):
+                raise ConfigError("family weights must be finite, >= 0 and not all zero")
 
     def sample(self, rng: np.random.Generator) -> EpisodeConfig:
         """Draw one episode (a load too heavy for the cap falls back to a lighter one)."""
-        family_name = self.families[rng.integers(len(self.families))]
+        if self.family_weights:
+            weights = np.asarray(self.family_weights, dtype=float)
+            family_name = self.families[rng.choice(len(self.families), p=weights / weights.sum())]
+        else:
+            family_name = self.families[rng.integers(len(self.families))]
         family = FAMILIES[family_name]
         sizes = [n for n in family.slots if n <= self.max_slots] or [min(family.slots)]
         num_slots = int(sizes[rng.integers(len(sizes))])
