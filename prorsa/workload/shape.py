@@ -43,14 +43,18 @@ def shape_of(specs: Sequence[TrajectorySpec]) -> WorkloadShape:
     )
 
 
-@functools.lru_cache(maxsize=64)
-def scenario_shape(scenario: str) -> WorkloadShape:
-    """The shape of ``scenario``, from its reference sample."""
+def reference_sample(scenario: str) -> list[TrajectorySpec]:
+    """The trajectories behind ``scenario``'s shape (its own size and seed)."""
     from prorsa.workload.scenarios import get_scenario
 
     profile = get_scenario(scenario)
-    sample = profile.sample(REFERENCE_TRAJECTORIES, REFERENCE_SEED, id_prefix="shape")
-    return shape_of(sample)
+    return profile.sample(REFERENCE_TRAJECTORIES, REFERENCE_SEED, id_prefix="shape")
+
+
+@functools.lru_cache(maxsize=64)
+def scenario_shape(scenario: str) -> WorkloadShape:
+    """The shape of ``scenario``, from its reference sample."""
+    return shape_of(reference_sample(scenario))
 
 
 @functools.lru_cache(maxsize=16)

@@ -53,7 +53,7 @@ from prorsa.runtime.ray.rollout_config import RolloutConfig
 from prorsa.runtime.ray.rollout_metrics import rollout_metrics
 from prorsa.runtime.ray.router import PDRouter, RouterConfig
 from prorsa.runtime.ray.specs import TokenSource, fit_specs
-from prorsa.workload.shape import REFERENCE_SEED, REFERENCE_TRAJECTORIES, shape_of
+from prorsa.workload.shape import reference_sample, shape_of
 from prorsa.workload.spec import TrajectorySpec
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,7 @@ def reference_shape(config: RolloutConfig) -> WorkloadShape:
     """The run's expected shape: the scenario's reference sample
     (:func:`~prorsa.workload.shape.scenario_shape`), fitted to the engines as the run's
     own specs are."""
-    from prorsa.workload import get_scenario
-
-    raw = get_scenario(config.work.scenario).sample(
-        REFERENCE_TRAJECTORIES, REFERENCE_SEED, id_prefix="shape"
-    )
+    raw = reference_sample(config.work.scenario)
     return shape_of(_fit(config, raw, config.max_model_len))
 
 
