@@ -16,11 +16,17 @@ Writes into ``--out`` (default ``benchmarks/results/gpu_calibration``):
 * ``report.json``: measured full-model device time next to ``LayoutCost``'s, relative
   error per point (also printed); a summary goes to ``benchmarks/results/gpu_calibration.json``.
 
-The measuring part needs only PyTorch (and Triton through it); the report and terms need
-prorsa (numpy): without it they are skipped, and ``--report-from measured.json`` makes
-them later on any machine. ``--dry-run`` runs the whole pipeline on CPU with a tiny shape.
+``measured.json`` is rewritten after every point and ``--max-wall-s`` stops starting new
+ones, so a run cut short keeps what it measured; a point that fails (out of memory, a
+missing kernel) is listed under ``failed`` and the rest still run. ``--components`` also
+times the attention kernels alone. The measuring part needs only PyTorch (and Triton
+through it); the report and terms need prorsa (numpy): without it they are skipped, and
+``--report-from run1.json [run2.json ...]`` makes them later on any machine, merging
+repeated runs. ``--dry-run`` runs the whole pipeline on CPU with a tiny shape.
 
-    python benchmarks/gpu_calibration.py                 # one H200, a few minutes
+    python benchmarks/gpu_calibration.py --components    # one H200, ~4 minutes
+    R=benchmarks/results/gpu_calibration   # the shipped H200 runs, reported on any machine
+    python benchmarks/gpu_calibration.py --out $R --report-from $R/measured-h200-run*.json
     python benchmarks/gpu_calibration.py --dry-run --out /tmp/cal
 """
 
@@ -42,11 +48,12 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "datasets" / "model_configs"
 SCHEMA = "prorsa.gpu_calibration/1"
 # model -> (layout it is compared against, expert-parallel ranks this GPU is one of)
+# (measured in this order: MoE first, the terms the regime map most needs)
 TARGETS = {
-    "qwen2.5-7b": ("tp1", 1),
-    "qwen2.5-32b": ("tp1", 1),
     "qwen3-30b-a3b": ("tp1", 1),
     "qwen3-235b-a22b": ("tp1-dp8-ep8", 8),
+    "qwen2.5-7b": ("tp1", 1),
+    "qwen2.5-32b": ("tp1", 1),
 }
 GRID = {"batch": (32, 64, 128), "context": (8192, 16384, 32768), "chunk": (0, 512, 2048, 8192)}
 DRY_GRID = {"batch": (2, 4), "context": (32, 64), "chunk": (0, 16)}
@@ -123,6 +130,7 @@ class Layers:
         h, d, kv = shape.heads, shape.head_dim, shape.kv_heads
         self.local = local_experts
         self.grouped = _grouped_mm_works(device)
+        self.attention: dict[str, str] = {}
         self.w = []
         for _ in range(n):
             w = {
@@ -160,15 +168,28 @@ class Layers:
             qd = q[:batch].view(batch, s.heads, 1, s.head_dim)
             k = k_cache[:batch, :, :context]
             v = v_cache[:batch, :, :context]
-            outs.append(_sdpa(qd, k, v, causal=None).reshape(batch, -1))
+            outs.append(self._attend("decode", qd, k, v, None).reshape(batch, -1))
         if chunk:
             qp = q[batch:].view(1, chunk, s.heads, s.head_dim).transpose(1, 2)
             k = k_cache[:1, :, : context + chunk]
             v = v_cache[:1, :, : context + chunk]
-            outs.append(
-                _sdpa(qp, k, v, causal=(chunk, context + chunk)).transpose(1, 2).reshape(chunk, -1)
-            )
+            out = self._attend("chunk", qp, k, v, (chunk, context + chunk))
+            outs.append(out.transpose(1, 2).reshape(chunk, -1))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _attend(self, path: str, q, k, v, causal):
+        """Attention in the path's mode; the first call tries the modes in order."""
+        if path in self.attention:
+            return _sdpa(q, k, v, causal, self.attention[path])
+        for mode in ATTENTION_MODES[path]:
+            try:
+                out = _sdpa(q, k, v, causal, mode)
+            except (RuntimeError, TypeError) as exc:
+                print(f"  attention {path}: {mode} unavailable ({str(exc).splitlines()[0][:80]})")
+                continue
+            self.attention[path] = mode
+            return out
+        raise RuntimeError(f"no attention kernel runs the {path} path")
 
     def _moe(self, x, w, ranks: int):
         s = self.s
@@ -203,6 +224,14 @@ class Layers:
         combined = torch.zeros_like(x).index_add_(0, token_of_pair[order], out * scale)
         return combined[: x.shape[0] // ranks]
 
+    def attention_core(self, qkv, k_cache, v_cache, batch: int, context: int, chunk: int):
+        """Only the attention kernels of every layer (no projections, norms or MLP): the
+        part of a step the model's attention terms stand for."""
+        q = qkv[:, : self.s.heads * self.s.head_dim]
+        for _ in self.w:
+            out = self._attention(q, k_cache, v_cache, batch, context, chunk)
+        return out
+
     def forward(self, x, k_cache, v_cache, batch: int, context: int, chunk: int, ranks: int):
         s = self.s
         for w in self.w:
@@ -220,9 +249,21 @@ class Layers:
         return x
 
 
-def _sdpa(q, k, v, causal):
+# How attention runs, per path, decided by the first call that works: "gqa" (fused kernel,
+# grouped KV heads), "fold" (decode only: a KV head's query heads become its query rows, no
+# copy), "expanded" (KV heads repeated: a copy the engines do not make) or "math" (PyTorch's
+# reference kernel). Later calls, CUDA-graph captures included, reuse the choice.
+ATTENTION_MODES = {
+    "decode": ("gqa", "fold", "expanded", "math"),
+    "chunk": ("gqa", "expanded", "math"),
+}
+
+
+def _sdpa(q, k, v, causal, mode: str):
     """Scaled-dot-product attention with grouped KV heads; ``causal=(q_len, kv_len)``
-    aligns the causal mask to the end of the keys (a chunk after its cached prefix)."""
+    aligns the causal mask to the end of the keys (a chunk after its cached prefix).
+    On a GPU the fused kernels are required unless ``mode`` is "math": a silent fallback
+    would materialise a chunk x context mask and time PyTorch's reference kernel."""
     kwargs = {}
     if causal is not None:
         q_len, kv_len = causal
@@ -232,13 +273,25 @@ def _sdpa(q, k, v, causal):
             from torch.nn.attention.bias import causal_lower_right
 
             kwargs["attn_mask"] = causal_lower_right(q_len, kv_len)
+    if mode == "fold":  # decode: (B, H, 1, d) -> (B, kv, H/kv, d), no mask
+        b, h, _, d = q.shape
+        out = _sdpa(q.reshape(b, k.shape[1], h // k.shape[1], d), k, v, None, "gqa")
+        return out.reshape(b, h, 1, d)
     if q.shape[1] != k.shape[1]:
-        try:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
-        except TypeError:  # older torch: expand the KV heads
+        if mode == "gqa":
+            kwargs["enable_gqa"] = True
+        else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if q.device.type != "cuda" or mode == "math":
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        fused.append(SDPBackend.CUDNN_ATTENTION)
+    with sdpa_kernel(fused):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 # ---- timing ---------------------------------------------------------------------------
@@ -294,55 +347,97 @@ def grid_points(grid: dict) -> list[tuple[int, int, int]]:
     return points
 
 
-def measure_model(name: str, shape: Shape, args, device, dtype, grid: dict) -> list[dict]:
+def measure_point(layers: Layers, caches, batch: int, context: int, chunk: int, args) -> dict:
+    """Graph and eager time of one step of ``layers`` (and the lm_head) at one grid point."""
+    shape, device, dtype = layers.s, layers.device, layers.dtype
+    k_cache, v_cache, ranks = caches
+    x = torch.randn(batch + chunk, shape.hidden, device=device, dtype=dtype)
+    h_last = torch.randn(batch + (1 if chunk else 0), shape.hidden, device=device, dtype=dtype)
+
+    def step():
+        return layers.forward(x, k_cache, v_cache, batch, context, chunk, ranks)
+
+    def lm_head():
+        return h_last @ layers.lm_head
+
+    with torch.inference_mode():
+        eager_s = time_eager(step, device, args.iters)
+        graph_s, real_graph = eager_s, False
+        if layers.grouped or not shape.experts:  # the per-expert loop is not capturable
+            try:
+                graph_s, real_graph = time_graph(step, device, args.iters)
+            except RuntimeError as exc:  # keep measuring: record the point as eager only
+                print(f"  no CUDA graph for this point ({str(exc).splitlines()[0][:100]})")
+        lm_s, _ = time_graph(lm_head, device, args.iters)
+        extra = {}
+        if args.components:
+            width = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+            qkv = torch.randn(batch + chunk, width, device=device, dtype=dtype)
+
+            def core():
+                return layers.attention_core(qkv, k_cache, v_cache, batch, context, chunk)
+
+            extra["attention_core_s"], _ = time_graph(core, device, args.iters)
+    return {
+        **extra,
+        "batch": batch,
+        "context": context,
+        "chunk": chunk,
+        "layers": args.layers,
+        "graph_s": graph_s,
+        "eager_s": eager_s,
+        "lm_head_s": lm_s,
+        "cuda_graph": real_graph,
+        "attention": dict(layers.attention),
+        "grouped_gemm": bool(shape.experts and layers.grouped),
+    }
+
+
+def measure_model(
+    name: str, shape: Shape, args, device, dtype, grid: dict, deadline: float, sink
+) -> tuple[list[dict], list[dict]]:
+    """Every grid point of one model: (points, failures). ``sink(points)`` is called after
+    each point so a run cut short keeps what it measured; points past ``deadline``
+    (``time.perf_counter()``) are skipped and listed as failures."""
     layout, ranks = TARGETS.get(name, ("tp1", 1))
     local = shape.experts // ranks if shape.experts else 0
     layers = Layers(shape, args.layers, local, device, dtype)
     max_b, max_ctx, max_chunk = max(grid["batch"]), max(grid["context"]), max(grid["chunk"])
     cache_shape = (max_b, shape.kv_heads, max_ctx + max_chunk, shape.head_dim)
-    k_cache = torch.randn(cache_shape, device=device, dtype=dtype)
-    v_cache = torch.randn(cache_shape, device=device, dtype=dtype)
-    out = []
+    caches = (
+        torch.randn(cache_shape, device=device, dtype=dtype),
+        torch.randn(cache_shape, device=device, dtype=dtype),
+        ranks,
+    )
+    out, failed = [], []
     for batch, context, chunk in grid_points(grid):
-        x = torch.randn(batch + chunk, shape.hidden, device=device, dtype=dtype)
-        rows = batch + (1 if chunk else 0)
-        h_last = torch.randn(rows, shape.hidden, device=device, dtype=dtype)
-
-        def step(x=x, batch=batch, context=context, chunk=chunk):
-            return layers.forward(x, k_cache, v_cache, batch, context, chunk, ranks)
-
-        def lm_head(h=h_last):
-            return h @ layers.lm_head
-
-        with torch.inference_mode():
-            eager_s = time_eager(step, device, args.iters)
-            graph_s, real_graph = eager_s, False
-            if layers.grouped or not shape.experts:  # the per-expert loop is not capturable
-                try:
-                    graph_s, real_graph = time_graph(step, device, args.iters)
-                except RuntimeError as exc:  # keep measuring: record the point as eager only
-                    print(f"  no CUDA graph for this point ({str(exc).splitlines()[0]})")
-            lm_s, _ = time_graph(lm_head, device, args.iters)
-        point = {
+        where = {
             "model": name,
             "layout": layout,
             "batch": batch,
             "context": context,
             "chunk": chunk,
-            "layers": args.layers,
-            "graph_s": graph_s,
-            "eager_s": eager_s,
-            "lm_head_s": lm_s,
-            "cuda_graph": real_graph,
         }
+        if time.perf_counter() > deadline:
+            failed.append({**where, "error": "skipped: --max-wall-s reached"})
+            continue
+        try:
+            point = {**where, **measure_point(layers, caches, batch, context, chunk, args)}
+        except RuntimeError as exc:  # out of memory, a kernel missing: the rest still runs
+            failed.append({**where, "error": str(exc).splitlines()[0][:200]})
+            print(f"{name:16} b={batch:4} ctx={context:6} chunk={chunk:5}  failed: {exc}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         out.append(point)
+        sink(out)
         print(
             f"{name:16} b={batch:4} ctx={context:6} chunk={chunk:5}  "
-            f"graph {graph_s * 1e3 / args.layers:8.3f} ms/layer  "
-            f"eager {eager_s * 1e3 / args.layers:8.3f} ms/layer",
+            f"graph {point['graph_s'] * 1e3 / args.layers:8.3f} ms/layer  "
+            f"eager {point['eager_s'] * 1e3 / args.layers:8.3f} ms/layer",
             flush=True,
         )
-    return out
+    return out, failed
 
 
 def device_description(device) -> str:
@@ -376,9 +471,11 @@ def write_report(measured: dict, out: Path, *, save_summary: bool) -> dict | Non
     summary = {
         "device": measured["device"],
         "dry_run": measured["dry_run"],
+        "runs": measured.get("runs", 1),
         "points": len(rows),
         "median_abs_rel_error": statistics.median(errors) if errors else None,
         "max_abs_rel_error": max(errors) if errors else None,
+        "model_vs_measured": error_table(rows),
         "terms": terms,
     }
     report = {"summary": summary, "rows": rows}
@@ -394,6 +491,10 @@ def write_report(measured: dict, out: Path, *, save_summary: bool) -> dict | Non
             f"{r['model']:16} {r['layout']:12} {r['batch']:4} {r['context']:6} {r['chunk']:5} "
             f"{r['measured_s'] * 1e3:12.2f} {r['model_s'] * 1e3:10.2f} {r['rel_error']:+7.1%}"
         )
+    print("median (model - measured) / measured, by step kind; attention kernels alone:")
+    for model, kinds in summary["model_vs_measured"].items():
+        cells = "  ".join(f"{k} {v:+.0%}" for k, v in kinds.items() if v is not None)
+        print(f"  {model:16} {cells}")
     for name, t in terms.items():
         print(
             f"{name}: device scale {t['device_scale']:.3f}, graph loss "
@@ -406,6 +507,27 @@ def write_report(measured: dict, out: Path, *, save_summary: bool) -> dict | Non
     return report
 
 
+def error_table(rows: list[dict]) -> dict:
+    """Per model, the median relative error of the whole step by kind (decode, prefill,
+    mixed) and of the attention kernels alone (decode-only and prefill-only points)."""
+    table: dict[str, dict] = {}
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model and r["rel_error"] is not None]
+        cells = {}
+        for kind in ("decode", "prefill", "mixed"):
+            errs = [r["rel_error"] for r in mine if r["kind"] == kind]
+            cells[kind] = statistics.median(errs) if errs else None
+        for kind in ("decode", "prefill"):
+            errs = [
+                r["attention_rel_error"]
+                for r in mine
+                if r["kind"] == kind and "attention_rel_error" in r
+            ]
+            cells[f"attention_{kind}"] = statistics.median(errs) if errs else None
+        table[model] = cells
+    return table
+
+
 # ---- main -----------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -414,7 +536,30 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="Layers built and timed per model.")
     p.add_argument("--iters", type=int, default=10, help="Timed repetitions per point.")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_calibration")
-    p.add_argument("--report-from", type=Path, help="Only write the report of a measured.json.")
+    p.add_argument(
+        "--report-from",
+        type=Path,
+        nargs="+",
+        help="Only write the report of one measured.json, or of repeated runs merged "
+        "(median graph time, smallest eager time per point).",
+    )
+    for axis in ("batch", "context", "chunk"):
+        p.add_argument(
+            f"--{axis}",
+            type=lambda v: tuple(int(x) for x in v.split(",")),
+            help=f"Comma-separated {axis} values instead of the default grid's.",
+        )
+    p.add_argument(
+        "--components",
+        action="store_true",
+        help="Also time the attention kernels alone (attention_core_s) at every point.",
+    )
+    p.add_argument(
+        "--max-wall-s",
+        type=float,
+        default=480.0,
+        help="Stop starting new points after this many seconds (what was measured is kept).",
+    )
     return p.parse_args(argv)
 
 
@@ -422,8 +567,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report_from:
-        measured = json.loads(args.report_from.read_text())
-        write_report(measured, args.out, save_summary=False)
+        from prorsa.runtime.sim.cost.calibration import load_measured, merge_measured
+
+        measured = merge_measured([load_measured(path) for path in args.report_from])
+        write_report(measured, args.out, save_summary=not measured.get("dry_run", True))
         return 0
     models = [m for m in args.models.split(",") if m]
     if args.dry_run:
@@ -436,29 +583,47 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: use --dry-run to check the pipeline on CPU")
             return 2
-        device, dtype, grid = torch.device("cuda"), torch.bfloat16, GRID
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        grid = {axis: getattr(args, axis) or values for axis, values in GRID.items()}
         shapes = {
             m: Shape.from_config(json.loads((CONFIG_DIR / f"{m}.json").read_text())) for m in models
         }
     t0 = time.perf_counter()
-    points = []
+    deadline = t0 + args.max_wall_s
+    points: list[dict] = []
+    failed: list[dict] = []
+
+    def measured_so_far(extra: list[dict] = ()) -> dict:
+        return {
+            "schema": SCHEMA,
+            "device": device_description(device),
+            "torch": torch.__version__,
+            "dry_run": bool(args.dry_run),
+            "layers_timed": args.layers,
+            "iters": args.iters,
+            "grid": {k: list(v) for k, v in grid.items()},
+            "wall_s": time.perf_counter() - t0,
+            "points": points + list(extra),
+            "failed": failed,
+        }
+
+    def write(extra: list[dict] = ()) -> None:
+        (args.out / "measured.json").write_text(json.dumps(measured_so_far(extra), indent=2) + "\n")
+
+    print(f"torch {torch.__version__} on {device_description(device)}", flush=True)
     for name, shape in shapes.items():
-        points += measure_model(name, shape, args, device, dtype, grid)
+        got, lost = measure_model(name, shape, args, device, dtype, grid, deadline, write)
+        points += got
+        failed += lost
+        write()
         if device.type == "cuda":  # the model's weights and KV cache are gone: hand back
             torch.cuda.empty_cache()
-    measured = {
-        "schema": SCHEMA,
-        "device": device_description(device),
-        "torch": torch.__version__,
-        "dry_run": bool(args.dry_run),
-        "layers_timed": args.layers,
-        "iters": args.iters,
-        "grid": {k: list(v) for k, v in grid.items()},
-        "wall_s": time.perf_counter() - t0,
-        "points": points,
-    }
-    (args.out / "measured.json").write_text(json.dumps(measured, indent=2) + "\n")
-    print(f"{len(points)} points in {measured['wall_s']:.0f} s -> {args.out / 'measured.json'}")
+    measured = measured_so_far()
+    write()
+    print(
+        f"{len(points)} points, {len(failed)} failed or skipped, in {measured['wall_s']:.0f} s "
+        f"-> {args.out / 'measured.json'}"
+    )
     write_report(measured, args.out, save_summary=not args.dry_run)
     return 0
 

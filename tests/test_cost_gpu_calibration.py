@@ -105,3 +105,84 @@ def test_load_measured_names_the_bad_record(tmp_path):
     with pytest.raises(InputError, match="record 1") as info:
         load_measured(path)
     assert info.value.field == "eager_s"
+
+
+def test_dry_run_components_time_the_attention_kernels_alone(tmp_path):
+    pytest.importorskip("torch")
+    from benchmarks.gpu_calibration import main
+
+    out = tmp_path / "c"
+    assert main(["--dry-run", "--components", "--models", "qwen2.5-7b", "--out", str(out)]) == 0
+    measured = load_measured(out / "measured.json")
+    assert all(p["attention_core_s"] > 0 for p in measured["points"])
+    assert all(p["attention"] for p in measured["points"])  # the kernel mode is recorded
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert all(r["attention_model_s"] > 0 and r["attention_measured_s"] > 0 for r in rows)
+    assert {r["kind"] for r in rows} == {"decode", "prefill", "mixed"}
+
+
+def test_a_run_out_of_time_still_writes_what_it_has(tmp_path):
+    pytest.importorskip("torch")
+    from benchmarks.gpu_calibration import main
+
+    assert (
+        main(["--dry-run", "--models", "qwen2.5-7b", "--max-wall-s", "0", "--out", str(tmp_path)])
+        == 0
+    )
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    assert measured["points"] == []
+    assert measured["failed"] and all("max-wall-s" in f["error"] for f in measured["failed"])
+
+
+def _point(graph, eager, **kw):
+    base = {"model": "qwen2.5-7b", "layout": "tp1", "batch": 32, "context": 8192, "chunk": 0}
+    return {**base, "layers": 4, "graph_s": graph, "eager_s": eager, "lm_head_s": 1e-4, **kw}
+
+
+def test_repeated_runs_merge_to_the_median_graph_and_smallest_eager_time():
+    from prorsa.runtime.sim.cost.calibration import merge_measured
+
+    runs = [
+        {"schema": "prorsa.gpu_calibration/1", "device": "d", "points": [_point(1.0, 2.0)]},
+        {"schema": "prorsa.gpu_calibration/1", "device": "d", "points": [_point(1.2, 1.5)]},
+        {
+            "schema": "prorsa.gpu_calibration/1",
+            "device": "d",
+            "points": [_point(1.1, 9.0, attention_core_s=0.5)],
+        },
+    ]
+    merged = merge_measured(runs)
+    assert merged["runs"] == 3 and len(merged["points"]) == 1
+    (p,) = merged["points"]
+    assert p["graph_s"] == pytest.approx(1.1)
+    assert p["eager_s"] == pytest.approx(1.5)
+    assert p["attention_core_s"] == pytest.approx(0.5) and p["runs"] == 3
+    with pytest.raises(ConfigError):
+        merge_measured([])
+
+
+def test_points_over_the_step_budget_are_kept_but_not_scored():
+    from prorsa.runtime.sim.cost.calibration import report_rows
+
+    cost = get_layout_cost("h200-qwen2.5-7b-tp1")
+    over = _point(1.0, 1.1, batch=128, chunk=cost.max_step_tokens)
+    inside = _point(1.0, 1.1)
+    rows = report_rows({"points": [over, inside]}, {("qwen2.5-7b", "tp1"): cost})
+    assert rows[0]["rel_error"] is None and "max_step_tokens" in rows[0]["skipped"]
+    assert rows[0]["measured_s"] > 0
+    assert rows[1]["rel_error"] is not None
+    terms = measured_terms({"points": [over, inside]}, "qwen2.5-7b", "tp1", cost)
+    assert terms["points"] == 1
+
+
+def test_prefill_attention_is_never_faster_than_fa3():
+    from prorsa.runtime.sim.cost.calibration import predicted_attention_s
+    from prorsa.runtime.sim.cost.kernel_tables import attention_prefill_efficiency
+
+    cost = get_layout_cost("h200-qwen3-30b-a3b-tp1")
+    heads, head_dim, layers = 32, 128, cost.terms.num_layers
+    for chunk in (2048, 8192):
+        flops = layers * 2 * heads * head_dim * chunk**2  # causal, no prior context
+        fa3_s = flops / (989.4e12 * attention_prefill_efficiency(chunk))
+        assert predicted_attention_s(cost, 0, 0, chunk) >= 0.9 * fa3_s
+    assert 0.4 < attention_prefill_efficiency(512) < attention_prefill_efficiency(16384) < 0.7

@@ -41,6 +41,64 @@ def predicted_device_s(cost: LayoutCost, batch: int, context: int, chunk: int) -
     return parts["device_s"] - parts["exchange_s"]
 
 
+def predicted_attention_s(cost: LayoutCost, batch: int, context: int, chunk: int) -> float:
+    """The model's attention-kernel time of one rank's step (every layer): decode rows
+    over ``context`` cached tokens each, plus a chunk over ``context`` prior tokens."""
+    seconds = 0.0
+    if batch:
+        b = int(batch)
+        seconds += cost._attn_fixed(b) + cost._attn_per_ctx[b] * b * context
+    if chunk:
+        seconds += cost.attn_prefill_per_chunk_s + cost.attn_prefill_s_per_token2 * chunk * (
+            context + chunk / 2
+        )
+    return seconds
+
+
+def step_kind(point: dict) -> str:
+    """decode (no chunk), prefill (no decode rows) or mixed."""
+    if not point["chunk"]:
+        return "decode"
+    return "prefill" if not point["batch"] else "mixed"
+
+
+def merge_measured(runs: list[dict]) -> dict:
+    """One measurement from repeated runs of the same grid: per point the median graph
+    and lm_head time and the *smallest* eager time (eager steps are host-launch bound, and
+    host interference only ever adds to them: run 2 of the shipped H200 runs had eager
+    outliers up to +0.5 ms/layer while its graph times matched run 1 within 2 %)."""
+    if not runs:
+        raise ConfigError("merge_measured needs at least one run")
+    if len(runs) == 1:
+        return runs[0]
+
+    def key(p):
+        return (p["model"], p["layout"], p["batch"], p["context"], p["chunk"], p["layers"])
+
+    by_key: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for point in run["points"]:
+            by_key.setdefault(key(point), []).append(point)
+    points = []
+    for same in by_key.values():
+        merged = {k: v for p in same for k, v in p.items()}  # later runs add fields
+        merged["graph_s"] = statistics.median(p["graph_s"] for p in same)
+        merged["eager_s"] = min(p["eager_s"] for p in same)
+        merged["lm_head_s"] = statistics.median(p.get("lm_head_s", 0.0) for p in same)
+        cores = [p["attention_core_s"] for p in same if "attention_core_s" in p]
+        if cores:
+            merged["attention_core_s"] = statistics.median(cores)
+        merged["runs"] = len(same)
+        points.append(merged)
+    first = runs[0]
+    return {
+        **{k: v for k, v in first.items() if k not in ("points", "failed", "wall_s")},
+        "runs": len(runs),
+        "wall_s": sum(r.get("wall_s", 0.0) for r in runs),
+        "points": points,
+    }
+
+
 def load_measured(path: str | Path) -> dict:
     """Read and check a ``measured.json`` written by the GPU script."""
     path = Path(path)
@@ -72,24 +130,55 @@ def report_rows(measured: dict, costs: dict[tuple[str, str], LayoutCost]) -> lis
         cost = costs.get((point["model"], point["layout"]))
         row = {k: point[k] for k in ("model", "layout", "batch", "context", "chunk")}
         if cost is None:
-            row.update(measured_s=None, model_s=None, rel_error=None)
+            row.update(measured_s=None, model_s=None, rel_error=None, skipped="no layout")
+        elif not within_step_budget(cost, point):
+            # the modelled engine never runs this step (its scheduler caps tokens per step)
+            row.update(
+                measured_s=full_model_s(point, cost.terms.num_layers),
+                model_s=None,
+                rel_error=None,
+                skipped=f"over max_step_tokens {cost.max_step_tokens}",
+            )
         else:
             measured_s = full_model_s(point, cost.terms.num_layers)
             model_s = predicted_device_s(cost, point["batch"], point["context"], point["chunk"])
             row.update(
+                kind=step_kind(point),
                 measured_s=measured_s,
                 model_s=model_s,
                 rel_error=(model_s - measured_s) / measured_s,
                 eager_minus_graph_per_layer_s=(point["eager_s"] - point["graph_s"])
                 / point["layers"],
             )
+            if "attention_core_s" in point:  # the attention kernels alone, every layer
+                layers = cost.terms.num_layers
+                attn_measured = point["attention_core_s"] / point["layers"] * layers
+                attn_model = predicted_attention_s(
+                    cost, point["batch"], point["context"], point["chunk"]
+                )
+                row.update(
+                    attention_measured_s=attn_measured,
+                    attention_model_s=attn_model,
+                    attention_rel_error=(attn_model - attn_measured) / attn_measured,
+                    rest_measured_s=measured_s - attn_measured,
+                    rest_model_s=model_s - attn_model,
+                )
         rows.append(row)
     return rows
 
 
+def within_step_budget(cost: LayoutCost, point: dict) -> bool:
+    """Whether the layout's engine would run this point's tokens in one step."""
+    return point["batch"] + point["chunk"] <= cost.max_step_tokens
+
+
 def measured_terms(measured: dict, model: str, layout: str, cost: LayoutCost) -> dict:
     """The terms a layout loads from one model's measured points (see module docstring)."""
-    points = [p for p in measured["points"] if p["model"] == model and p["layout"] == layout]
+    points = [
+        p
+        for p in measured["points"]
+        if p["model"] == model and p["layout"] == layout and within_step_budget(cost, p)
+    ]
     if not points:
         raise ConfigError(f"no measured points for {model} at {layout}")
     ratios = [
@@ -99,6 +188,22 @@ def measured_terms(measured: dict, model: str, layout: str, cost: LayoutCost) ->
     ]
     decode = [p for p in points if p["chunk"] == 0] or points
     loss = [max(p["eager_s"] - p["graph_s"], 0.0) / p["layers"] for p in decode]
+    by_kind = {}
+    for kind in ("decode", "prefill", "mixed"):
+        r = [x for x, p in zip(ratios, points, strict=True) if step_kind(p) == kind]
+        by_kind[kind] = statistics.median(r) if r else None
+    cores = [p for p in points if "attention_core_s" in p and p["chunk"] and not p["batch"]]
+    prefill_attention_scale = (
+        statistics.median(
+            p["attention_core_s"]
+            / p["layers"]
+            * cost.terms.num_layers
+            / predicted_attention_s(cost, 0, p["context"], p["chunk"])
+            for p in cores
+        )
+        if cores
+        else None
+    )
     return {
         "model": model,
         "layout": layout,
@@ -107,9 +212,14 @@ def measured_terms(measured: dict, model: str, layout: str, cost: LayoutCost) ->
         "points": len(points),
         "device_scale": statistics.median(ratios),
         "graph_loss_per_layer_s": statistics.median(loss),
+        "device_scale_by_kind": by_kind,
+        "prefill_attention_scale": prefill_attention_scale,
         "method": "device_scale: median of measured (per-layer x layers + lm_head) over the "
         "model's device time; graph_loss_per_layer_s: median eager-minus-graph per layer "
-        "of the decode points (PyTorch eager, an upper bound for vLLM's piecewise mode)",
+        "of the decode points (PyTorch eager, an upper bound for vLLM's piecewise mode); "
+        "device_scale_by_kind: the same median over decode-only, prefill-only and mixed "
+        "points; prefill_attention_scale: median measured attention kernels alone over the "
+        "model's prefill attention term, prefill-only points",
     }
 
 
