@@ -567,6 +567,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report_from:
+        sys.path.insert(0, str(REPO))
         from prorsa.runtime.sim.cost.calibration import load_measured, merge_measured
 
         measured = merge_measured([load_measured(path) for path in args.report_from])
