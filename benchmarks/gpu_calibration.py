@@ -480,6 +480,7 @@ def write_report(measured: dict, out: Path, *, save_summary: bool) -> dict | Non
     }
     report = {"summary": summary, "rows": rows}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_model_vs_measured(rows, out / "model-vs-measured.png", measured["device"])
     print(
         f"{'model':16} {'layout':12} {'b':>4} {'ctx':>6} {'chunk':>5} "
         f"{'measured ms':>12} {'model ms':>10} {'error':>7}"
@@ -505,6 +506,55 @@ def write_report(measured: dict, out: Path, *, save_summary: bool) -> dict | Non
 
         save("gpu_calibration", summary)
     return report
+
+
+def plot_model_vs_measured(rows: list[dict], path: Path, device: str) -> None:
+    """Model time against measured time per point, one panel per model, coloured by step
+    kind, with the attention kernels alone as hollow markers (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = sorted({r["model"] for r in rows if r["rel_error"] is not None})
+    if not models:
+        return
+    colours = {"decode": "tab:blue", "prefill": "tab:red", "mixed": "tab:purple"}
+    fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r["model"] == model and r["rel_error"] is not None]
+        for kind, colour in colours.items():
+            pts = [r for r in mine if r["kind"] == kind]
+            ax.scatter(
+                [1e3 * r["measured_s"] for r in pts],
+                [1e3 * r["model_s"] for r in pts],
+                s=14,
+                color=colour,
+                label=f"{kind} step",
+            )
+            attn = [r for r in pts if "attention_model_s" in r and kind != "mixed"]
+            ax.scatter(
+                [1e3 * r["attention_measured_s"] for r in attn],
+                [1e3 * r["attention_model_s"] for r in attn],
+                s=14,
+                facecolors="none",
+                edgecolors=colour,
+                label=f"{kind} attention" if attn else None,
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        lo, hi = ax.get_xlim()
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+        ax.set_title(f"{model} ({mine[0]['layout']})", fontsize=9)
+        ax.set_xlabel("measured (ms)")
+    axes[0][0].set_ylabel("model (ms)")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"Step time, model vs measured on {device} (on the line: exact)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def error_table(rows: list[dict]) -> dict:

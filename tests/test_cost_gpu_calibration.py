@@ -119,6 +119,7 @@ def test_dry_run_components_time_the_attention_kernels_alone(tmp_path):
     rows = json.loads((out / "report.json").read_text())["rows"]
     assert all(r["attention_model_s"] > 0 and r["attention_measured_s"] > 0 for r in rows)
     assert {r["kind"] for r in rows} == {"decode", "prefill", "mixed"}
+    assert (out / "model-vs-measured.png").stat().st_size > 0
 
 
 def test_a_run_out_of_time_still_writes_what_it_has(tmp_path):
