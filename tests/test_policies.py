@@ -431,3 +431,30 @@ def test_prefill_work_meter_keeps_a_ratio_per_mode():
     assert at(split, 60.0, 22_000, 313_000) == pytest.approx(30.0)
     assert meter.ratio_for(colocated=True) == pytest.approx(1.1)
     assert meter.ratio_for(colocated=False) == pytest.approx(30.0)
+
+
+def test_predictive_switches_only_when_both_ends_of_the_forecast_band_pay():
+    # A split resize that pays at the forecast's P90 but not at its P10 is held (found in
+    # the regime map: 235B search sync 64/GPU, where sizing at the P90 of a sync step's
+    # prefill waves resized a 4-slot split back and forth, 0.98x against 1.19x held).
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = observation(30.0, roles, decoding=100)
+    cluster = replace(spec(4), role_layouts={"prefill": "tp1", "decode": "tp1", "colocated": "tp4"})
+    high, low = forecast(30.0, 18_000.0), forecast(30.0, 4_000.0)
+
+    def banded(p10: Forecast, p90: Forecast) -> Forecast:
+        return replace(p90, quantiles={0.1: p10.point, 0.5: p90.point, 0.9: p90.point})
+
+    moved = {}
+    for case, fc, robust in (
+        ("wide band", banded(low, high), True),
+        ("wide band, P90 only", banded(low, high), False),
+        ("narrow band", banded(high, high), True),
+    ):
+        policy = make_policy("predictive", robust=robust)
+        policy.reset(cluster)
+        moved[case] = policy.decide(obs, fc).gpus.get("prefill", 0)
+    assert moved["wide band"] == 1
+    assert moved["wide band, P90 only"] > 1
+    assert moved["narrow band"] > 1
+    assert make_policy("predictive").robust is False  # off unless asked for

@@ -22,6 +22,8 @@ from prorsa.policy.demand import (
 )
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
+_SIZING = object()  # needs(): the policy's own sizing quantile
+
 
 @POLICIES.register("predictive")
 class PredictivePolicy(ModeChoosingPolicy):
@@ -59,6 +61,10 @@ class PredictivePolicy(ModeChoosingPolicy):
         prefill_fraction: split used until the first forecast arrives.
         local_prefill_threshold: if set, applied on every tick.
         target_batch_per_gpu, kv_target_fraction, prefill_target_util: sizing knobs.
+        robust: a switch must pay back at both ends of the forecast's P10-P90 band, not
+            only at the sizing quantile (forecasters without quantiles: the point). Off by
+            default: on the regime map it mended two Qwen3-235B-A22B cells and broke two
+            others (docs/results.md), a wash.
     """
 
     needs_forecast = True
@@ -76,6 +82,7 @@ class PredictivePolicy(ModeChoosingPolicy):
         target_batch_per_gpu: float = 64.0,
         kv_target_fraction: float = 0.85,
         prefill_target_util: float = 0.8,
+        robust: bool = False,
     ) -> None:
         self.horizon_s = horizon_s
         self.quantile = quantile
@@ -88,6 +95,7 @@ class PredictivePolicy(ModeChoosingPolicy):
         self.target_batch_per_gpu = target_batch_per_gpu
         self.kv_target_fraction = kv_target_fraction
         self.prefill_target_util = prefill_target_util
+        self.robust = robust
 
     @classmethod
     def search_space(cls, trial) -> dict:
@@ -101,6 +109,7 @@ class PredictivePolicy(ModeChoosingPolicy):
                 "target_batch_per_gpu", 16.0, 256.0, log=True
             ),
             "prefill_target_util": trial.suggest_float("prefill_target_util", 0.4, 0.95),
+            "robust": trial.suggest_categorical("robust", [True, False]),
             **cls.start_space(trial),
         }
 
@@ -123,11 +132,14 @@ class PredictivePolicy(ModeChoosingPolicy):
         forecast: Forecast,
         work_ratio: float | None = None,
         horizon_s: float | None = None,
+        quantile: float | object | None = _SIZING,
     ) -> tuple[float, float]:
         """(prefill slots, decode slots) the forecast demand over ``horizon_s`` (default:
-        the sizing horizon) calls for, with engines computing ``work_ratio`` tokens per
-        appended token (default: as measured now)."""
-        spec, q = self.cluster_, self.quantile
+        the sizing horizon) at ``quantile`` (default: the sizing quantile) calls for, with
+        engines computing ``work_ratio`` tokens per appended token (default: as measured
+        now)."""
+        spec = self.cluster_
+        q = self.quantile if quantile is _SIZING else quantile
         h = self.horizon_s if horizon_s is None else horizon_s
         load = current_load(obs)
         # Forecasts count appended tokens; engines compute what caches miss of them.
@@ -159,31 +171,24 @@ class PredictivePolicy(ModeChoosingPolicy):
         need_p, need_d = self.needs(obs, forecast)
         # A switch is paid once and pays back over ``payback_s``: its savings are judged on
         # the demand forecast over that window, not on the sizing horizon, where a sync
-        # step's opening burst looks like lasting demand.
+        # step's opening burst looks like lasting demand. With ``robust``, at both ends of
+        # the forecast's band (see :meth:`window_needs`).
         window = payback_horizon_s(forecast, self.horizon_s, self.payback_s)
-        window_p, window_d = (
-            (need_p, need_d)
-            if window == self.horizon_s
-            else self.needs(obs, forecast, horizon_s=window)
-        )
-        # Colocation is priced at the work ratio measured colocated (the same one unless
-        # a split measured its own, see PrefillWorkMeter).
-        colocated_ratio = self.work_.ratio_for(colocated=True)
-        colocated_p = (
-            window_p
-            if colocated_ratio == self.work_.ratio
-            else self.needs(obs, forecast, colocated_ratio, horizon_s=window)[0]
-        )
-        mode = choose_mode(
-            obs,
-            self.cluster_,
-            window_p,
-            window_d,
-            current_prefill=max(current, 1),
-            payback_s=self.payback_s,
-            switch_cost_weight=self.switch_cost_weight,
-            colocated_need_p=colocated_p,
-        )
+        ends = self.window_needs(obs, forecast, window, need_p, need_d)
+        modes = [
+            choose_mode(
+                obs,
+                self.cluster_,
+                window_p,
+                window_d,
+                current_prefill=max(current, 1),
+                payback_s=self.payback_s,
+                switch_cost_weight=self.switch_cost_weight,
+                colocated_need_p=colocated_p,
+            )
+            for window_p, window_d, colocated_p in ends
+        ]
+        mode = modes[-1] if all(_same_mode(m, modes[-1]) for m in modes) else None
         changed = self.apply_mode(obs, mode, "predictive", f" (need {need_p:.1f}P/{need_d:.1f}D)")
         if changed is not None:
             return changed
@@ -197,10 +202,14 @@ class PredictivePolicy(ModeChoosingPolicy):
         # new role (and saves anything) only once that is done.
         old, new = ("decode", "prefill") if target > current else ("prefill", "decode")
         latency = self.cluster_.switch_latency_between(old, new)
-        saved = (
-            split_shortage(current, slots, window_p, window_d)
-            - split_shortage(target, slots, window_p, window_d)
-        ) * paying_s(self.payback_s, latency)
+        saved = min(
+            (
+                split_shortage(current, slots, window_p, window_d)
+                - split_shortage(target, slots, window_p, window_d)
+            )
+            * paying_s(self.payback_s, latency)
+            for window_p, window_d, _ in ends
+        )
         # A switch costs the slots' service while they switch, and moving decode slots to
         # prefill also throws away the contexts they cache (re-prefilled next turn).
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, target - current)
@@ -211,6 +220,55 @@ class PredictivePolicy(ModeChoosingPolicy):
             current,
             f"predictive: hold (need {need_p:.1f}P/{need_d:.1f}D; gain below switch cost)",
         )
+
+    def window_needs(
+        self,
+        obs: ClusterObservation,
+        forecast: Forecast,
+        window: float,
+        need_p: float,
+        need_d: float,
+    ) -> list[tuple[float, float, float]]:
+        """(prefill, decode, prefill were the slots colocated) needs over the payback
+        window: at the sizing quantile, and with ``robust`` also at the other end of the
+        forecast's band (``ROBUST_QUANTILES``), so that a switch must pay back whichever
+        end the demand takes. A sync step's prefill comes in waves; on a forecast whose
+        P10 and P90 differ 2.4x (Qwen3-235B-A22B search sync 64/GPU at 9 s), sizing at the
+        P90 alone resized a 4-slot split back and forth four times (0.98x against the
+        1.19x of holding it). The band cuts both ways: under a backlog of hours (235B swe
+        sync 64/GPU) it also held back the one move back to prefill that the run needed
+        (1.15x -> 0.78x)."""
+        ends = []
+        levels = [self.quantile]
+        if self.robust and self.quantile is not None:
+            levels = [q for q in ROBUST_QUANTILES if q in forecast.quantiles] or levels
+        for q in levels:
+            if window == self.horizon_s and q == self.quantile:
+                window_p, window_d = need_p, need_d
+            else:
+                window_p, window_d = self.needs(obs, forecast, horizon_s=window, quantile=q)
+            # Colocation is priced at the work ratio measured colocated (the same one
+            # unless a split measured its own, see PrefillWorkMeter).
+            colocated_ratio = self.work_.ratio_for(colocated=True)
+            colocated_p = (
+                window_p
+                if colocated_ratio == self.work_.ratio
+                else self.needs(obs, forecast, colocated_ratio, horizon_s=window, quantile=q)[0]
+            )
+            ends.append((window_p, window_d, colocated_p))
+        return ends
+
+
+#: The two ends of the forecast band a switch must pay back at (``robust=True``).
+ROBUST_QUANTILES = (0.1, 0.9)
+
+
+def _same_mode(a: str | int | None, b: str | int | None) -> bool:
+    """Whether two answers of ``choose_mode`` ask for the same kind of change: both
+    colocate, both disaggregate (a split count each), or both stay."""
+    if isinstance(a, int) and isinstance(b, int):
+        return True
+    return a == b
 
 
 def payback_horizon_s(
