@@ -242,14 +242,14 @@ class PredictivePolicy(ModeChoosingPolicy):
         levels = [self.quantile]
         if self.robust and self.quantile is not None:
             levels = [q for q in ROBUST_QUANTILES if q in forecast.quantiles] or levels
+        # Colocation is priced at the work ratio measured colocated (the same one unless a
+        # split measured its own, see PrefillWorkMeter).
+        colocated_ratio = self.work_.ratio_for(colocated=True)
         for q in levels:
             if window == self.horizon_s and q == self.quantile:
                 window_p, window_d = need_p, need_d
             else:
                 window_p, window_d = self.needs(obs, forecast, horizon_s=window, quantile=q)
-            # Colocation is priced at the work ratio measured colocated (the same one
-            # unless a split measured its own, see PrefillWorkMeter).
-            colocated_ratio = self.work_.ratio_for(colocated=True)
             colocated_p = (
                 window_p
                 if colocated_ratio == self.work_.ratio

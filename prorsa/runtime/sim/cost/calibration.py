@@ -46,12 +46,9 @@ def predicted_attention_s(cost: LayoutCost, batch: int, context: int, chunk: int
     over ``context`` cached tokens each, plus a chunk over ``context`` prior tokens."""
     seconds = 0.0
     if batch:
-        b = int(batch)
-        seconds += cost._attn_fixed(b) + cost._attn_per_ctx[b] * b * context
+        seconds += cost.decode_attention_s(batch, batch * context)
     if chunk:
-        seconds += cost.attn_prefill_per_chunk_s + cost.attn_prefill_s_per_token2 * chunk * (
-            context + chunk / 2
-        )
+        seconds += cost.prefill_attention_s(chunk, context)
     return seconds
 
 
@@ -186,7 +183,7 @@ def measured_terms(measured: dict, model: str, layout: str, cost: LayoutCost) ->
         / predicted_device_s(cost, p["batch"], p["context"], p["chunk"])
         for p in points
     ]
-    decode = [p for p in points if p["chunk"] == 0] or points
+    decode = [p for p in points if step_kind(p) == "decode"] or points
     loss = [max(p["eager_s"] - p["graph_s"], 0.0) / p["layers"] for p in decode]
     by_kind = {}
     for kind in ("decode", "prefill", "mixed"):

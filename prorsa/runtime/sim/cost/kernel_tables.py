@@ -49,6 +49,12 @@ FA3_TFLOPS_H100 = (430.3, 517.1, 565.5, 590.2, 614.2, 620.7)
 H100_BF16_DENSE_FLOPS = 989.4e12
 
 
+def causal_attention_flops(heads: int, head_dim: int, tokens: float) -> float:
+    """FLOPs of causal prefill attention over ``tokens``, one layer: 2 (FMA) x 2 (QK^T and
+    PV) x heads x head_dim x tokens^2 / 2."""
+    return 2 * heads * head_dim * tokens**2
+
+
 def attention_prefill_efficiency(tokens: float) -> float:
     """Fraction of the bf16 tensor-core peak FlashAttention-3 reaches on a ``tokens``-long
     prefill (flat beyond the measured lengths)."""
@@ -186,10 +192,9 @@ class KernelTables:
         the table's value, floored at the causal FLOPs run at FlashAttention-3's rate."""
         if tokens <= 0:
             return 0.0
-        # causal attention: 2 (FMA) * 2 (QK^T and PV) * heads * head_dim * tokens^2 / 2, at
-        # the rate FA3 reaches (the table's long rows imply several times the peak)
+        # at the rate FA3 reaches (the table's long rows imply several times the peak)
         rate = self.hardware.bf16_dense_flops * attention_prefill_efficiency(tokens)
-        compute_bound = 2 * heads * head_dim * tokens**2 / rate
+        compute_bound = causal_attention_flops(heads, head_dim, tokens) / rate
         return max(self.context_attention_table_s(heads, kv_heads, tokens, head_dim), compute_bound)
 
     def context_attention_table_s(
@@ -209,7 +214,9 @@ class KernelTables:
             else:
                 value = float(np.interp(tokens, s_grid, np.sqrt(lat))) ** 2
             total += w * value
-        peak_bound = 2 * heads * head_dim * tokens**2 / self.hardware.bf16_dense_flops
+        peak_bound = (
+            causal_attention_flops(heads, head_dim, tokens) / self.hardware.bf16_dense_flops
+        )
         return max(total * _MS, peak_bound)
 
     def generation_attention_s(

@@ -263,6 +263,18 @@ class LayoutCost:
         )
         return parts
 
+    def decode_attention_s(self, batch: int, ctx_sum: float) -> float:
+        """Attention of one rank decoding ``batch`` sequences holding ``ctx_sum`` KV
+        tokens, every layer."""
+        return self._attn_fixed(batch) + self._attn_per_ctx[int(batch)] * ctx_sum
+
+    def prefill_attention_s(self, tokens: float, prior_tokens: float = 0) -> float:
+        """Attention of one rank prefilling a ``tokens`` chunk over ``prior_tokens`` already
+        in its KV cache, every layer."""
+        return self.attn_prefill_per_chunk_s + self.attn_prefill_s_per_token2 * tokens * (
+            prior_tokens + tokens / 2
+        )
+
     def prefill_chunk_s(self, tokens: int, prior_tokens: int = 0) -> float:
         """A step in which one rank prefills ``tokens`` over ``prior_tokens`` and every
         other rank is idle (it still runs the MoE layers in lock-step)."""
@@ -309,7 +321,6 @@ class LayoutCost:
         # no graphs at all past the captured sizes (vLLM) or in SGLang's extend steps
         mode = "eager" if sglang or t_max > self.max_capture_tokens else "piecewise"
         pad = mode != "eager"
-        fixed, per_ctx = self._attn_fixed, self._attn_per_ctx
         rank_max = 0.0
         for b, s, n, p, t in zip(batches, ctxs, pre, prior, tokens, strict=True):
             m = t_max if pad else t
@@ -317,11 +328,9 @@ class LayoutCost:
             if mode == "eager":
                 rank += self._ar_extra(m)
             if b > 0:
-                rank += fixed(b) + per_ctx[int(b)] * s
+                rank += self.decode_attention_s(b, s)
             if n > 0:
-                rank += self.attn_prefill_per_chunk_s + self.attn_prefill_s_per_token2 * n * (
-                    p + n / 2
-                )
+                rank += self.prefill_attention_s(n, p)
             rank_max = max(rank_max, rank)
         total = dp * t_max if pad else sum(tokens)
         moe = self._moe_part_s(total, t_max, prefill=True)
