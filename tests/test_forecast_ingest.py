@@ -85,7 +85,7 @@ def assert_same(a: LifecycleTracker, b: LifecycleTracker) -> None:
     assert a.cum_prefill == b.cum_prefill and a.out_completed == b.out_completed
     assert a.decode_rate == b.decode_rate and a.ttft_s == b.ttft_s
     assert a.first_time == b.first_time and a.last_event_time == b.last_event_time
-    assert a.engines == b.engines
+    assert a.gpus == b.gpus
     assert sorted(a.pending) == sorted(b.pending)
     assert a._freed_later == b._freed_later
     for key in a.history:

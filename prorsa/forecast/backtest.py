@@ -21,7 +21,7 @@ import pyarrow as pa
 from prorsa.errors import ConfigError
 from prorsa.forecast.base import Forecaster
 from prorsa.forecast.events import as_batch, slice_batch
-from prorsa.forecast.targets import event_frame, run_targets, tick_times
+from prorsa.forecast.targets import event_frame, run_targets, tick_times, trajectory_events
 from prorsa.forecast.tracker import rows_of
 from prorsa.forecast.types import QUANTILES, TARGETS, check_horizons, target_column
 
@@ -49,7 +49,7 @@ def backtest(
     tick = tick_s or forecaster.tick_s_
     if tick <= 0:
         raise ConfigError(f"tick_s must be > 0, got {tick}")
-    events = event_frame(telemetry)
+    events = event_frame(telemetry, keep_allocations=True)
     if forecaster.needs_future:
         forecaster.attach(telemetry)  # type: ignore[attr-defined]
     frames, latencies = [], []
@@ -59,7 +59,7 @@ def backtest(
         if not len(ticks):
             continue
         scored = np.arange(len(ticks)) % every == 0
-        actual = run_targets(run, ticks[scored], hs)
+        actual = run_targets(trajectory_events(run), ticks[scored], hs)
         forecaster.reset()
         # The oracle reads row tuples (its run id); everyone else one batch per run.
         rows = list(rows_of(run)) if forecaster.needs_future else None

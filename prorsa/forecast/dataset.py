@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.forecast.features import LifecycleFeatures, replay
-from prorsa.forecast.targets import event_frame, run_targets, tick_times
+from prorsa.forecast.targets import event_frame, run_targets, tick_times, trajectory_events
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, TARGETS, check_horizons, target_column
 from prorsa.io import atomic_path
@@ -213,7 +213,7 @@ def build_dataset(
         completeness = check_complete(table, allow_partial=allow_partial)
         if not completeness.complete:
             partial[f"telemetry[{i}]"] = completeness.describe()
-        df = event_frame(table, source=f"telemetry[{i}]")
+        df = event_frame(table, source=f"telemetry[{i}]", keep_allocations=True)
         for run_id in df["run_id"].unique():
             if run_id in sources:
                 raise InputError(f"run id '{run_id}' appears in more than one table")
@@ -227,7 +227,9 @@ def build_dataset(
     for done, (run_id, run) in enumerate(runs, 1):
         ticks = tick_times(run, tick_s)
         if len(ticks):
-            every = snapshot_stride(run, tick_s, snapshot_every, max_snapshot_rows)
+            every = snapshot_stride(
+                trajectory_events(run), tick_s, snapshot_every, max_snapshot_rows
+            )
             t, s, u = _replay_run(pipeline, str(run_id), run, ticks, horizons, every)
             tick_frames.append(t)
             snap_frames.append(s)
@@ -290,7 +292,7 @@ def _replay_run(
     tick_frame.insert(0, "scale", scales)
     tick_frame.insert(0, "time", ticks)
     tick_frame.insert(0, "run_id", run_id)
-    targets = run_targets(run, ticks, horizons)
+    targets = run_targets(trajectory_events(run), ticks, horizons)
     tick_frame = pd.concat([tick_frame, pd.DataFrame(targets)], axis=1)
 
     if snaps:

@@ -14,6 +14,7 @@ trajectory); the group and task of a key are those of its first event.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ from prorsa.telemetry.schema import CLUSTER_EVENT_KINDS, EVENT_KINDS, FIELDS
 #: Codes of the trajectory kinds are below this; cluster events (switches, allocations) at
 #: or above it (``EVENT_KINDS`` lists trajectory stages first).
 FIRST_CLUSTER_KIND = min(EVENT_KINDS.index(k) for k in CLUSTER_EVENT_KINDS)
+_ALLOCATION_KIND = EVENT_KINDS.index("allocation")
 _KINDS = pa.array(EVENT_KINDS, pa.string())
 _INT_COLUMNS = ("context_tokens", "new_tokens", "cached_tokens", "output_tokens")
 
@@ -137,3 +139,28 @@ def slice_batch(batch: EventBatch, start: int, stop: int) -> EventBatch:
         keys=batch.keys,
         details=details,
     )
+
+
+def gpus_in_detail(detail: str) -> int:
+    """Total GPUs an ``allocation`` event's detail names (``{"gpus": {role: n}}``); 0 when
+    it names none or is not that shape (the count is optional context, never required)."""
+    try:
+        gpus = json.loads(detail).get("gpus") if detail else None
+    except (ValueError, AttributeError):
+        return 0
+    if not isinstance(gpus, dict):
+        return 0
+    return int(sum(v for v in gpus.values() if isinstance(v, int | float) and v > 0))
+
+
+def allocated_gpus(batch: EventBatch) -> int:
+    """GPUs of the cluster as the batch's latest ``allocation`` event states (0: none).
+
+    Runtimes record one when a run starts (reason ``start``) and whenever the allocation
+    changes, so a telemetry stream carries its cluster's size for per-GPU features.
+    """
+    for row in np.flatnonzero(np.asarray(batch.kind) == _ALLOCATION_KIND)[::-1]:
+        total = gpus_in_detail(batch.details.get(int(row), ""))
+        if total:
+            return total
+    return 0

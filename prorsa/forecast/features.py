@@ -20,22 +20,23 @@ from prorsa.forecast.events import as_batch, slice_batch
 from prorsa.forecast.tracker import IN_TOOL, PREFILLING, QUEUED, LifecycleTracker
 from prorsa.forecast.types import DEFAULT_HORIZONS, check_horizons
 
-#: Load per engine (one model replica; its GPUs serve it together): what sets the queueing
-#: regime, and what lets one model serve clusters of any size. NaN while no engine is known
-#: (imported traces without engine ids).
-PER_ENGINE_FEATURES = (
-    "live_per_engine",
-    "queued_per_engine",
-    "decoding_per_engine",
-    "backlog_ktokens_per_engine",
-    "kv_ktokens_per_engine",
+#: Load per GPU: what sets the queueing regime, and what lets one model serve clusters of
+#: any size and layout (a TP1 engine, a TP4 engine or an 8-GPU data-parallel-attention
+#: engine alike). The GPU count is the latest ``allocation`` event's (runtimes record one
+#: at start); NaN while unknown (imported traces without one).
+PER_GPU_FEATURES = (
+    "live_per_gpu",
+    "queued_per_gpu",
+    "decoding_per_gpu",
+    "backlog_ktokens_per_gpu",
+    "kv_ktokens_per_gpu",
 )
 
 
 #: Features whose training range a learned forecaster checks live (see
 #: ``Forecaster.drifting_features``): the load regime, decode speed, queueing and context.
 DRIFT_FEATURES = (
-    *PER_ENGINE_FEATURES,
+    *PER_GPU_FEATURES,
     "decode_rate_per_seq",
     "ttft_s",
     "mean_context_ktokens",
@@ -79,7 +80,7 @@ def aggregate_feature_names(lags_s: Sequence[float], tasks: Sequence[str]) -> li
         "tool_elapsed_mean_s",
         "decode_elapsed_mean_s",
         "decoded_mean_tokens",
-        *PER_ENGINE_FEATURES,
+        *PER_GPU_FEATURES,
     ]
     names += [f"task_{t}" for t in tasks] + ["task_other"]
     return names
@@ -137,13 +138,13 @@ def aggregate_features(tracker: LifecycleTracker) -> np.ndarray:
         _mean(snap["decode_elapsed"][is_open]),
         _mean(snap["decoded"][is_open]),
     ]
-    engines = float(tracker.engines) if tracker.engines > 0 else float("nan")
+    gpus = float(tracker.gpus) if tracker.gpus > 0 else float("nan")
     values += [
-        live / engines,
-        counts[QUEUED] / engines,
-        is_open.sum() / engines,
-        snap["turn_new"][waiting].sum() / engines / 1000.0,
-        kv[is_open].sum() / engines / 1000.0,
+        live / gpus,
+        counts[QUEUED] / gpus,
+        is_open.sum() / gpus,
+        snap["turn_new"][waiting].sum() / gpus / 1000.0,
+        kv[is_open].sum() / gpus / 1000.0,
     ]
     mix = np.bincount(snap["task"], minlength=len(tracker.tasks) + 1)[: len(tracker.tasks) + 1]
     values += list(mix / max(live, 1))
@@ -204,7 +205,7 @@ class LifecycleFeatures:
         if not hasattr(self, "tasks_"):
             raise NotFittedError("LifecycleFeatures is not fitted; call fit(events) first")
         frames = []
-        for run_id, run in event_frame(events).groupby("run_id", sort=True):
+        for run_id, run in event_frame(events, keep_allocations=True).groupby("run_id", sort=True):
             tracker = self.make_tracker()
             ticks = tick_times(run, self.tick_s)
             rows = replay(tracker, run, ticks)

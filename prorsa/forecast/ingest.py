@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from prorsa.forecast import ingest_kernel
-from prorsa.forecast.events import FIRST_CLUSTER_KIND
+from prorsa.forecast.events import FIRST_CLUSTER_KIND, allocated_gpus
 from prorsa.forecast.tracker import GROUP_ARRAYS, LifecycleTracker
 from prorsa.telemetry.columns import KIND_CODE, EventBatch
 
@@ -46,13 +46,14 @@ def apply_batch(tracker: LifecycleTracker, batch: EventBatch) -> None:
     """Apply ``batch`` (events in time order) to ``tracker``; see the module doc."""
     is_traj = np.asarray(batch.kind) < FIRST_CLUSTER_KIND
     pos = np.flatnonzero(is_traj)
+    if len(pos) < len(batch):
+        tracker.gpus = allocated_gpus(batch) or tracker.gpus
     if not len(pos):
         return
     times = batch.time
     if tracker.first_time is None:
         tracker.first_time = float(times[pos[0]])
     tracker.last_event_time = float(times[pos[-1]])
-    tracker.engines = max(tracker.engines, int(batch.engine_id[pos].max()) + 1)
     while True:
         split = _rebirth(batch.key[pos], batch.kind[pos])
         if split is None:

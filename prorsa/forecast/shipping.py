@@ -9,10 +9,12 @@ this module.
 The shipped models are trained on a fixed design over the regime map rather than one
 cluster: every shipped scenario and the training half of every shipped real trace
 (replayed through the simulator), sync and async, at loads from 4 to 128 trajectories per
-GPU, on clusters of 4 to 32 engines, with and without the KV store (``reuse_mode``
-kv-store or reprefill) and two models (7B TP1, 32B TP2). Held-out runs use other seeds, the other
-half of each trace, and cells the training never saw (including 128 trajectories per GPU
-on a larger cluster). Manifests record the dataset hash and the simulator version.
+GPU, on clusters of 2 to 32 slots, with and without the KV store (``reuse_mode``
+kv-store or reprefill) and the regime map's four models (7B TP1, 32B TP2, and the MoE
+Qwen3-30B-A3B and Qwen3-235B-A22B on data-parallel-attention engines of 4 and 8 GPUs).
+Held-out runs use other seeds, the other half of each trace, and cells the training never
+saw (including 128 trajectories per GPU on a larger cluster, and the 235B model at 64 per
+GPU). Manifests record the dataset hash and the simulator version.
 """
 
 from __future__ import annotations
@@ -261,15 +263,19 @@ class Cell:
     configuration's defaults: a changed default must not change what the shipped models
     were trained on."""
 
-    engines: int
+    engines: int  # slots: GPU groups that switch roles together
     load_per_gpu: int
     seed: int
     reuse_mode: str = "reprefill"
     profile: str = "h200-qwen2.5-7b-tp1"
     policy: str = "static"
+    #: One parallel layout for every role (e.g. ``tp1-dp8-ep8``: 8-GPU data-parallel-
+    #: attention MoE engines, as on the regime map); None runs the profile's TP.
+    layout: str | None = None
 
     def plan(self, scenarios: Sequence[str], traces: Sequence[str]) -> SimPlan:
         """Every workload x mode of the recipe in this cell."""
+        layouts = dict.fromkeys(("prefill", "decode", "colocated"), self.layout)
         return SimPlan(
             scenarios=list(scenarios),
             traces=list(traces),
@@ -277,13 +283,24 @@ class Cell:
             seeds=(self.seed,),
             load_per_gpu=self.load_per_gpu,
             cluster=ClusterConfig(
-                profile=self.profile, num_slots=self.engines, reuse_mode=self.reuse_mode
+                profile=self.profile,
+                num_slots=self.engines,
+                reuse_mode=self.reuse_mode,
+                layouts=layouts if self.layout else {},
             ),
             control=ControlConfig(policy=self.policy),
         )
 
+    @property
+    def model(self) -> str:
+        """The profile and layout as the data card names them."""
+        return f"`{self.profile}`" + (f" `{self.layout}`" if self.layout else "")
 
-#: Training cells: 4-128 trajectories per GPU, 4-32 engines, KV store or not, two models.
+
+_MOE_30B, _MOE_235B = "h200-qwen3-30b-a3b-tp1", "h200-qwen3-235b-a22b-tp4"
+#: Training cells: 4-128 trajectories per GPU, 4-32 slots, KV store or not, the four models
+#: of the regime map (the MoE ones on 4- and 8-GPU data-parallel-attention engines), fixed
+#: and switching allocations.
 TRAIN_CELLS = (
     Cell(8, 4, 0),
     Cell(8, 16, 1),
@@ -291,12 +308,19 @@ TRAIN_CELLS = (
     Cell(4, 128, 3),
     Cell(16, 32, 4, policy="colocate"),
     Cell(4, 16, 5, profile="h200-qwen2.5-32b-tp2"),
+    Cell(4, 32, 6, profile=_MOE_30B, policy="threshold", layout="tp1-dp8-ep8"),
+    Cell(2, 128, 7, profile=_MOE_30B, layout="tp1-dp4-ep4"),
+    Cell(
+        4, 64, 8, reuse_mode="kv-store", profile=_MOE_235B, policy="colocate", layout="tp1-dp8-ep8"
+    ),
 )
-#: Held-out cells: other seeds and clusters, incl. 128 per GPU on a larger cluster.
+#: Held-out cells: other seeds and clusters, incl. 128 per GPU on a larger cluster and the
+#: largest model at 64 per GPU on 8-GPU engines.
 HELDOUT_CELLS = (
     Cell(8, 16, 100),
     Cell(8, 128, 101),
     Cell(32, 8, 102, reuse_mode="kv-store"),
+    Cell(4, 64, 103, profile=_MOE_235B, layout="tp1-dp8-ep8"),
 )
 
 
@@ -479,12 +503,12 @@ def write_data_card(
         "- Every workload in both modes: sync (one step of load x GPUs trajectories, GRPO",
         "  groups of 8) and async (load x GPUs in flight, twice as many in all), in each cell:",
         "",
-        "| engines | trajectories per GPU | KV reuse | profile | policy | seed |",
+        "| slots | trajectories per GPU | KV reuse | profile | policy | seed |",
         "|---|---|---|---|---|---|",
     ]
     for c in TRAIN_CELLS:
         lines.append(
-            f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | `{c.profile}` | "
+            f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | {c.model} | "
             f"`{c.policy}` | {c.seed} |"
         )
     lines += [
@@ -504,13 +528,11 @@ def write_data_card(
         "recipe's held-out runs: workloads, the held-out trace halves and both modes take "
         "turns) in cells the training did not see:",
         "",
-        "| engines | trajectories per GPU | KV reuse | profile | seed |",
+        "| slots | trajectories per GPU | KV reuse | profile | seed |",
         "|---|---|---|---|---|",
     ]
     for c in HELDOUT_CELLS:
-        lines.append(
-            f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | `{c.profile}` | {c.seed} |"
-        )
+        lines.append(f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | {c.model} | {c.seed} |")
     lines += [
         "",
         "WAPE at 5 s:",

@@ -44,9 +44,16 @@ from prorsa.telemetry.views import STATE_AFTER
 _DECODING_KINDS = frozenset(k for k, s in STATE_AFTER.items() if s == "decoding")
 
 
-def event_frame(events: pa.Table | pd.DataFrame, *, source: str = "<telemetry>") -> pd.DataFrame:
+def event_frame(
+    events: pa.Table | pd.DataFrame,
+    *,
+    source: str = "<telemetry>",
+    keep_allocations: bool = False,
+) -> pd.DataFrame:
     """Trajectory events as a frame sorted by (run, time), recorded order kept for ties.
 
+    ``keep_allocations`` keeps the ``allocation`` events too (what a tracker replaying the
+    run reads its GPU count from; :func:`trajectory_events` drops them again for targets).
     Raises :class:`InputError` for empty telemetry or missing columns.
     """
     if isinstance(events, pd.DataFrame):
@@ -64,14 +71,23 @@ def event_frame(events: pa.Table | pd.DataFrame, *, source: str = "<telemetry>")
     if df.empty:
         raise InputError("telemetry is empty (no events)", source=source)
     df["kind"] = df["kind"].astype(str)
-    df = df[~df["kind"].isin(CLUSTER_EVENT_KINDS)]
-    if df.empty:
+    cluster = df["kind"].isin(CLUSTER_EVENT_KINDS)
+    if cluster.all():
         raise InputError("telemetry holds no trajectory events", source=source)
+    if keep_allocations:
+        cluster &= df["kind"] != EventKind.ALLOCATION
+    df = df[~cluster]
     if not np.isfinite(df["time"].to_numpy(float)).all():
         raise InputError("non-finite event time", source=source, field="time")
     df = df.reset_index(drop=True)
     df["_order"] = np.arange(len(df))
     return df.sort_values(["run_id", "time", "_order"], kind="stable").reset_index(drop=True)
+
+
+def trajectory_events(run_events: pd.DataFrame) -> pd.DataFrame:
+    """``run_events`` without its ``allocation`` events (see :func:`event_frame`)."""
+    is_allocation = run_events["kind"] == EventKind.ALLOCATION
+    return run_events[~is_allocation] if is_allocation.any() else run_events
 
 
 @dataclass

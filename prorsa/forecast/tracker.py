@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from prorsa.forecast.events import Events, as_batch
+from prorsa.forecast.events import Events, as_batch, gpus_in_detail
 from prorsa.telemetry.columns import EventBatch
 from prorsa.telemetry.schema import CLUSTER_EVENT_KINDS, FIELDS
 from prorsa.telemetry.views import STATES
@@ -61,7 +61,7 @@ EVENT_FEATURES: tuple[str, ...] = (
     "turn_rel",
 )
 _NAN = float("nan")
-_TIME, _TRAJ, _GROUP, _TASK, _TURN, _KIND, _ENG, _CTX, _NEW, _OUT = (
+_TIME, _TRAJ, _GROUP, _TASK, _TURN, _KIND, _ENG, _CTX, _NEW, _OUT, _DETAIL = (
     FIELDS.index(f)
     for f in (
         "time",
@@ -74,6 +74,7 @@ _TIME, _TRAJ, _GROUP, _TASK, _TURN, _KIND, _ENG, _CTX, _NEW, _OUT = (
         "context_tokens",
         "new_tokens",
         "output_tokens",
+        "detail",
     )
 )
 
@@ -193,9 +194,9 @@ class LifecycleTracker:
         self.event_rows: list[tuple] = []
         self.history: dict[str, list[float]] = {k: [] for k in _HISTORY}
         self.peak_live = 0
-        #: Engines seen so far (highest engine id in the events + 1): the cluster's size as
-        #: the events show it, for per-engine load features (0 until an engine is named).
-        self.engines = 0
+        #: The cluster's GPUs as its latest ``allocation`` event states (runtimes record
+        #: one at start): what per-GPU load features divide by (0 while unknown).
+        self.gpus = 0
         self.time_s: float | None = None
         self.snapshot: dict[str, np.ndarray] = {}
 
@@ -415,13 +416,13 @@ class LifecycleTracker:
         for row in rows_of(rows):
             kind = row[_KIND]
             if kind in CLUSTER_EVENT_KINDS:
+                if kind == "allocation":
+                    self.gpus = gpus_in_detail(row[_DETAIL]) or self.gpus
                 continue
             t = row[_TIME]
             if self.first_time is None:
                 self.first_time = t
             self.last_event_time = t
-            if row[_ENG] >= self.engines:
-                self.engines = row[_ENG] + 1
             tid = row[_TRAJ]
             slot = slots.get(tid)
             if slot is None:

@@ -40,7 +40,7 @@ from prorsa.forecast.aggregate import (
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
 from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
 from prorsa.forecast.dataset import ForecastDataset
-from prorsa.forecast.features import PER_ENGINE_FEATURES, aggregate_feature_names
+from prorsa.forecast.features import PER_GPU_FEATURES, aggregate_feature_names
 from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
@@ -74,7 +74,7 @@ CALIBRATION_FEATURES = (
     "time_s",
     "decode_rate_per_seq",
     "ttft_s",
-    *PER_ENGINE_FEATURES,
+    *PER_GPU_FEATURES,
 )
 
 

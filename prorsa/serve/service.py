@@ -101,6 +101,7 @@ class RolloutService:
             first_allocation,
             idle_observation,
             make_controller,
+            note_start,
         )
         from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
         from prorsa.runtime.ray.monitor import LoadMonitor
@@ -178,6 +179,7 @@ class RolloutService:
             monitor=self.monitor,
             workload=self.workload,
         )
+        note_start(self.actuator, roles, spec.slot_gpus)
         self.controller = make_controller(
             policy,
             self.actuator,

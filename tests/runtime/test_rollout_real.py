@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 
 from prorsa.runtime.ray.rollout import run_rollout
@@ -80,6 +81,13 @@ def test_static_rollout_writes_complete_valid_telemetry(fleet, tiny_model_dir, t
     # Forecasters train on it like on simulator telemetry.
     data = build_dataset(table, horizons=[0.2, 0.5], tick_s=0.1)
     assert data.meta["sources"] == {"rollout": "ray-vllm"} and len(data.ticks)
+    # The start allocation (one GPU per CPU engine here) gives the per-GPU load features.
+    assert rows[0]["kind"] == "allocation" and json.loads(rows[0]["detail"]) == {
+        "gpus": {"colocated": 0, "decode": 2, "prefill": 1},
+        "reason": "start",
+    }
+    live = data.ticks["live"] * data.ticks["scale"]
+    np.testing.assert_allclose(data.ticks["live_per_gpu"], live / 3)
 
 
 def test_threshold_policy_switches_roles_live_without_losing_turns(fleet, tiny_model_dir, tmp_path):

@@ -50,6 +50,8 @@ def test_turns_sessions_and_telemetry(tmp_path):
     assert (first.turn, second.turn) == (0, 1) and single_version(second) == 0
     assert ended and not again and status["sessions"] == 0
     validate_table(table)
+    start = table.slice(0, 1).to_pylist()[0]
+    assert start["kind"] == "allocation" and '"reason":"start"' in start["detail"]
     kinds = [
         k
         for t, k in zip(table["trajectory_id"].to_pylist(), table["kind"].to_pylist(), strict=True)

@@ -7,6 +7,8 @@ takes over for dynamic policies. The simulator and the Ray runtime both start th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prorsa.policy.base import ClusterSpec, Policy
 from prorsa.policy.types import Allocation, ClusterObservation, SlotView, WorkloadShape
 from prorsa.runtime.cluster.observation import TrajectoryStates, build_observation
@@ -64,6 +66,18 @@ def first_allocation(
     """Roles per slot from the policy's first decision on the idle cluster (and the decision)."""
     first = policy.decide(idle, None)
     return roles_for_allocation(first, spec.num_slots, spec.slot_gpus), first
+
+
+def note_start(actuator: Actuator, roles: Sequence[str], slot_gpus: int) -> None:
+    """Record the starting allocation (GPUs by role, reason ``start``) in the run's telemetry.
+
+    Both runtimes do this once, before any work: it makes a saved table say how many GPUs
+    served it, which the forecasters' per-GPU load features read.
+    """
+    gpus = dict.fromkeys(("prefill", "decode", "colocated"), 0)
+    for role in roles:
+        gpus[role] = gpus.get(role, 0) + slot_gpus
+    actuator.note_allocation(gpus, "start")
 
 
 def make_controller(

@@ -43,7 +43,12 @@ import pyarrow as pa
 from prorsa.errors import ConfigError
 from prorsa.policy import ClusterSpec, Policy, make_policy
 from prorsa.policy.types import WorkloadShape
-from prorsa.runtime.cluster.startup import first_allocation, idle_observation, make_controller
+from prorsa.runtime.cluster.startup import (
+    first_allocation,
+    idle_observation,
+    make_controller,
+    note_start,
+)
 from prorsa.runtime.controller import ForecastSource
 from prorsa.runtime.ray import cpu_profile  # noqa: F401  (registers the CPU profile)
 from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
@@ -379,6 +384,7 @@ async def _run(
         total_trajectories=len(specs),
         workload=shape,
     )
+    note_start(actuator, roles, spec.slot_gpus)
     controller = make_controller(
         policy,
         actuator,

@@ -13,7 +13,12 @@ from prorsa.policy.base import ClusterSpec, Policy
 from prorsa.policy.types import ClusterObservation, WorkloadShape
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
-from prorsa.runtime.cluster.startup import first_allocation, idle_observation, make_controller
+from prorsa.runtime.cluster.startup import (
+    first_allocation,
+    idle_observation,
+    make_controller,
+    note_start,
+)
 from prorsa.runtime.controller import ForecastSource
 from prorsa.runtime.sim.cluster import SimCluster
 from prorsa.runtime.sim.core import PRIORITY_CONTROL, Environment
@@ -171,6 +176,7 @@ class Simulation:
             cluster.set_local_prefill_threshold(first.local_prefill_threshold)
         self._check_fits(cluster)
         self.actuator = SimActuator(cluster, spec, total, self.driver.shape)
+        note_start(self.actuator, roles, spec.slot_gpus)
         if self.forecaster is not None and not self.record:
             raise ConfigError(
                 "this run records no telemetry, so the forecaster has nothing to read",
