@@ -25,7 +25,8 @@ def test_a_run_simulates_its_load_per_gpu():
     run = SimRun.at_load(3, work, ClusterConfig(num_slots=2), ControlConfig(policy="static"))
     (table,) = simulate_runs([run])
     assert set(table.column("run_id").to_pylist()) == {run.run_id}
-    assert len(set(table.column("trajectory_id").to_pylist())) == 6  # 3 per GPU x 2 GPUs
+    ids = set(table.column("trajectory_id").to_pylist()) - {""}  # "": cluster events
+    assert len(ids) == 6  # 3 per GPU x 2 GPUs
     meta = table.schema.metadata or {}
     assert meta.get(b"prorsa.source") == b"simulator"
 
@@ -48,7 +49,11 @@ def test_plan_and_recipe_run_ids_are_unique(tmp_path):
     assert len(heldout) == per_cell * len(HELDOUT_CELLS)
     assert not {r.run_id for r in train} & {r.run_id for r in heldout}
     assert {r.cluster.reuse_mode for r in train} == {"reprefill", "kv-store"}
-    assert {r.control.policy for r in train} == {"static", "colocate"}
+    assert {r.control.policy for r in train} == {"static", "colocate", "threshold"}
+    # The regime map's four models, the MoE ones on data-parallel-attention engines.
+    families = {r.cluster.profile.rsplit("-", 1)[0] for r in train}
+    assert len(families) == 4 and any(r.cluster.layouts for r in heldout)
+    assert {r.cluster.layouts.get("decode") for r in train} >= {"tp1-dp4-ep4", "tp1-dp8-ep8"}
     loads = {c.load_per_gpu for c in TRAIN_CELLS}
     assert min(loads) == 4 and max(loads) == 128
     assert any(c.load_per_gpu == 128 for c in HELDOUT_CELLS)

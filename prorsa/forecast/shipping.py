@@ -87,9 +87,11 @@ class SimRun:
 
     @property
     def run_id(self) -> str:
+        layout = self.cluster.layouts.get("colocated")
+        layout = f"-{layout}" if layout else ""
         return (
             f"{self.workload}-{self.work.mode}-{self.control.policy}-e{self.cluster.num_slots}"
-            f"-l{self.load_per_gpu}-{self.cluster.reuse_mode}-{self.cluster.profile}"
+            f"-l{self.load_per_gpu}-{self.cluster.reuse_mode}-{self.cluster.profile}{layout}"
             f"-s{self.work.seed}"
         )
 
