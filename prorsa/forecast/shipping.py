@@ -300,7 +300,7 @@ class Cell:
 
 
 _MOE_30B, _MOE_235B = "h200-qwen3-30b-a3b-tp1", "h200-qwen3-235b-a22b-tp4"
-#: Training cells: 4-128 trajectories per GPU, 4-32 slots, KV store or not, the four models
+#: Training cells: 4-128 trajectories per GPU, 2-32 slots, KV store or not, the four models
 #: of the regime map (the MoE ones on 4- and 8-GPU data-parallel-attention engines), fixed
 #: and switching allocations.
 TRAIN_CELLS = (
