@@ -161,11 +161,13 @@ def test_killed_engine_is_recorded_and_left_out_of_final_roles(tmp_path):
     assert m["engines_lost"] == [2]
     assert set(m["final_roles"]) == {0, 1}
     assert 2 not in m["kv_capacity_tokens"]
-    lost = [
+    allocations = [
         (r["engine_id"], json.loads(r["detail"]))
         for r in result.telemetry.to_pylist()
         if r["kind"] == "allocation"
     ]
+    start, *lost = allocations  # the run opens with its starting allocation
+    assert start == (-1, {"gpus": {"colocated": 0, "decode": 2, "prefill": 1}, "reason": "start"})
     assert len(lost) == 1 and lost[0][0] == 2
     detail = lost[0][1]
     cause = detail.pop("cause")
