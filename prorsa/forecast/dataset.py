@@ -227,10 +227,9 @@ def build_dataset(
     for done, (run_id, run) in enumerate(runs, 1):
         ticks = tick_times(run, tick_s)
         if len(ticks):
-            every = snapshot_stride(
-                trajectory_events(run), tick_s, snapshot_every, max_snapshot_rows
-            )
-            t, s, u = _replay_run(pipeline, str(run_id), run, ticks, horizons, every)
+            stages = trajectory_events(run)  # what targets and snapshot sizing read
+            every = snapshot_stride(stages, tick_s, snapshot_every, max_snapshot_rows)
+            t, s, u = _replay_run(pipeline, str(run_id), run, stages, ticks, horizons, every)
             tick_frames.append(t)
             snap_frames.append(s)
             turn_frames.append(u)
@@ -270,10 +269,13 @@ def _replay_run(
     pipeline: LifecycleFeatures,
     run_id: str,
     run: pd.DataFrame,
+    stages: pd.DataFrame,
     ticks: np.ndarray,
     horizons: tuple[float, ...],
     snapshot_every: int,
 ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Ticks, snapshots and turns of one run: ``run`` is its events with its allocations
+    (the tracker reads the GPU count from them), ``stages`` the same without (targets)."""
     tracker = pipeline.make_tracker(record_event_rows=True)
     scales = np.empty(len(ticks))
     snaps: list[dict[str, np.ndarray]] = []
@@ -292,7 +294,7 @@ def _replay_run(
     tick_frame.insert(0, "scale", scales)
     tick_frame.insert(0, "time", ticks)
     tick_frame.insert(0, "run_id", run_id)
-    targets = run_targets(trajectory_events(run), ticks, horizons)
+    targets = run_targets(stages, ticks, horizons)
     tick_frame = pd.concat([tick_frame, pd.DataFrame(targets)], axis=1)
 
     if snaps:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prorsa.policy.base import ClusterSpec, Policy
-from prorsa.policy.types import Allocation, ClusterObservation, SlotView, WorkloadShape
+from prorsa.policy.types import ROLES, Allocation, ClusterObservation, SlotView, WorkloadShape
 from prorsa.runtime.cluster.observation import TrajectoryStates, build_observation
 from prorsa.runtime.controller import (
     Actuator,
@@ -74,7 +74,7 @@ def note_start(actuator: Actuator, roles: Sequence[str], slot_gpus: int) -> None
     Both runtimes do this once, before any work: it makes a saved table say how many GPUs
     served it, which the forecasters' per-GPU load features read.
     """
-    gpus = dict.fromkeys(("prefill", "decode", "colocated"), 0)
+    gpus = dict.fromkeys(ROLES, 0)
     for role in roles:
         gpus[role] = gpus.get(role, 0) + slot_gpus
     actuator.note_allocation(gpus, "start")
