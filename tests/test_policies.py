@@ -152,6 +152,53 @@ def test_backlog_wins_slots_when_both_sides_are_short(name):
     assert alloc.gpus.get("prefill", 0) >= 2, alloc.reason
 
 
+def _with_queued_contexts(obs, trajectories: int, tokens: int):
+    """``obs`` with ``trajectories`` waiting for their next prefill, holding ``tokens``."""
+    state, held = dict(obs.trajectory_state), dict(obs.trajectory_tokens)
+    state["queued"], held["queued"] = trajectories, tokens
+    return replace(obs, trajectory_state=state, trajectory_tokens=held)
+
+
+@pytest.mark.parametrize("name", ["predictive", "mpc"])
+def test_queued_contexts_do_not_size_decode_while_prefill_is_bound(name):
+    # Found in the regime map: 235B swe sync 64/GPU, best-static's 3P/1D split under a
+    # backlog of hours. The 2,048 contexts waiting in the prefill queue counted as decode
+    # KV (13 decode slots of 4), and predictive and the oracle gave decode a second slot
+    # for 9,400 s (0.78-0.81x against best-static's 1.14x).
+    roles = ["prefill", "prefill", "prefill", "decode"]
+    cluster = replace(spec(4), colocated_prefill_factor=3.0)
+    bound = _with_queued_contexts(
+        observation(30.0, roles, prefill_queue=10_000_000, decoding=400), 2_000, 100_000_000
+    )
+    policy = make_policy(name)
+    policy.reset(cluster)
+    alloc = policy.decide(bound, forecast(30.0, 20_000.0, decoding=400))
+    assert alloc.gpus.get("prefill", 0) == 3, alloc.reason
+    # The same contexts with prefill keeping up: decode caches them between turns, so
+    # they do size decode and it takes slots from prefill.
+    free = _with_queued_contexts(observation(30.0, roles, decoding=400), 2_000, 100_000_000)
+    policy = make_policy(name)
+    policy.reset(cluster)
+    alloc = policy.decide(free, forecast(30.0, 20_000.0, decoding=400))
+    assert alloc.gpus.get("prefill", 0) < 3, alloc.reason
+
+
+def test_prefill_bound_needs_a_split_whose_prefill_cannot_clear_the_backlog():
+    from prorsa.policy.demand import Sizing, current_load
+
+    sizing, cluster = Sizing(), spec(4)
+    roles = ["prefill", "prefill", "decode", "decode"]
+    # Two slots clear 2 x 16k tokens/s at the 0.8 target: 160k tokens in 5 s.
+    small = current_load(observation(1.0, roles, prefill_queue=100_000))
+    large = current_load(observation(1.0, roles, prefill_queue=400_000))
+    assert not sizing.prefill_bound(cluster, small, 5.0)
+    assert sizing.prefill_bound(cluster, large, 5.0)
+    assert not sizing.prefill_bound(cluster, large, 30.0)
+    # Colocated engines (no prefill slots) prefill locally: never prefill-bound here.
+    colocated = replace(large, prefill_slots=0, decode_slots=4)
+    assert not sizing.prefill_bound(cluster, colocated, 5.0)
+
+
 def test_mpc_dp_matches_brute_force():
     import itertools
 

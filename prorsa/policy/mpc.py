@@ -25,10 +25,11 @@ class MPCPolicy(ModeChoosingPolicy):
     The forecast's horizons ``h_1 < ... < h_K`` cut the future into intervals. In interval
     ``k`` prefill needs ``r_p[k]`` slots (tokens arriving in it, plus its share of the
     backlog, drained over the horizon) and decode ``r_d[k]`` slots (forecast sequences and
-    KV). With ``x`` prefill slots the interval's cost is the slot-seconds of demand left
-    unserved: the cluster moves at its busier side's pace,
-    ``u = max(w_p * r_p / x_eff, w_d * r_d / (N - x)_eff)``, so the interval costs
-    ``N * max(u - 1, 0)`` times its length, where slots that switch in this interval
+    KV; only the KV of what decodes now while prefill cannot clear its backlog within the
+    horizon, :func:`prorsa.policy.demand.decode_demand`). With ``x`` prefill slots the
+    interval's cost is the slot-seconds of demand left unserved: the cluster moves at its
+    busier side's pace, ``u = max(w_p * r_p / x_eff, w_d * r_d / (N - x)_eff)``, so the
+    interval costs ``N * max(u - 1, 0)`` times its length, where slots that switch in this interval
     serve nothing for ``switch_latency + drain_s`` (the reshard latency when prefill and
     decode run different layouts; what outlasts the interval is charged as lost
     slot-seconds);
@@ -131,10 +132,15 @@ class MPCPolicy(ModeChoosingPolicy):
         need_p = (arriving * ratio + backlog) / lengths / per_slot
         seqs = np.maximum(np.asarray(table["decode_sequences"], dtype=float), 0.0)
         kv = np.maximum(np.asarray(table["decode_kv_tokens"], dtype=float), 0.0)
+        # Decode engines also cache the contexts of trajectories between turns, unless
+        # prefill is the bound stage over the whole horizon (see demand.decode_demand).
+        bound = sizing.prefill_bound(spec, load, float(lengths.sum()))
         seqs[0] = max(seqs[0], load.decode_sequences)
         kv[0] = max(kv[0], load.decode_kv_tokens)
-        # Decode engines also cache the contexts of trajectories between turns.
-        kv = kv + load.idle_context_tokens
+        if bound:
+            seqs[:] = 0.0
+        else:
+            kv = kv + load.idle_context_tokens
         cap = kv_capacity_per_slot(obs)
         need_d = np.array(
             [sizing.decode_slots_needed(spec, s, k, cap) for s, k in zip(seqs, kv, strict=True)]

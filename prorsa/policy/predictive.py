@@ -13,6 +13,7 @@ from prorsa.policy.demand import (
     busier_utilisation,
     choose_mode,
     current_load,
+    decode_demand,
     decode_slot_rebuild_s,
     forecast_rate,
     kv_capacity_per_slot,
@@ -36,7 +37,9 @@ class PredictivePolicy(ModeChoosingPolicy):
     ``min_gain`` and the slot-seconds it saves over ``payback_s`` exceed
     ``switch_cost_weight`` times those a switch costs: the switching slots' service, plus,
     for decode slots moved to prefill, the prefill needed to rebuild the contexts they
-    cache. Decode need counts those cached contexts (trajectories between turns) too.
+    cache. Decode need counts those cached contexts (trajectories between turns) too,
+    except while prefill cannot clear its backlog within the horizon: then decode is sized
+    for the KV of what decodes now (:func:`prorsa.policy.demand.decode_demand`).
 
     Colocation is part of the action space: with every slot colocated the cluster pools
     its capacity (prefill costing ``prefill_interference`` times its work under data-parallel
@@ -149,12 +152,9 @@ class PredictivePolicy(ModeChoosingPolicy):
         use_q = q is not None and q in forecast.quantiles
         seqs = forecast.at("decode_sequences", h, q if use_q else None)
         kv = forecast.at("decode_kv_tokens", h, q if use_q else None)
-        decode = self.sizing_.decode_slots_needed(
-            spec,
-            max(seqs, load.decode_sequences),
-            max(kv, load.decode_kv_tokens) + load.idle_context_tokens,
-            kv_capacity_per_slot(obs),
-        )
+        bound = self.sizing_.prefill_bound(spec, load, h)
+        seqs, kv = decode_demand(load, seqs, kv, bound)
+        decode = self.sizing_.decode_slots_needed(spec, seqs, kv, kv_capacity_per_slot(obs))
         return prefill, decode
 
     def forecast_horizons(self, fitted: Sequence[float]) -> tuple[float, ...]:
