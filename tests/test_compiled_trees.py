@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -77,3 +78,31 @@ def test_switched_off_by_environment(booster, monkeypatch):
     monkeypatch.setenv("PRORSA_COMPILED_TREES", "0")
     assert compiled_trees.compiled_for(booster) is None
     assert not compiled_trees.warm([booster])
+
+
+@needs_gcc
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_compiled_predictions_do_not_depend_on_the_thread_count(
+    booster, tmp_path, monkeypatch, threads
+):
+    monkeypatch.setenv("PRORSA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PRORSA_FORECAST_THREADS", threads)
+    compiled = compiled_trees.CompiledBooster(booster)
+    assert compiled.wait(timeout_s=120)
+    assert compiled.threads == min(int(threads), os.cpu_count() or 1)
+    x = _rows(2000)
+    np.testing.assert_array_equal(compiled.predict(x), booster.predict(x, num_threads=1))
+
+
+def test_forecast_threads_reads_the_environment(monkeypatch):
+    from prorsa.errors import ConfigError
+    from prorsa.forecast.threads import forecast_threads
+
+    monkeypatch.delenv("PRORSA_FORECAST_THREADS", raising=False)
+    assert forecast_threads() == min(2, os.cpu_count() or 1)
+    monkeypatch.setenv("PRORSA_FORECAST_THREADS", "3")
+    assert forecast_threads() == min(3, os.cpu_count() or 1)  # at most the machine's cores
+    for bad in ("0", "-1", "two", "1.5"):
+        monkeypatch.setenv("PRORSA_FORECAST_THREADS", bad)
+        with pytest.raises(ConfigError, match="PRORSA_FORECAST_THREADS"):
+            forecast_threads()

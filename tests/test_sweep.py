@@ -207,7 +207,7 @@ def test_sigterm_on_compare_leaves_no_child_alive(tmp_path):
         children: list = []
         while time.monotonic() < deadline and proc.poll() is None:
             children = _descendants(proc.pid)
-            busy = [c for c in children if _cmdline(c).startswith("ray::_call")]
+            busy = [c for c in children if _cmdline(c).startswith("ray::_worker_call")]
             if busy:
                 break
             time.sleep(0.2)
@@ -313,3 +313,19 @@ def test_cell_fields_are_named_once_and_checked():
     with pytest.raises(ConfigError, match="no field 'seeds'") as info:
         cell.changed(seeds=2)
     assert "seed" in info.value.hint
+
+
+def _forecast_threads_env(_cell) -> dict:
+    import os
+
+    return {"threads": os.environ.get("PRORSA_FORECAST_THREADS")}
+
+
+def test_sweep_workers_forecast_on_one_thread_unless_told(monkeypatch):
+    from prorsa.experiments import sweep
+
+    monkeypatch.setenv("PRORSA_FORECAST_THREADS", "x")  # restored after the test
+    monkeypatch.delenv("PRORSA_FORECAST_THREADS")
+    assert sweep._worker_call(_forecast_threads_env, None) == ("ok", {"threads": "1"})
+    monkeypatch.setenv("PRORSA_FORECAST_THREADS", "2")
+    assert sweep._worker_call(_forecast_threads_env, None) == ("ok", {"threads": "2"})

@@ -354,7 +354,7 @@ class Sweep:
         try:
             if self.backend == "ray":
                 self._ray = stack.enter_context(ray_session(self.workers, self.address))
-                self._remote = self._ray.remote(num_cpus=1, max_retries=0)(_call)
+                self._remote = self._ray.remote(num_cpus=1, max_retries=0)(_worker_call)
             elif self.backend == "process":
                 import multiprocessing
 
@@ -440,7 +440,19 @@ class Sweep:
 
 def _call_indexed(item: tuple[int, Callable[[Any], dict], Any]) -> tuple[int, tuple[str, Any]]:
     index, fn, cell = item
-    return index, _call(fn, cell)
+    return index, _worker_call(fn, cell)
+
+
+#: ``prorsa.forecast.threads.ENV``, spelled out: importing the forecast package here would
+#: cost every sweep half a second.
+FORECAST_THREADS_ENV = "PRORSA_FORECAST_THREADS"
+
+
+def _worker_call(fn: Callable[[Any], dict], cell: Any) -> tuple[str, Any]:
+    """:func:`_call` in a worker process (Ray task or pool): a worker holds one core of
+    the sweep, so its forecasts use one thread unless the environment says otherwise."""
+    os.environ.setdefault(FORECAST_THREADS_ENV, "1")
+    return _call(fn, cell)
 
 
 def run_sweep(cells: Sequence[Any], progress: Progress | None = None, **options: Any) -> list[dict]:

@@ -53,6 +53,7 @@ class CompiledBooster:
         self._text = booster.model_to_string()
         self.digest = hashlib.sha256(self._text.encode()).hexdigest()
         self._predictor = None
+        self.threads = 1  # the predictor's thread pool, once built
         self._failed = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -92,7 +93,10 @@ class CompiledBooster:
             path = cache_dir() / f"{self.digest}.so"
             if not path.is_file():
                 _compile(self._text, path)
-            self._predictor = tl2cgen.Predictor(str(path), nthread=1)
+            from prorsa.forecast.threads import forecast_threads
+
+            self.threads = forecast_threads()
+            self._predictor = tl2cgen.Predictor(str(path), nthread=self.threads)
         except Exception as error:  # no compiler, no tl2cgen, unsupported model
             self._failed = True
             log.warning("compiled tree inference unavailable, LightGBM predicts: %s", error)

@@ -1,0 +1,38 @@
+"""How many threads a controller tick's forecast may use.
+
+The per-turn models of ``lightgbm-trajectory`` score every turn that started since the
+last tick (~2,000 rows per 1 s tick at 10,000 live trajectories), and their compiled
+predictors (:mod:`prorsa.forecast.compiled_trees`) split those rows over a thread pool:
+on this project's 2-core reference machine two threads take a booster from ~0.95 to
+~0.58 ms, ~2 ms off a tick's five (benchmarks/results/decision_latency.json). Results do
+not depend on the thread count: every row is scored the same way on whichever thread.
+(The bottom-up sum was tried on two threads too and gained under 5%: its numpy calls
+on a few thousand rows each hold the interpreter lock for most of their time.)
+
+``PRORSA_FORECAST_THREADS`` sets the count (1 where many simulations share the cores,
+as in a sweep); the default is two where the machine has two cores or more.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prorsa.errors import ConfigError
+
+ENV = "PRORSA_FORECAST_THREADS"
+
+
+def forecast_threads() -> int:
+    """Threads per tick: ``$PRORSA_FORECAST_THREADS``, else 2; at most the CPU count
+    (tl2cgen refuses a pool larger than the machine)."""
+    cpus = os.cpu_count() or 1
+    raw = os.environ.get(ENV)
+    if raw is None or raw == "":
+        return min(2, cpus)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{ENV} must be a whole number >= 1, got {raw!r}")
+    return min(value, cpus)
