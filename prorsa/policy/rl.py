@@ -28,6 +28,7 @@ from prorsa.policy.rl_actions import (
     Target,
 )
 from prorsa.policy.rl_features import OBS_FEATURES, observation_vector
+from prorsa.policy.rl_opening import OPENING_FEATURES, choose_arm, opening_arms
 from prorsa.policy.types import SWITCHING, Allocation, ClusterObservation, Forecast
 
 __all__ = [
@@ -181,6 +182,11 @@ class RLPolicy(TargetPolicy):
         decision_interval_s / min_hold_s / max_changes_per_min: as in :class:`TargetPolicy`.
         read_workload: read the run's expected shape when the observation has one (False
             hides it, as if unknown: an ablation).
+        opening: open with the model's contextual-bandit opening (``opening.txt`` beside
+            the agent, :mod:`prorsa.policy.rl_opening`) when it has one; False: the PPO
+            agent's own first action.
+        opening_margin: the opening leaves colocation only for a split predicted at least
+            this much faster (0.02: 2%).
     """
 
     def __init__(
@@ -190,19 +196,31 @@ class RLPolicy(TargetPolicy):
         min_hold_s: float = SwitchGuard.min_hold_s,
         max_changes_per_min: float = SwitchGuard.max_changes_per_min,
         read_workload: bool = True,
+        opening: bool = True,
+        opening_margin: float = 0.02,
     ) -> None:
         super().__init__(decision_interval_s, min_hold_s, max_changes_per_min)
         self.model = model
         self.read_workload = read_workload
+        self.opening = opening
+        self.opening_margin = opening_margin
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
-        self.agent_ = load_agent(resolve_model_dir(self.model))
+        if self.opening_margin < 0:
+            raise ConfigError("rl: opening_margin must be >= 0")
+        path = resolve_model_dir(self.model)
+        self.agent_ = load_agent(path)
+        self.opening_ = load_opening(path) if self.opening else None
 
     def choose(self, obs: ClusterObservation) -> int:
         if not self.read_workload:
             obs = dataclasses.replace(obs, workload=None)
-        action, _ = self.agent_.predict(self.features(obs), deterministic=True)
+        features = self.features(obs)
+        if not self.started_ and self.opening_ is not None:
+            arm = choose_arm(self.opening_, features, self.cluster_.num_slots, self.opening_margin)
+            return opening_arms()[arm][0]
+        action, _ = self.agent_.predict(features, deterministic=True)
         return int(action)
 
     @classmethod
@@ -248,6 +266,35 @@ def load_agent(path: Path):
     check_manifest(path)
     zip_path = path / "model.zip"
     return _load_agent(str(zip_path), zip_path.stat().st_mtime_ns)
+
+
+#: The opening model's file, beside ``model.zip`` (optional).
+OPENING_FILE = "opening.txt"
+
+
+def load_opening(path: Path):
+    """The opening regressor saved in ``path`` (a LightGBM booster), or None without one.
+
+    Raises:
+        ConfigError: the manifest says it was trained on other features.
+    """
+    file = path / OPENING_FILE
+    if not file.exists():
+        return None
+    trained = check_manifest(path).get("opening", {}).get("features")
+    if trained is not None and tuple(trained) != OPENING_FEATURES:
+        raise ConfigError(
+            f"{path / 'manifest.json'}: opening trained on other features",
+            hint="retrain it with `prorsa rl opening`",
+        )
+    return _load_opening(str(file), file.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_opening(file: str, mtime_ns: int):
+    import lightgbm as lgb
+
+    return lgb.Booster(model_file=file)
 
 
 @functools.lru_cache(maxsize=4)
