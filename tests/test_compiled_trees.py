@@ -106,3 +106,11 @@ def test_forecast_threads_reads_the_environment(monkeypatch):
         monkeypatch.setenv("PRORSA_FORECAST_THREADS", bad)
         with pytest.raises(ConfigError, match="PRORSA_FORECAST_THREADS"):
             forecast_threads()
+
+
+def test_a_bad_thread_setting_is_the_callers_error(booster, monkeypatch):
+    from prorsa.errors import ConfigError
+
+    monkeypatch.setenv("PRORSA_FORECAST_THREADS", "none")
+    with pytest.raises(ConfigError, match="PRORSA_FORECAST_THREADS"):
+        compiled_trees.CompiledBooster(booster)

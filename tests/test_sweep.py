@@ -329,3 +329,10 @@ def test_sweep_workers_forecast_on_one_thread_unless_told(monkeypatch):
     assert sweep._worker_call(_forecast_threads_env, None) == ("ok", {"threads": "1"})
     monkeypatch.setenv("PRORSA_FORECAST_THREADS", "2")
     assert sweep._worker_call(_forecast_threads_env, None) == ("ok", {"threads": "2"})
+
+
+def test_sweep_names_the_forecast_threads_variable_the_forecasters_read():
+    from prorsa.experiments import sweep
+    from prorsa.forecast import threads
+
+    assert sweep.FORECAST_THREADS_ENV == threads.ENV

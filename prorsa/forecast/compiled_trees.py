@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from prorsa.forecast.threads import forecast_threads
+
 log = logging.getLogger(__name__)
 
 #: Batches at least this large go to the compiled library once it is ready; below it a
@@ -53,7 +55,9 @@ class CompiledBooster:
         self._text = booster.model_to_string()
         self.digest = hashlib.sha256(self._text.encode()).hexdigest()
         self._predictor = None
-        self.threads = 1  # the predictor's thread pool, once built
+        # Read here, on the caller's thread: a bad setting is the caller's error, not a
+        # failed build (which would fall back to LightGBM quietly).
+        self.threads = forecast_threads()
         self._failed = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -93,9 +97,6 @@ class CompiledBooster:
             path = cache_dir() / f"{self.digest}.so"
             if not path.is_file():
                 _compile(self._text, path)
-            from prorsa.forecast.threads import forecast_threads
-
-            self.threads = forecast_threads()
             self._predictor = tl2cgen.Predictor(str(path), nthread=self.threads)
         except Exception as error:  # no compiler, no tl2cgen, unsupported model
             self._failed = True

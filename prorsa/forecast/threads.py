@@ -10,7 +10,9 @@ not depend on the thread count: every row is scored the same way on whichever th
 on a few thousand rows each hold the interpreter lock for most of their time.)
 
 ``PRORSA_FORECAST_THREADS`` sets the count (1 where many simulations share the cores,
-as in a sweep); the default is two where the machine has two cores or more.
+as in a sweep); the default is two where the machine has two cores or more. Sweep
+workers default it to 1 in their own process (``prorsa.experiments.sweep``), on a remote
+Ray cluster too; a value set in the driver's environment does not travel to them.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ ENV = "PRORSA_FORECAST_THREADS"
 
 
 def forecast_threads() -> int:
-    """Threads per tick: ``$PRORSA_FORECAST_THREADS``, else 2; at most the CPU count
-    (tl2cgen refuses a pool larger than the machine)."""
-    cpus = os.cpu_count() or 1
+    """Threads per tick: ``$PRORSA_FORECAST_THREADS``, else 2; at most the CPUs this
+    process may run on (tl2cgen refuses a pool larger than the machine)."""
+    cpus = _usable_cpus()
     raw = os.environ.get(ENV)
     if raw is None or raw == "":
         return min(2, cpus)
@@ -36,3 +38,11 @@ def forecast_threads() -> int:
     if value < 1:
         raise ConfigError(f"{ENV} must be a whole number >= 1, got {raw!r}")
     return min(value, cpus)
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on this OS
+        return os.cpu_count() or 1
