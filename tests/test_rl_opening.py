@@ -12,7 +12,7 @@ import pytest
 from prorsa.errors import ConfigError
 from prorsa.forecast import lgbm
 from prorsa.policy import make_policy
-from prorsa.policy.rl import OBS_FEATURES, TARGETS, resolve_model_dir
+from prorsa.policy.rl import OBS_FEATURES, TARGETS, file_sha256, resolve_model_dir
 from prorsa.policy.rl_actions import Target
 from prorsa.policy.rl_opening import OPENING_FEATURES, arm_rows, choose_arm, opening_arms
 from prorsa.runtime.sim.rl_domain import DomainConfig, EpisodeConfig
@@ -92,19 +92,19 @@ def test_the_opening_picks_the_split_of_highest_predicted_payoff():
     assert arms[choose_arm(booster, low, 8)][1].mode == "colocated"
     # The margin: a predicted 22% gain does not clear a 50% bar.
     assert arms[choose_arm(booster, high, 8, margin=0.5)][1].mode == "colocated"
+
+    def payoffs(good: bool) -> list[float]:
+        return [
+            0.0 if t.mode == "colocated" else (0.2 if good and t == Target("split", 0.25) else -0.2)
+            for _, t in arms
+        ]
+
     rows = [
-        {
-            "features": list(high),
-            "payoffs": [0.0, -0.2, 0.2, -0.2, -0.2, -0.2],
-            "episode": {"num_slots": 8},
-        },
-        {
-            "features": list(low),
-            "payoffs": [0.0, -0.2, -0.2, -0.2, -0.2, -0.2],
-            "episode": {"num_slots": 8},
-        },
+        {"features": list(high), "payoffs": payoffs(True), "episode": {"num_slots": 8}},
+        {"features": list(low), "payoffs": payoffs(False), "episode": {"num_slots": 8}},
     ]
-    report = score(booster, rows)
+
+    report = score(booster, rows, margin=0.0)
     assert report["within_2pct_of_best"] == 1.0
     assert report["picked_speedup_geomean"] == pytest.approx(math.exp(0.1))
 
@@ -115,11 +115,25 @@ def model_dir(tmp_path):
     out = tmp_path / "rl"
     shutil.copytree(resolve_model_dir("rl-ppo"), out)
     (out / "opening.txt").unlink(missing_ok=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.pop("opening", None)
+    (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
 
+def _install(model_dir, booster) -> None:
+    """Save ``booster`` as the opening, with the manifest entry that vouches for it."""
+    booster.save_model(str(model_dir / "opening.txt"))
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    manifest["opening"] = {
+        "features": list(OPENING_FEATURES),
+        "sha256": file_sha256(model_dir / "opening.txt"),
+    }
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_the_policy_opens_with_the_bandit_then_asks_the_agent(model_dir):
-    _synthetic_booster(always=True).save_model(str(model_dir / "opening.txt"))
+    _install(model_dir, _synthetic_booster(always=True))
     policy = make_policy("rl", model=str(model_dir))
     policy.reset(spec(8))
     first = policy.decide(observation(0.0, ["colocated"] * 8, decoding=0), None)
@@ -133,9 +147,9 @@ def test_the_policy_opens_with_the_bandit_then_asks_the_agent(model_dir):
 
 
 def test_an_opening_trained_on_other_features_is_refused(model_dir):
-    _synthetic_booster().save_model(str(model_dir / "opening.txt"))
+    _install(model_dir, _synthetic_booster())
     manifest = json.loads((model_dir / "manifest.json").read_text())
-    manifest["opening"] = {"features": ["old"]}
+    manifest["opening"]["features"] = ["old"]
     (model_dir / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match="opening trained on other features"):
         make_policy("rl", model=str(model_dir)).reset(spec(8))
@@ -148,6 +162,7 @@ def test_fit_opening_end_to_end(model_dir, tmp_path):
     data = tmp_path / "episodes.jsonl"
     result = fit_opening(model_dir, config, TINY, data)
     assert result["episodes"] == 3 and result["train_episodes"] == 9
+    assert result["margin"] == 0.02 and result["quantile"] == 0.25
     assert result["features"] == list(OPENING_FEATURES)
     assert 0.0 <= result["within_2pct_of_best"] <= 1.0
     assert (model_dir / "opening.txt").exists()
@@ -158,7 +173,11 @@ def test_fit_opening_end_to_end(model_dir, tmp_path):
     assert again["picked_speedup_geomean"] == result["picked_speedup_geomean"]
     policy = make_policy("rl", model=str(model_dir))
     policy.reset(spec(2))
+    assert policy.opening_ is not None  # the fitted opening, vouched for by the manifest
     assert sum(policy.decide(observation(0.0, ["colocated"] * 2, decoding=0), None).gpus.values())
+    # Refitting with the same data and seed gives the same model file.
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    assert manifest["opening"]["sha256"] == again["sha256"] == result["sha256"]
 
 
 def test_opening_config_and_draws_are_checked():
@@ -183,3 +202,43 @@ def test_cli_trains_the_opening_and_refuses_bad_options(model_dir, tmp_path):
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output[ok.output.index("{") :])["episodes_total"] == 10
     assert (model_dir / "opening.txt").exists()
+
+
+def test_a_model_without_an_opening_uses_the_agent(model_dir):
+    policy = make_policy("rl", model=str(model_dir))
+    policy.reset(spec(8))
+    assert policy.opening_ is None
+    assert policy.decide(observation(0.0, ["colocated"] * 8, decoding=0), None).gpus
+
+
+def test_an_opening_the_manifest_does_not_vouch_for_is_refused(model_dir):
+    # Left behind by an earlier fit (no manifest entry), or changed since (checksum).
+    _synthetic_booster().save_model(str(model_dir / "opening.txt"))
+    with pytest.raises(ConfigError, match="no 'opening' entry"):
+        make_policy("rl", model=str(model_dir)).reset(spec(8))
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    manifest["opening"] = {"features": list(OPENING_FEATURES), "sha256": "0" * 64}
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="checksum"):
+        make_policy("rl", model=str(model_dir)).reset(spec(8))
+
+
+def test_training_a_new_agent_removes_an_old_opening(model_dir, tmp_path):
+    """`prorsa rl train` replaces the manifest that vouched for the opening."""
+    from prorsa.runtime.sim.rl_train import TrainConfig, train_ppo
+
+    (model_dir / "opening.txt").write_text("old")
+    config = TrainConfig(
+        timesteps=128,
+        workers=1,
+        curriculum=((0.0, 2),),
+        domain=TINY,
+        n_steps=64,
+        batch_size=64,
+        eval_every=10**9,
+        eval_episodes=1,
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    )
+    train_ppo(model_dir, config)
+    assert not (model_dir / "opening.txt").exists()
+    make_policy("rl", model=str(model_dir)).reset(spec(2))

@@ -180,7 +180,8 @@ def test_the_rl_policy_can_be_told_to_ignore_the_shape(read):
             self.seen.append(features)
             return 1, None  # colocate
 
-    policy = make_policy("rl", read_workload=read)
+    # The agent's own first action (the opening model would take it otherwise).
+    policy = make_policy("rl", read_workload=read, opening=False)
     policy.reset(spec(4))
     policy.agent_ = Recorder()
     shape = reference_shape(WorkloadConfig(scenario="search"))

@@ -141,14 +141,14 @@ def train(
 @friendly_errors
 def opening(
     model: Path = typer.Option(Path("models/rl-ppo"), help="trained agent's directory"),
-    episodes: int = typer.Option(400, help="episodes to simulate every opening of"),
+    episodes: int = typer.Option(1200, help="episodes to simulate every opening of"),
     seed: int = typer.Option(7, help="episode draw seed"),
     held_out: float = typer.Option(0.2, help="share of episodes kept to score the model"),
-    workers: int = typer.Option(2, help="parallel episodes (Ray tasks)"),
+    workers: int = typer.Option(2, help="parallel episodes (Ray tasks; 1: in this process)"),
     address: str | None = typer.Option(None, help="Ray cluster address (default: local)"),
     families: str = typer.Option(",".join(_DEFAULT.domain.families), help=_DOMAIN_HELP["families"]),
     family_weights: str = typer.Option(
-        "1,1,1,1,3,3", help="relative draw weight per family (MoE drawn 3x: splits pay there)"
+        "", help="relative draw weight per family (empty: MoE families 3x, splits pay there)"
     ),
     data: Path = typer.Option(
         Path("out/rl-opening/episodes.jsonl"), help="payoffs file (a re-run skips its episodes)"
@@ -160,14 +160,16 @@ def opening(
     agent (`--policy rl` opens with it)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from prorsa.runtime.sim.rl_opening import OpeningConfig, fit_opening
+    from prorsa.policy.rl import OPENING_FILE
+    from prorsa.runtime.sim.rl_opening import OpeningConfig, fit_opening, opening_weights
 
     config = OpeningConfig(
         episodes=episodes, seed=seed, held_out=held_out, workers=workers, address=address
     )
-    domain = DomainConfig(
-        families=_names(families), family_weights=_floats(family_weights, "family-weights")
-    )
+    names = _names(families)
+    DomainConfig(families=names).validate()  # unknown families, before weighing them
+    weights = _floats(family_weights, "family-weights") or opening_weights(names)
+    domain = DomainConfig(families=names, family_weights=weights)
     with Progress(
         "[bold]openings",
         BarColumn(),
@@ -185,7 +187,7 @@ def opening(
         print_json(result)
         return
     console.print(
-        f"saved {model / 'opening.txt'}: on {result['episodes']} held-out episodes its pick is "
+        f"saved {model / OPENING_FILE}: on {result['episodes']} held-out episodes its pick is "
         f"{result['picked_speedup_geomean']:.3f}x colocation (best arm "
         f"{result['best_speedup_geomean']:.3f}x), within 2% of the best in "
         f"{100 * result['within_2pct_of_best']:.0f}%"

@@ -28,7 +28,12 @@ from prorsa.policy.rl_actions import (
     Target,
 )
 from prorsa.policy.rl_features import OBS_FEATURES, observation_vector
-from prorsa.policy.rl_opening import OPENING_FEATURES, choose_arm, opening_arms
+from prorsa.policy.rl_opening import (
+    DEFAULT_OPENING_MARGIN,
+    OPENING_FEATURES,
+    choose_arm,
+    opening_arms,
+)
 from prorsa.policy.types import SWITCHING, Allocation, ClusterObservation, Forecast
 
 __all__ = [
@@ -185,8 +190,8 @@ class RLPolicy(TargetPolicy):
         opening: open with the model's contextual-bandit opening (``opening.txt`` beside
             the agent, :mod:`prorsa.policy.rl_opening`) when it has one; False: the PPO
             agent's own first action.
-        opening_margin: the opening leaves colocation only for a split predicted at least
-            this much faster (0.02: 2%).
+        opening_margin: the opening leaves colocation only for a split predicted more
+            than this much faster (0.02: 2%).
     """
 
     def __init__(
@@ -197,7 +202,7 @@ class RLPolicy(TargetPolicy):
         max_changes_per_min: float = SwitchGuard.max_changes_per_min,
         read_workload: bool = True,
         opening: bool = True,
-        opening_margin: float = 0.02,
+        opening_margin: float = DEFAULT_OPENING_MARGIN,
     ) -> None:
         super().__init__(decision_interval_s, min_hold_s, max_changes_per_min)
         self.model = model
@@ -275,23 +280,41 @@ OPENING_FILE = "opening.txt"
 def load_opening(path: Path):
     """The opening regressor saved in ``path`` (a LightGBM booster), or None without one.
 
+    The manifest's ``opening`` entry vouches for the file: its features and its SHA-256
+    (so an ``opening.txt`` left behind by an older fit, or changed since, is not used).
+
     Raises:
-        ConfigError: the manifest says it was trained on other features.
+        ConfigError: the file has no manifest entry, another checksum, or was trained on
+            other features.
     """
     file = path / OPENING_FILE
     if not file.exists():
         return None
-    trained = check_manifest(path).get("opening", {}).get("features")
-    if trained is not None and tuple(trained) != OPENING_FEATURES:
+    entry = check_manifest(path).get("opening")
+    hint = "fit it again with `prorsa rl opening`"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{file}: no 'opening' entry in {path / 'manifest.json'}", hint=hint)
+    if tuple(entry.get("features", ())) != OPENING_FEATURES:
+        raise ConfigError(f"{path / 'manifest.json'}: opening trained on other features", hint=hint)
+    digest = file_sha256(file)
+    if entry.get("sha256") != digest:
         raise ConfigError(
-            f"{path / 'manifest.json'}: opening trained on other features",
-            hint="retrain it with `prorsa rl opening`",
+            f"{file}: checksum {digest[:12]} is not the manifest's "
+            f"({str(entry.get('sha256'))[:12]})",
+            hint=hint,
         )
-    return _load_opening(str(file), file.stat().st_mtime_ns)
+    return _load_opening(str(file), digest)
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @functools.lru_cache(maxsize=4)
-def _load_opening(file: str, mtime_ns: int):
+def _load_opening(file: str, sha256: str):
     import lightgbm as lgb
 
     return lgb.Booster(model_file=file)

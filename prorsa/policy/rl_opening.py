@@ -17,6 +17,9 @@ import numpy as np
 from prorsa.policy.rl_actions import HOLD, TARGETS, Target
 from prorsa.policy.rl_features import OBS_FEATURES
 
+#: A split opens only when predicted more than this much faster than colocation (2%).
+DEFAULT_OPENING_MARGIN = 0.02
+
 #: The regressor's inputs: the observation, then the arm's prefill share of the slots
 #: (0 colocated) and whether it is a split.
 OPENING_FEATURES: tuple[str, ...] = (*OBS_FEATURES, "arm_prefill_share", "arm_is_split")
@@ -39,7 +42,9 @@ def arm_rows(features: np.ndarray, num_slots: int) -> np.ndarray:
     return np.asarray(rows, float)
 
 
-def choose_arm(booster, features: np.ndarray, num_slots: int, margin: float = 0.0) -> int:
+def choose_arm(
+    booster, features: np.ndarray, num_slots: int, margin: float = DEFAULT_OPENING_MARGIN
+) -> int:
     """Position in :func:`opening_arms` of the opening: the split of highest predicted
     log speedup when it exceeds ``log(1 + margin)``, else colocation."""
     from prorsa.forecast import lgbm

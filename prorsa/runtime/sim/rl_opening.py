@@ -33,9 +33,26 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.policy.rl import OBS_FEATURES, OPENING_FILE, TARGETS, ExternalPolicy
-from prorsa.policy.rl_opening import OPENING_FEATURES, arm_rows, opening_arms
-from prorsa.runtime.sim.rl_domain import DomainConfig, EpisodeConfig
+from prorsa.policy.rl import OBS_FEATURES, OPENING_FILE, ExternalPolicy, file_sha256
+from prorsa.policy.rl_opening import (
+    DEFAULT_OPENING_MARGIN,
+    OPENING_FEATURES,
+    arm_rows,
+    opening_arms,
+)
+from prorsa.runtime.sim.rl_domain import FAMILIES, DomainConfig, EpisodeConfig
+
+__all__ = [
+    "OpeningConfig",
+    "check_features",
+    "collect",
+    "draw_episodes",
+    "fit_opening",
+    "opening_payoffs",
+    "opening_weights",
+    "score",
+    "train_opening",
+]
 
 
 def opening_payoffs(episode: EpisodeConfig) -> dict:
@@ -87,7 +104,7 @@ def _held_end_s(env, episode: EpisodeConfig, action: int) -> float:
 class OpeningConfig:
     """What the opening model is trained on."""
 
-    episodes: int = 240
+    episodes: int = 1200
     seed: int = 7
     held_out: float = 0.2  # share of episodes kept for the regret report
     workers: int = 2
@@ -98,6 +115,19 @@ class OpeningConfig:
             raise ConfigError("opening: episodes must be >= 10")
         if not 0.0 < self.held_out < 1.0:
             raise ConfigError("opening: held_out must be a share in (0, 1)")
+
+
+#: How much more often the opening's episodes draw a data-parallel-attention (MoE)
+#: family: a split pays almost only there, and the regressor needs those episodes.
+MOE_DRAW_WEIGHT = 3.0
+
+
+def opening_weights(families: Sequence[str]) -> tuple[float, ...]:
+    """Draw weight per family: :data:`MOE_DRAW_WEIGHT` for those with data-parallel
+    attention, 1 for the others."""
+    return tuple(
+        MOE_DRAW_WEIGHT if FAMILIES[name].dp_attention_ranks > 1 else 1.0 for name in families
+    )
 
 
 def draw_episodes(domain: DomainConfig, count: int, seed: int) -> list[EpisodeConfig]:
@@ -130,8 +160,8 @@ OPENING_QUANTILE = 0.25
 
 
 def train_opening(rows: Sequence[dict], *, held_out: float = 0.2, seed: int = 0):
-    """(booster, report): a LightGBM regressor of the payoff's P25 on (features, prefill
-    share),
+    """(booster, report): a LightGBM regressor of the payoff's P25 on the features, the
+    arm's prefill share and whether it is a split,
     fitted on all but the last ``held_out`` share of ``rows``; the report scores the arm
     it picks on those held-out episodes against the best arm and against colocation."""
     from prorsa.forecast import lgbm
@@ -139,7 +169,9 @@ def train_opening(rows: Sequence[dict], *, held_out: float = 0.2, seed: int = 0)
     if len(rows) < 10:
         raise ConfigError(f"opening: {len(rows)} episodes are too few to train on (>= 10)")
     cut = max(int(len(rows) * (1.0 - held_out)), 1)
-    train, test = rows[:cut], rows[cut:] or rows[-1:]
+    if cut >= len(rows):
+        raise ConfigError(f"opening: held_out={held_out} keeps no episode of {len(rows)} out")
+    train, test = rows[:cut], rows[cut:]
 
     def table(part: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
         x = np.vstack(
@@ -167,14 +199,20 @@ def train_opening(rows: Sequence[dict], *, held_out: float = 0.2, seed: int = 0)
         num_leaves=31,
         min_child_samples=5,
     )
-    report = score(booster, test)
-    report.update(train_episodes=len(train), features=list(OPENING_FEATURES))
+    report = score(booster, test, DEFAULT_OPENING_MARGIN)
+    report.update(
+        train_episodes=len(train),
+        features=list(OPENING_FEATURES),
+        margin=DEFAULT_OPENING_MARGIN,
+        quantile=OPENING_QUANTILE,
+    )
     return booster, report
 
 
-def score(booster, rows: Sequence[dict], margin: float = 0.0) -> dict:
+def score(booster, rows: Sequence[dict], margin: float = DEFAULT_OPENING_MARGIN) -> dict:
     """Speedups over colocation of the arm ``booster`` picks, of the best arm, and the
-    share of episodes where the pick is within 2% of the best."""
+    share of episodes where the pick is within 2% of the best (picks at ``margin``, the
+    policy's own by default)."""
     from prorsa.policy.rl_opening import choose_arm
 
     picked, best, near = [], [], 0
@@ -207,19 +245,6 @@ def check_features(rows: Sequence[dict]) -> None:
             raise ConfigError(f"opening row {i}: payoffs for another action set")
 
 
-__all__ = [
-    "OPENING_FILE",
-    "TARGETS",
-    "OpeningConfig",
-    "collect",
-    "draw_episodes",
-    "fit_opening",
-    "opening_payoffs",
-    "score",
-    "train_opening",
-]
-
-
 def fit_opening(
     model_dir: Path,
     config: OpeningConfig,
@@ -236,7 +261,7 @@ def fit_opening(
     from prorsa.policy.rl import check_manifest
 
     config.validate()
-    manifest = check_manifest(model_dir)
+    check_manifest(model_dir)  # fail before hours of simulation, not after
     started = time.perf_counter()
     episodes = draw_episodes(domain, config.episodes, config.seed)
     rows = collect(
@@ -244,9 +269,16 @@ def fit_opening(
     )
     check_features(rows)
     booster, report = train_opening(rows, held_out=config.held_out, seed=config.seed)
-    booster.save_model(str(model_dir / OPENING_FILE))
+    # The model first, then the manifest that vouches for it (its checksum), each
+    # replaced in one step: a crash in between leaves a model the policy refuses with a
+    # clear error, never a half-written file. The manifest is read again here, so an
+    # agent retrained while this ran keeps its own entries.
+    model = model_dir / OPENING_FILE
+    _replace_file(model, booster.model_to_string())
+    manifest = check_manifest(model_dir)
     manifest["opening"] = {
         **report,
+        "sha256": file_sha256(model),
         "episodes_total": len(rows),
         "config": {k: v for k, v in vars(config).items() if k != "address"},
         "domain": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(domain).items()},
@@ -257,5 +289,20 @@ def fit_opening(
         "episode_s_total": sum(r.get("wall_s", 0.0) for r in rows),
         "wall_s": time.perf_counter() - started,
     }
-    (model_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    _replace_file(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest["opening"]
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -227,6 +227,12 @@ def train_ppo(out: Path, config: TrainConfig | None = None, *, progress=None) ->
         wall_s = time.perf_counter() - started
         manifest = _manifest(config, curve, wall_s, stable_baselines3, torch)
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        # An opening fitted beside an earlier agent is vouched for by that agent's
+        # manifest, which this one replaces: remove it (`prorsa rl opening` fits anew).
+        stale = out / "opening.txt"
+        if stale.exists():
+            stale.unlink()
+            logging.getLogger(__name__).info("removed %s (fit before this agent)", stale)
         (out / "curve.json").write_text(json.dumps(curve.points, indent=2) + "\n")
         plot_curve(curve.points, out / "training_curve.png")
         run.log_artifacts(out)
