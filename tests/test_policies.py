@@ -175,23 +175,29 @@ def test_queued_contexts_do_not_size_decode_while_prefill_is_bound(name):
     alloc = policy.decide(bound, forecast(30.0, 20_000.0, decoding=400))
     assert alloc.gpus.get("prefill", 0) == 3, alloc.reason
     # The same contexts with prefill keeping up: decode caches them between turns, so
-    # they do size decode and it takes slots from prefill.
-    free = _with_queued_contexts(observation(30.0, roles, decoding=400), 2_000, 100_000_000)
+    # they do size decode and it takes slots from prefill (40 decoding sequences alone
+    # fit one decode slot's batch).
+    free = _with_queued_contexts(observation(30.0, roles, decoding=40), 2_000, 100_000_000)
     policy = make_policy(name)
     policy.reset(cluster)
-    alloc = policy.decide(free, forecast(30.0, 20_000.0, decoding=400))
+    alloc = policy.decide(free, forecast(30.0, 20_000.0, decoding=40, kv=50_000))
     assert alloc.gpus.get("prefill", 0) < 3, alloc.reason
 
 
-def test_prefill_bound_needs_a_split_whose_prefill_cannot_clear_the_backlog():
+def test_prefill_bound_needs_a_backlog_no_split_could_clear():
     from prorsa.policy.demand import Sizing, current_load
 
     sizing, cluster = Sizing(), spec(4)
     roles = ["prefill", "prefill", "decode", "decode"]
-    # Two slots clear 2 x 16k tokens/s at the 0.8 target: 160k tokens in 5 s.
+    # A slot clears 16k tokens/s at the 0.8 target; the largest split has 3 prefill
+    # slots: 240k tokens in 5 s.
     small = current_load(observation(1.0, roles, prefill_queue=100_000))
+    beyond_two = current_load(observation(1.0, roles, prefill_queue=200_000))
     large = current_load(observation(1.0, roles, prefill_queue=400_000))
     assert not sizing.prefill_bound(cluster, small, 5.0)
+    # More than today's two prefill slots clear, but a 3/1 split would: not bound, so the
+    # answer does not change with the split a policy weighs.
+    assert not sizing.prefill_bound(cluster, beyond_two, 5.0)
     assert sizing.prefill_bound(cluster, large, 5.0)
     assert not sizing.prefill_bound(cluster, large, 30.0)
     # Colocated engines (no prefill slots) prefill locally: never prefill-bound here.

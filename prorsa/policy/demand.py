@@ -77,13 +77,20 @@ class Sizing:
         return max(by_batch, by_kv)
 
     def prefill_bound(self, spec: ClusterSpec, load: Load, horizon_s: float) -> bool:
-        """Whether a split's prefill slots cannot even clear the backlog within
-        ``horizon_s``: prefill then sets the pipeline's pace (see :func:`decode_demand`).
-        Colocated clusters (no prefill slots) are never prefill-bound here."""
+        """Whether no split could clear a split's prefill backlog within ``horizon_s``
+        (it needs more than ``num_slots - 1`` prefill slots): prefill then sets the
+        pipeline's pace whatever the split (see :func:`decode_demand`).
+
+        Judged against the largest prefill pool, not the current one, so the answer is
+        the same for every split a policy weighs and moving slots cannot flip it (a
+        flag that cleared once prefill grew would put the waiting contexts back into
+        decode's need and pull the slots back). Colocated clusters (no prefill slots)
+        are never prefill-bound here: their backlog is priced by ``choose_mode``.
+        """
         if load.prefill_slots <= 0 or load.prefill_backlog_tokens <= 0:
             return False
         backlog = self.prefill_slots_needed(spec, 0.0, load.prefill_backlog_tokens, horizon_s)
-        return backlog > load.prefill_slots
+        return backlog > spec.num_slots - 1
 
 
 def decode_demand(
@@ -94,7 +101,8 @@ def decode_demand(
 
     Normally decode is sized for the batch target and for the KV of live sequences plus
     the contexts of trajectories between turns (cached so the next turn is cheap). When
-    prefill is the bound stage, only the KV of what decodes now counts: trajectories
+    prefill is the bound stage, only the KV of decoding sequences counts (now, or as
+    forecast if more): trajectories
     wait in the prefill queue, so decode's batch size is off their critical path, and
     contexts waiting there are the backlog's, not decode's. Sized with those terms,
     Qwen3-235B-A22B swe sync 64/GPU (a 3-hour backlog-bound run) asked for 13 decode

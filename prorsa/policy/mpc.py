@@ -25,8 +25,8 @@ class MPCPolicy(ModeChoosingPolicy):
     The forecast's horizons ``h_1 < ... < h_K`` cut the future into intervals. In interval
     ``k`` prefill needs ``r_p[k]`` slots (tokens arriving in it, plus its share of the
     backlog, drained over the horizon) and decode ``r_d[k]`` slots (forecast sequences and
-    KV; only the KV of what decodes now while prefill cannot clear its backlog within the
-    horizon, :func:`prorsa.policy.demand.decode_demand`). With ``x`` prefill slots the
+    KV; only the KV of what decodes while no split's prefill could clear the backlog
+    within the horizon, :func:`prorsa.policy.demand.decode_demand`). With ``x`` prefill slots the
     interval's cost is the slot-seconds of demand left unserved: the cluster moves at its
     busier side's pace, ``u = max(w_p * r_p / x_eff, w_d * r_d / (N - x)_eff)``, so the
     interval costs ``N * max(u - 1, 0)`` times its length, where slots that switch in this interval
@@ -133,7 +133,8 @@ class MPCPolicy(ModeChoosingPolicy):
         seqs = np.maximum(np.asarray(table["decode_sequences"], dtype=float), 0.0)
         kv = np.maximum(np.asarray(table["decode_kv_tokens"], dtype=float), 0.0)
         # Decode engines also cache the contexts of trajectories between turns, unless
-        # prefill is the bound stage over the whole horizon (see demand.decode_demand).
+        # prefill is the bound stage over the whole horizon: demand.decode_demand's rule,
+        # applied to every interval at once.
         bound = sizing.prefill_bound(spec, load, float(lengths.sum()))
         seqs[0] = max(seqs[0], load.decode_sequences)
         kv[0] = max(kv[0], load.decode_kv_tokens)

@@ -38,8 +38,8 @@ class PredictivePolicy(ModeChoosingPolicy):
     ``switch_cost_weight`` times those a switch costs: the switching slots' service, plus,
     for decode slots moved to prefill, the prefill needed to rebuild the contexts they
     cache. Decode need counts those cached contexts (trajectories between turns) too,
-    except while prefill cannot clear its backlog within the horizon: then decode is sized
-    for the KV of what decodes now (:func:`prorsa.policy.demand.decode_demand`).
+    except while no split's prefill could clear the backlog within the horizon: then
+    decode is sized for the KV of what decodes (:func:`prorsa.policy.demand.decode_demand`).
 
     Colocation is part of the action space: with every slot colocated the cluster pools
     its capacity (prefill costing ``prefill_interference`` times its work under data-parallel
