@@ -7,7 +7,8 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import click
@@ -127,3 +128,22 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+@contextmanager
+def counted_progress(label: str, total: int, *, quiet: bool = False) -> Iterator[Callable]:
+    """A transient "label [bar] done/total elapsed" progress bar; yields the
+    ``progress(done, total)`` callback the long-running functions take."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        f"[bold]{escape(label)}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet,
+    ) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda done, _total=None: bar.update(task, completed=done)

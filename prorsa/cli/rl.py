@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.cli.common import console, counted_progress, friendly_errors, print_json
 from prorsa.errors import ConfigError
 from prorsa.runtime.sim.rl_domain import DomainConfig
 from prorsa.runtime.sim.rl_train import TrainConfig, config_help
@@ -86,8 +86,6 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
 ) -> None:
     """Train a PPO agent on randomised simulated rollouts; `--policy rl` then loads it."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from prorsa.runtime.sim.rl_train import train_ppo
 
     stages = parse_curriculum(curriculum)
@@ -113,19 +111,8 @@ def train(
         eval_episodes=eval_episodes,
         tracking_uri=tracking_uri,
     )
-    with Progress(
-        "[bold]training",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=as_json,
-    ) as bar:
-        task = bar.add_task("steps", total=timesteps)
-        manifest = train_ppo(
-            out, config, progress=lambda step, total: bar.update(task, completed=step)
-        )
+    with counted_progress("training", timesteps, quiet=as_json) as progress:
+        manifest = train_ppo(out, config, progress=progress)
     if as_json:
         print_json(manifest)
         return
@@ -158,8 +145,6 @@ def opening(
     """Train the policy's opening move as a contextual bandit: simulate every target held
     from the start on each episode, regress the payoff over colocation, save beside the
     agent (`--policy rl` opens with it)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from prorsa.policy.rl import OPENING_FILE
     from prorsa.runtime.sim.rl_opening import OpeningConfig, fit_opening, opening_weights
 
@@ -170,19 +155,8 @@ def opening(
     DomainConfig(families=names).validate()  # unknown families, before weighing them
     weights = _floats(family_weights, "family-weights") or opening_weights(names)
     domain = DomainConfig(families=names, family_weights=weights)
-    with Progress(
-        "[bold]openings",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=as_json,
-    ) as bar:
-        task = bar.add_task("episodes", total=episodes)
-        result = fit_opening(
-            model, config, domain, data, progress=lambda done, _: bar.update(task, completed=done)
-        )
+    with counted_progress("openings", episodes, quiet=as_json) as progress:
+        result = fit_opening(model, config, domain, data, progress=progress)
     if as_json:
         print_json(result)
         return
