@@ -131,9 +131,12 @@ def _json_default(obj: Any) -> Any:
 
 
 @contextmanager
-def counted_progress(label: str, total: int, *, quiet: bool = False) -> Iterator[Callable]:
+def counted_progress(
+    label: str, total: int | None = None, *, quiet: bool = False
+) -> Iterator[Callable[..., None]]:
     """A transient "label [bar] done/total elapsed" progress bar; yields the
-    ``progress(done, total)`` callback the long-running functions take."""
+    ``progress(done, total=None)`` callback the long-running functions take (a total
+    given there replaces the one given here, for work that learns its size late)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress(
@@ -146,4 +149,11 @@ def counted_progress(label: str, total: int, *, quiet: bool = False) -> Iterator
         disable=quiet,
     ) as bar:
         task = bar.add_task(label, total=total)
-        yield lambda done, _total=None: bar.update(task, completed=done)
+
+        def progress(done: int, total: int | None = None) -> None:
+            if total is None:
+                bar.update(task, completed=done)
+            else:
+                bar.update(task, completed=done, total=total)
+
+        yield progress

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.cli.common import console, counted_progress, friendly_errors, print_json
 from prorsa.cli.options import config_command, parse_params
 from prorsa.errors import ConfigError
 from prorsa.runtime.cluster.config import ClusterConfig
@@ -38,20 +37,7 @@ def run_and_report(cfg, out: Path, *, as_json: bool, mlflow_uri: str | None, tit
     from prorsa.experiments.compare import run_compare
     from prorsa.experiments.report import write_report
 
-    with Progress(
-        TextColumn("[bold]simulating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=as_json,
-    ) as bar:
-        task = bar.add_task("runs", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with counted_progress("simulating", quiet=as_json) as progress:
         result = run_compare(cfg, progress=progress)
     config = asdict(cfg)
     report = write_report(result, out, title=title, config=config)

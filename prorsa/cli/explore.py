@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.cli.common import console, counted_progress, friendly_errors, print_json
 from prorsa.errors import ConfigError
 from prorsa.experiments import DEFAULT_FORECASTER
 
@@ -28,20 +27,7 @@ def run_map_with_progress(cfg, *, quiet: bool = False) -> dict:
     """``run_map`` behind a progress bar."""
     from prorsa.experiments.regimes import run_map
 
-    with Progress(
-        TextColumn("[bold]simulating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=quiet,
-    ) as bar:
-        task = bar.add_task("cells", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with counted_progress("simulating", quiet=quiet) as progress:
         return run_map(cfg, progress=progress)
 
 

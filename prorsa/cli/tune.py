@@ -6,9 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.cli.common import console, counted_progress, friendly_errors, print_json
 from prorsa.cli.options import config_command
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.control import ControlConfig
@@ -86,19 +85,10 @@ def tune_cmd(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = study or default_study_name(cfg)
     check_output(out / name, kind="dir", inputs=[work.trace])
-    with Progress(
-        TextColumn("[bold]trials"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=as_json,
-    ) as bar:
-        task = bar.add_task("trials", total=trials)
+    with counted_progress("trials", trials, quiet=as_json) as progress:
         result = tune(
             cfg,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            progress=progress,
             tracker=Tracker(resolve_uri(mlflow, track=track)),
             out=out / name,
         )
