@@ -166,6 +166,8 @@ def test_fit_opening_end_to_end(model_dir, tmp_path):
     assert result["features"] == list(OPENING_FEATURES)
     assert 0.0 <= result["within_2pct_of_best"] <= 1.0
     assert (model_dir / "opening.txt").exists()
+    # Written through a temporary file, yet readable like any other model file.
+    assert (model_dir / "opening.txt").stat().st_mode & 0o044 == 0o044
     assert json.loads((model_dir / "manifest.json").read_text())["opening"]["episodes_total"] == 12
     # The payoffs streamed to the data file; a re-run reads them instead of simulating.
     assert len(data.read_text().splitlines()) == 12

@@ -302,6 +302,12 @@ def _replace_file(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)
+        # mkstemp makes the file private (0600); give it the mode a plain write would.
+        # (Reading the umask sets it for an instant: fine in the fitting command, which
+        # runs no other threads that create files.)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
