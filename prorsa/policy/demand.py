@@ -12,6 +12,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec, colocated_now
 from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast
@@ -94,25 +96,34 @@ class Sizing:
 
 
 def decode_demand(
-    load: Load, sequences: float, kv_tokens: float, prefill_bound: bool
-) -> tuple[float, float]:
+    load: Load,
+    sequences: float | np.ndarray,
+    kv_tokens: float | np.ndarray,
+    prefill_bound: bool,
+    *,
+    floor_now: bool = True,
+) -> tuple[float | np.ndarray, float | np.ndarray]:
     """(sequences, KV tokens) to size decode for, given the forecast ``sequences`` and
-    ``kv_tokens`` and what decodes now.
+    ``kv_tokens`` (numbers, or arrays over a plan's intervals) and what decodes now.
 
     Normally decode is sized for the batch target and for the KV of live sequences plus
     the contexts of trajectories between turns (cached so the next turn is cheap). When
-    prefill is the bound stage, only the KV of decoding sequences counts (now, or as
-    forecast if more): trajectories
+    prefill is the bound stage, only the KV of decoding sequences counts: trajectories
     wait in the prefill queue, so decode's batch size is off their critical path, and
     contexts waiting there are the backlog's, not decode's. Sized with those terms,
     Qwen3-235B-A22B swe sync 64/GPU (a 3-hour backlog-bound run) asked for 13 decode
     slots of 4 out of 2,048 queued contexts, and predictive and the oracle gave decode a
     second slot for 9,400 s (0.78-0.81x against best-static's 1.14x).
+
+    With ``floor_now`` the forecast is raised to what decodes now (a plan does that for
+    its first interval only).
     """
-    kv_now = max(kv_tokens, load.decode_kv_tokens)
+    if floor_now:
+        sequences = np.maximum(sequences, load.decode_sequences)
+        kv_tokens = np.maximum(kv_tokens, load.decode_kv_tokens)
     if prefill_bound:
-        return 0.0, kv_now
-    return max(sequences, load.decode_sequences), kv_now + load.idle_context_tokens
+        return np.zeros_like(sequences, dtype=float), kv_tokens
+    return sequences, kv_tokens + load.idle_context_tokens
 
 
 def kv_capacity_per_slot(obs: ClusterObservation) -> float:

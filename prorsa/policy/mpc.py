@@ -12,6 +12,7 @@ from prorsa.policy.demand import (
     Sizing,
     choose_mode,
     current_load,
+    decode_demand,
     decode_slot_rebuild_s,
     kv_capacity_per_slot,
 )
@@ -132,16 +133,12 @@ class MPCPolicy(ModeChoosingPolicy):
         need_p = (arriving * ratio + backlog) / lengths / per_slot
         seqs = np.maximum(np.asarray(table["decode_sequences"], dtype=float), 0.0)
         kv = np.maximum(np.asarray(table["decode_kv_tokens"], dtype=float), 0.0)
-        # Decode engines also cache the contexts of trajectories between turns, unless
-        # prefill is the bound stage over the whole horizon: demand.decode_demand's rule,
-        # applied to every interval at once.
-        bound = sizing.prefill_bound(spec, load, float(lengths.sum()))
+        # The first interval starts from what decodes now; decode engines also cache
+        # the contexts between turns unless prefill is bound over the whole horizon.
         seqs[0] = max(seqs[0], load.decode_sequences)
         kv[0] = max(kv[0], load.decode_kv_tokens)
-        if bound:
-            seqs[:] = 0.0
-        else:
-            kv = kv + load.idle_context_tokens
+        bound = sizing.prefill_bound(spec, load, float(lengths.sum()))
+        seqs, kv = decode_demand(load, seqs, kv, bound, floor_now=False)
         cap = kv_capacity_per_slot(obs)
         need_d = np.array(
             [sizing.decode_slots_needed(spec, s, k, cap) for s, k in zip(seqs, kv, strict=True)]
