@@ -94,7 +94,7 @@ class AllocationEnv(gym.Env):
         pinned = (options or {}).get("episode")
         self.episode = pinned or self.domain.sample(self.np_random)
         self.reference_s = self._colocated_end_s(self.episode)
-        self.policy = self._new_policy()
+        self.policy = self.new_policy()
         shape = reference_shape(self.episode.workload()) if self.episode.workload_known else None
         idle = _IdleDriver(self.episode.trajectories, shape)
         obs, spec = _first_observation(self._simulation(self.episode, _FirstObservation(), idle))
@@ -145,7 +145,8 @@ class AllocationEnv(gym.Env):
             "initial_target": self.policy.initial_target_.label,
         }
 
-    def _new_policy(self) -> ExternalPolicy:
+    def new_policy(self) -> ExternalPolicy:
+        """The policy the agent acts through, with this environment's safety rule."""
         return ExternalPolicy(
             decision_interval_s=self.decision_interval_s,
             min_hold_s=self.min_hold_s,
@@ -172,7 +173,15 @@ class AllocationEnv(gym.Env):
 
     def _colocated_end_s(self, episode: EpisodeConfig) -> float:
         """Seconds colocation takes on the same trajectories (the reward's yardstick)."""
-        sim = self._simulation(episode, make_policy("colocate"), build_driver(episode.workload()))
+        return self.run_to_end(episode, make_policy("colocate"), build_driver(episode.workload()))
+
+    def run_to_end(
+        self, episode: EpisodeConfig, policy: Policy, driver: Driver | None = None
+    ) -> float:
+        """Seconds ``episode`` takes under ``policy`` from start to finish, with this
+        environment's controller settings (``driver``: the episode's own by default,
+        its shape hidden where the episode hides it)."""
+        sim = self._simulation(episode, policy, driver or self._driver(episode))
         sim.start()
         sim.advance(None)
         return max(float(sim.env.now), 1e-9)

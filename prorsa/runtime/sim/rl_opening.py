@@ -33,11 +33,13 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.policy.rl import OBS_FEATURES, OPENING_FILE, ExternalPolicy, file_sha256
+from prorsa.io import atomic_write_text
+from prorsa.policy.rl import OBS_FEATURES, OPENING_FILE, file_sha256
 from prorsa.policy.rl_opening import (
     DEFAULT_OPENING_MARGIN,
     OPENING_FEATURES,
     arm_rows,
+    choose_arm,
     opening_arms,
 )
 from prorsa.runtime.sim.rl_domain import FAMILIES, DomainConfig, EpisodeConfig
@@ -88,16 +90,9 @@ def _runs(num_slots: int) -> int:
 
 def _held_end_s(env, episode: EpisodeConfig, action: int) -> float:
     """Seconds the episode takes with target ``action`` set at the start and held."""
-    policy = ExternalPolicy(
-        decision_interval_s=env.decision_interval_s,
-        min_hold_s=env.min_hold_s,
-        max_changes_per_min=env.max_changes_per_min,
-    )
+    policy = env.new_policy()
     policy.action = action  # later decisions get no action: they hold
-    sim = env._simulation(episode, policy, env._driver(episode))
-    sim.start()
-    sim.advance(None)
-    return max(float(sim.env.now), 1e-9)
+    return env.run_to_end(episode, policy)
 
 
 @dataclass
@@ -213,8 +208,6 @@ def score(booster, rows: Sequence[dict], margin: float = DEFAULT_OPENING_MARGIN)
     """Speedups over colocation of the arm ``booster`` picks, of the best arm, and the
     share of episodes where the pick is within 2% of the best (picks at ``margin``, the
     policy's own by default)."""
-    from prorsa.policy.rl_opening import choose_arm
-
     picked, best, near = [], [], 0
     for r in rows:
         payoffs = np.asarray(r["payoffs"], float)
@@ -274,7 +267,7 @@ def fit_opening(
     # clear error, never a half-written file. The manifest is read again here, so an
     # agent retrained while this ran keeps its own entries.
     model = model_dir / OPENING_FILE
-    _replace_file(model, booster.model_to_string())
+    atomic_write_text(model, booster.model_to_string())
     manifest = check_manifest(model_dir)
     manifest["opening"] = {
         **report,
@@ -289,26 +282,5 @@ def fit_opening(
         "episode_s_total": sum(r.get("wall_s", 0.0) for r in rows),
         "wall_s": time.perf_counter() - started,
     }
-    _replace_file(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest["opening"]
-
-
-def _replace_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed over it."""
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        # mkstemp makes the file private (0600); give it the mode a plain write would.
-        # (Reading the umask sets it for an instant: fine in the fitting command, which
-        # runs no other threads that create files.)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
