@@ -130,16 +130,12 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-@contextmanager
-def counted_progress(
-    label: str, total: int | None = None, *, quiet: bool = False
-) -> Iterator[Callable[..., None]]:
-    """A transient "label [bar] done/total elapsed" progress bar; yields the
-    ``progress(done, total=None)`` callback the long-running functions take (a total
-    given there replaces the one given here, for work that learns its size late)."""
+def progress_bar(label: str, *, quiet: bool = False):
+    """A transient "label [bar] done/total elapsed" rich progress bar (a context manager;
+    add tasks to it)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    with Progress(
+    return Progress(
         f"[bold]{escape(label)}",
         BarColumn(),
         MofNCompleteColumn(),
@@ -147,7 +143,17 @@ def counted_progress(
         console=console,
         transient=True,
         disable=quiet,
-    ) as bar:
+    )
+
+
+@contextmanager
+def counted_progress(
+    label: str, total: int | None = None, *, quiet: bool = False
+) -> Iterator[Callable[..., None]]:
+    """A :func:`progress_bar` with one task; yields the ``progress(done, total=None)``
+    callback the long-running functions take (a total given there replaces the one
+    given here, for work that learns its size late)."""
+    with progress_bar(label, quiet=quiet) as bar:
         task = bar.add_task(label, total=total)
 
         def progress(done: int, total: int | None = None) -> None:

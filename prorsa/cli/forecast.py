@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from prorsa.cli.common import console, friendly_errors, print_json
+from prorsa.cli.common import console, friendly_errors, print_json, progress_bar
 from prorsa.errors import ConfigError
 
 app = typer.Typer(no_args_is_help=True, help="Forecast prefill/decode demand.")
@@ -28,18 +27,6 @@ def _horizons(text: str) -> tuple[float, ...]:
         return check_horizons([float(h) for h in _list(text)])
     except ValueError:
         raise ConfigError(f"horizons must be comma-separated seconds, got '{text}'") from None
-
-
-def _progress(label: str, disable: bool = False) -> Progress:
-    return Progress(
-        TextColumn(f"[bold]{label}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=disable,
-    )
 
 
 # --------------------------------------------------------------------- dataset
@@ -88,7 +75,7 @@ def dataset_cmd(
     if not modes or any(m not in ("sync", "async") for m in modes):
         raise ConfigError(f"mode must be sync, async or sync,async, not '{mode}'")
     tables = []
-    with _progress("simulating", disable=as_json) as bar:
+    with progress_bar("simulating", quiet=as_json) as bar:
         if telemetry:
             from prorsa.telemetry.manifest import check_complete
 
@@ -108,7 +95,7 @@ def dataset_cmd(
             )
             task = bar.add_task("sim", total=len(plan.runs()))
             tables = simulate_runs(plan, lambda i, n: bar.update(task, completed=i))
-    with _progress("replaying", disable=as_json) as bar:
+    with progress_bar("replaying", quiet=as_json) as bar:
         task = bar.add_task("replay", total=None)
         data = build_dataset(
             tables,
@@ -167,7 +154,7 @@ def train_cmd(
 
     check_output(out, kind="dir", inputs=[data, *validate])
     tables = [read_telemetry(p)[0] for p in validate]
-    with _progress("training / validating", disable=as_json) as bar:
+    with progress_bar("training / validating", quiet=as_json) as bar:
         task = bar.add_task("train", total=None)
         summary = train_model(
             model,
@@ -220,7 +207,7 @@ def backtest_cmd(
     tables = [read_telemetry(p)[0] for p in telemetry]
     table = concat_tables(tables)
     hs = _horizons(horizons) if horizons else None
-    with _progress("backtesting", disable=as_json) as bar:
+    with progress_bar("backtesting", quiet=as_json) as bar:
         task = bar.add_task("bt", total=None)
         results = backtest(
             forecaster,
@@ -327,7 +314,7 @@ def ship_cmd(
     """Regenerate the shipped models (and models/README.md) from the fixed recipe."""
     from prorsa.forecast.shipping import SHIP_MODELS, ship
 
-    with _progress("shipping") as bar:
+    with progress_bar("shipping") as bar:
         task = bar.add_task("ship", total=None)
 
         def progress(stage: str, done: int, total: int) -> None:
