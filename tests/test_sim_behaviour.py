@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from prorsa.errors import ConfigError
-from prorsa.policy import Allocation, Policy
+from prorsa.policy import Allocation, Policy, make_policy
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.sim.core import Environment
 from prorsa.runtime.sim.drivers import AsyncDriver, SyncDriver
+from prorsa.runtime.sim.simulation import Simulation
 from prorsa.telemetry.validation import validate_table
 from prorsa.telemetry.views import turn_table
 from prorsa.workload.spec import TrajectorySpec
@@ -300,3 +301,33 @@ def test_busy_fraction_never_exceeds_one_while_switching():
     assert busy["prefill"] is not None and busy["decode"] is not None
     assert all(v is None or 0.0 <= v <= 1.0 + 1e-9 for v in busy.values()), busy
     _conservation(res, specs)
+
+
+def test_telemetry_table_is_built_once_from_the_run_events_only():
+    from prorsa.telemetry.columns import CLUSTER_KEY, KIND_CODE
+
+    specs = random_specs(12, seed=3)
+    result = run(specs, "static", slots=2)
+    events = len(result.events)
+    assert result.event_count == events > 0
+    # Whatever the log gets after the run is not the run's, before or after the table.
+    result.events.append(1e6, CLUSTER_KEY, 0, KIND_CODE["allocation"])
+    table = result.telemetry
+    assert table.num_rows == events
+    assert table.schema.metadata[b"prorsa.source"] == b"simulator"
+    assert result.telemetry is table  # built once
+    again = run(specs, "static", slots=2)
+    assert again.telemetry.equals(table)
+
+
+def test_a_run_without_recording_has_no_telemetry():
+    sim = Simulation(
+        ClusterConfig(profile="test-tp1", num_slots=2),
+        make_policy("colocate"),
+        SyncDriver([random_specs(4, seed=3)]),
+        profiles={1: profile(1)},
+        record=False,
+    )
+    result = sim.run()
+    assert result.events is None and result.telemetry is None
+    assert result.metrics["trajectories_completed"] == 4

@@ -25,6 +25,7 @@ from prorsa.runtime.sim.core import PRIORITY_CONTROL, Environment
 from prorsa.runtime.sim.drivers import Driver, DriverResult
 from prorsa.runtime.sim.metrics import compute_metrics
 from prorsa.runtime.sim.topology import Slot, build_engines
+from prorsa.telemetry.columns import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,34 @@ class SimActuator:
 
 @dataclass
 class SimulationResult:
-    """Telemetry, metrics and the controller's decisions of one run."""
+    """Telemetry, metrics and the controller's decisions of one run.
 
-    telemetry: pa.Table | None
+    ``events`` is the run's event log (None when the run recorded nothing);
+    :attr:`telemetry` turns it into the canonical Arrow table on first access. The table
+    repeats the run, trajectory, group and task strings on every row (~85 bytes an event
+    against the log's 37), so runs whose callers read only the metrics, as sweeps do,
+    never build it.
+    """
+
     metrics: dict[str, object]
     driver: DriverResult
     decisions: list = field(default_factory=list)
     cluster: SimCluster | None = field(default=None, repr=False)
+    events: EventLog | None = field(default=None, repr=False)
+    #: Events of the run in ``events`` (a log may grow after the run is assembled).
+    event_count: int = 0
+    _table: pa.Table | None = field(default=None, init=False, repr=False)
+
+    @property
+    def telemetry(self) -> pa.Table | None:
+        """The run's lifecycle events as a table of the canonical schema, marked as
+        simulated (None when the run recorded nothing)."""
+        if self._table is None and self.events is not None:
+            table = self.events.to_table(0, self.event_count)
+            # Marks the events as simulated: the oracle forecaster refuses anything else.
+            meta = {**(table.schema.metadata or {}), b"prorsa.source": b"simulator"}
+            self._table = table.replace_schema_metadata(meta)
+        return self._table
 
 
 class Simulation:
@@ -213,19 +235,14 @@ class Simulation:
         cluster, controller = self.cluster, self.controller
         if controller is not None:
             controller.stop()
-        telemetry = None
-        if self.record:
-            telemetry = cluster.telemetry.log.to_table()
-            # Marks the events as simulated: the oracle forecaster refuses anything else.
-            meta = {**(telemetry.schema.metadata or {}), b"prorsa.source": b"simulator"}
-            telemetry = telemetry.replace_schema_metadata(meta)
-        metrics = compute_metrics(cluster, self.driver.result, telemetry)
+        log = cluster.telemetry.log
         return SimulationResult(
-            telemetry=telemetry,
-            metrics=metrics,
+            metrics=compute_metrics(cluster, self.driver.result),
             driver=self.driver.result,
             decisions=controller.decisions if controller else [],
             cluster=cluster,
+            events=log if self.record else None,
+            event_count=len(log),
         )
 
     def _check_fits(self, cluster: SimCluster) -> None:
