@@ -419,6 +419,92 @@ def test_colocated_prefill_costs_less_per_token_when_every_rank_prefills():
     assert isinstance(choose_mode(colocated, moe, 1.5, 6.5, **burst), int)
 
 
+def _kv_bound_moe():
+    from dataclasses import replace
+
+    return replace(
+        spec(8),
+        dp_attention_ranks=8,
+        colocated_prefill_factor=3.5,
+        colocated_packed_prefill_factor=0.9,
+        colocated_packed_prefill_ratio=0.9,
+        colocated_kv_tokens_per_engine=2_000_000.0,
+        colocated_engines=8,
+        colocated_step_tokens_per_rank=8192,
+    )
+
+
+def test_colocated_prefill_costs_more_when_kv_admits_prefills_on_few_ranks():
+    moe = _kv_bound_moe()
+    free = moe.prefill_interference_at(50.0)
+    assert moe.prefill_interference_at(50.0, 8.0) == free == pytest.approx(0.9)
+    # Saturated, k ranks share the stall: m + F / k (m = 0.5286, F = 2.9714 here).
+    stall = (3.5 - 0.9) * 8 / 7
+    for cap in (1.0, 2.0, 3.5, 6.0):
+        assert moe.prefill_interference_at(50.0, cap) == pytest.approx(3.5 - stall + stall / cap)
+    # Under light demand few ranks prefill anyway: the cap matters less.
+    light = moe.prefill_interference_at(0.5)
+    assert light == pytest.approx(moe.prefill_interference_at(0.5, 4.0), rel=0.02)
+
+
+def test_prefills_a_colocated_engine_admits_follow_kv_and_the_turn_shape():
+    from dataclasses import replace
+
+    from prorsa.policy.demand import colocated_prefill_ranks
+    from prorsa.policy.types import WorkloadShape
+
+    moe = _kv_bound_moe()
+    shape = WorkloadShape(
+        turns_per_trajectory=10,
+        prompt_tokens=2000,
+        new_tokens_per_turn=500,
+        output_tokens_per_turn=70,
+        tool_s_per_call=1.0,
+        final_context_tokens=8000,
+    )
+
+    def with_live(trajectories: int, context: int, workload=shape):
+        obs = observation(1.0, ["prefill"] * 6 + ["decode"] * 2, decoding=0, decode_kv=0)
+        state, tokens = dict(obs.trajectory_state), dict(obs.trajectory_tokens)
+        state["queued"], tokens["queued"] = trajectories, trajectories * context
+        return replace(obs, trajectory_state=state, trajectory_tokens=tokens, workload=workload)
+
+    # Live contexts within the colocated KV (8 engines x 2M): no bound.
+    assert colocated_prefill_ranks(with_live(2000, 6000), moe) is None
+    # Beyond it: C / c * p / (p + o) with p = c / budget steps, o = 70.
+    admitted = colocated_prefill_ranks(with_live(4000, 6000), moe)
+    p = 6000 / 8192
+    assert admitted == pytest.approx(2_000_000 / 6000 * p / (p + 70))
+    # Longer outputs hold KV longer: fewer prefills fit.
+    longer = replace(shape, output_tokens_per_turn=700)
+    assert colocated_prefill_ranks(with_live(4000, 6000, longer), moe) < admitted
+    # Unknown shape, or one rank: nothing to bound.
+    assert colocated_prefill_ranks(with_live(4000, 6000, None), moe) is None
+    assert (
+        colocated_prefill_ranks(with_live(4000, 6000), replace(moe, dp_attention_ranks=1)) is None
+    )
+
+
+def test_a_prefill_bound_split_holds_when_colocated_kv_would_starve_prefill():
+    """The Qwen3-235B-A22B tau2 sync cells: every trajectory queued for its first
+    prefill, live contexts 3x the colocated KV. Priced as if all eight ranks prefilled,
+    colocation looks cheaper; with the KV bound (~3 ranks) the split holds."""
+    from dataclasses import replace
+
+    from prorsa.policy.demand import choose_mode
+    from prorsa.policy.types import WorkloadShape
+
+    moe = replace(_kv_bound_moe(), num_slots=4, colocated_engines=4)
+    shape = WorkloadShape(10, 2000, 500, 70, 1.0, 8000)
+    obs = observation(1.0, ["prefill"] * 3 + ["decode"], decoding=0, decode_kv=0)
+    state, tokens = dict(obs.trajectory_state), dict(obs.trajectory_tokens)
+    state["queued"], tokens["queued"] = 4096, 4096 * 6000
+    split = replace(obs, trajectory_state=state, trajectory_tokens=tokens)
+    kwargs = dict(current_prefill=3, payback_s=30, switch_cost_weight=1.0)
+    assert choose_mode(split, moe, 17.0, 1.7, **kwargs) == "colocated"
+    assert choose_mode(replace(split, workload=shape), moe, 17.0, 1.7, **kwargs) is None
+
+
 def test_layout_spec_quotes_packed_prefill_from_the_cost_model():
     from prorsa.runtime.cluster.config import ClusterConfig
     from prorsa.runtime.cluster.spec import cluster_spec, load_profiles

@@ -59,6 +59,13 @@ class ClusterSpec:
     # How a prefill engine gets a trajectory's earlier context (ClusterConfig.reuse_mode):
     # under "reprefill" it recomputes what its own prefix cache lacks.
     reuse_mode: str = "reprefill"
+    # KV tokens one colocated engine holds (over all its ranks), how many colocated
+    # engines the cluster would run with every slot colocated, and a rank's step token
+    # budget: what bounds the prefills a colocated engine admits beside its decodes
+    # (:func:`prorsa.policy.demand.colocated_prefill_ranks`). Zero: not known.
+    colocated_kv_tokens_per_engine: float = 0.0
+    colocated_engines: int = 0
+    colocated_step_tokens_per_rank: int = 0
 
     def switch_latency_between(self, old: str, new: str) -> float:
         """Seconds a slot serves nothing when moving from role ``old`` to ``new``."""
@@ -109,17 +116,22 @@ class ClusterSpec:
             return self.colocated_prefill_factor
         return float(self.dp_attention_ranks)
 
-    def prefill_interference_at(self, prefill_slots_needed: float) -> float:
+    def prefill_interference_at(
+        self, prefill_slots_needed: float, prefilling_ranks_cap: float | None = None
+    ) -> float:
         """:attr:`prefill_interference` when colocated engines carry a prefill demand of
-        ``prefill_slots_needed`` prefill slots.
+        ``prefill_slots_needed`` prefill slots, at most ``prefilling_ranks_cap`` ranks of
+        an engine prefilling in one step (None: all of them may).
 
         One rank prefilling stalls the others (``colocated_prefill_factor``, f1); all
         ``r`` ranks prefilling share that stall (``colocated_packed_prefill_factor``,
         fr). Each rank holds a chunk in a share ``q`` of steps (demand over the
         colocated engines' packed prefill capacity), independently of the others; a step
         with any chunk pays the stall ``F`` once, so a token costs ``m + F * P(k >= 1) /
-        E[k]`` with ``k ~ Binomial(r, q)``: f1 at light demand, fr at saturation
-        (``m``, ``F`` from f1 and fr: the cost model's step is nearly ``m + F / k``).
+        E[min(k, cap)]`` with ``k ~ Binomial(r, q)``: f1 at light demand, fr at
+        saturation, ``m + F / cap`` at saturation when the engine's KV admits prefills
+        on only ``cap`` ranks (``m``, ``F`` from f1 and fr: the cost model's step is
+        nearly ``m + F / k``).
         """
         ranks = self.dp_attention_ranks
         f1, fr = self.prefill_interference, self.colocated_packed_prefill_factor
@@ -130,7 +142,15 @@ class ClusterSpec:
         if q <= 1e-9:
             return f1
         stall = (f1 - fr) * ranks / (ranks - 1)
-        share_of_steps = (1.0 - (1.0 - q) ** ranks) / (q * ranks)
+        if prefilling_ranks_cap is None or prefilling_ranks_cap >= ranks:
+            share_of_steps = (1.0 - (1.0 - q) ** ranks) / (q * ranks)
+        else:
+            cap = max(prefilling_ranks_cap, 1.0)
+            served = sum(
+                math.comb(ranks, k) * q**k * (1.0 - q) ** (ranks - k) * min(k, cap)
+                for k in range(1, ranks + 1)
+            )
+            share_of_steps = (1.0 - (1.0 - q) ** ranks) / served
         return f1 - stall + stall * share_of_steps
 
     @property

@@ -262,6 +262,7 @@ def colocated_shortage(
     need_d: float,
     decode_sequences_per_gpu: float | None = None,
     decode_context_tokens: float | None = None,
+    prefilling_ranks_cap: float | None = None,
 ) -> float:
     """Slots of demand left unserved with every slot colocated.
 
@@ -270,11 +271,44 @@ def colocated_shortage(
     its work there: several times under light prefill, about once when every rank
     prefills (a sync step's opening burst). Decode runs at the colocated layout's
     throughput relative to decode's at ``decode_sequences_per_gpu``
-    (:meth:`ClusterSpec.colocated_decode_ratio_at`).
+    (:meth:`ClusterSpec.colocated_decode_ratio_at`). ``prefilling_ranks_cap`` bounds the
+    ranks that prefill together (:func:`colocated_prefill_ranks`).
     """
     ratio = spec.colocated_decode_ratio_at(decode_sequences_per_gpu, decode_context_tokens)
     need_d = need_d / ratio
-    return max(need_p * spec.prefill_interference_at(need_p) + need_d - spec.num_slots, 0.0)
+    interference = spec.prefill_interference_at(need_p, prefilling_ranks_cap)
+    return max(need_p * interference + need_d - spec.num_slots, 0.0)
+
+
+def colocated_prefill_ranks(obs: ClusterObservation, spec: ClusterSpec) -> float | None:
+    """Prefills a colocated engine's KV admits at once when the live contexts overflow
+    the colocated KV (None when they fit, or what it needs is unknown).
+
+    Then the KV is always full, shared by decoding sequences and prefilling turns, each
+    holding its context. Both advance one step at a time in lockstep: a decode for its
+    turn's output tokens, a prefill for its context over a rank's step budget (under
+    such pressure a turn's cached prefix does not survive until it comes back, so it
+    prefills whole). Their shares of the KV follow those step counts, so an engine
+    holding ``C`` tokens at live context ``c`` admits ``C / c * p / (p + o)`` prefills
+    (``p = c / budget`` steps, ``o`` output tokens per turn from the workload's
+    shape); the step time cancels. Qwen3-235B-A22B tau2 sync on tp1-dp8-ep8-a2a
+    engines: ~3.2 by this, 3.3-3.8 ranks prefilling per step in the simulator
+    (``benchmarks/prefill_concurrency_bench.py``), not the eight the packed price
+    assumes.
+    """
+    shape = obs.workload
+    kv = spec.colocated_kv_tokens_per_engine
+    engines, budget = spec.colocated_engines, spec.colocated_step_tokens_per_rank
+    if shape is None or kv <= 0 or engines <= 0 or budget <= 0 or spec.dp_attention_ranks <= 1:
+        return None
+    live = sum(n for state, n in obs.trajectory_state.items() if state != "done")
+    tokens = sum(n for state, n in obs.trajectory_tokens.items() if state != "done")
+    if live <= 0 or tokens <= kv * engines:
+        return None
+    context = tokens / live
+    prefill_steps = context / budget
+    decode_steps = max(shape.output_tokens_per_turn, 1.0)
+    return kv / context * prefill_steps / (prefill_steps + decode_steps)
 
 
 #: How soon a live agentic trajectory comes back for its next turn: a decode of a few
@@ -339,7 +373,8 @@ def choose_mode(
     per_gpu = load.decode_sequences / max(spec.total_gpus, 1)
     context = load.decode_kv_tokens / load.decode_sequences if load.decode_sequences else None
     c_need_p = need_p if colocated_need_p is None else colocated_need_p
-    c_short = colocated_shortage(spec, c_need_p, need_d, per_gpu, context)
+    cap = colocated_prefill_ranks(obs, spec)
+    c_short = colocated_shortage(spec, c_need_p, need_d, per_gpu, context, cap)
     if colocated_now(obs):
         # A split must also recompute what the colocated engines cache (re-prefill).
         need_p = need_p + split_recompute_slots(obs, spec)

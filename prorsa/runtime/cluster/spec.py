@@ -108,6 +108,12 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
         ),
         colocated_decode_tokens_per_s_per_gpu=colocated_tps,
         colocated_decode_ratio_by_load=_decode_ratio_by_load(decode, colocated),
+        # As the simulator's engines hold it (topology: per-rank KV times the ranks).
+        colocated_kv_tokens_per_engine=float(
+            (config.kv_capacity_tokens or colocated.kv_capacity_tokens) * colocated.dp_ranks
+        ),
+        colocated_engines=config.num_slots * (config.slot_gpus // colocated.gpus),
+        colocated_step_tokens_per_rank=int(colocated.max_step_tokens),
     )
 
 
