@@ -319,6 +319,72 @@ def test_predictive_counts_savings_only_once_a_switch_completes():
     assert chosen[60.0] == {"prefill": 1, "decode": 3}
 
 
+def test_decode_drain_follows_the_longest_running_sequence():
+    from prorsa.policy.demand import decode_drain_s
+    from prorsa.policy.types import WorkloadShape
+
+    shape = WorkloadShape(10, 1000, 300, 400, 2.0, 9000)
+    roles = ["prefill", "decode", "decode", "decode"]
+    cluster = spec(4)  # a decode slot decodes 5,000 tokens/s
+
+    def drain(decoding, *, workload=shape, slots=1, **changes):
+        obs = replace(observation(10.0, roles, decoding=decoding), workload=workload)
+        return decode_drain_s(obs, replace(cluster, **changes), slots)
+
+    # 30 sequences a slot: the longest has 400 * H(30) = 1,598 tokens to go, one a
+    # 6 ms step (30 sequences at 5,000 tokens/s).
+    assert drain(90) == pytest.approx(400 * sum(1 / k for k in range(1, 31)) * 30 / 5_000)
+    assert drain(0) == 0.0
+    assert drain(900) == 60.0  # capped at the drain timeout
+    assert drain(900, drain_timeout_s=20.0) == 20.0
+    assert drain(90, switch_mode="migrate") == 0.0
+    assert drain(90, workload=None) == 0.0
+    assert drain(90, slots=0) == 0.0
+
+
+def test_predictive_does_not_move_decode_slots_whose_drain_outlasts_the_payback():
+    # Found in the regime map (235B mixed sync 16/GPU, half context growth): predictive
+    # moved two decode slots to prefill for a burst; they drained for the 60 s timeout
+    # and the run ended at 0.93x colocation.
+    from prorsa.policy.types import WorkloadShape
+
+    roles = ["prefill", "decode", "decode", "decode"]
+    per_s = 2.0 * 20_000 * 0.8  # two prefill slots' worth, lasting
+    chosen = {}
+    for output_tokens in (40.0, 4_000.0):
+        shape = WorkloadShape(10, 1000, 300, output_tokens, 2.0, 9000)
+        obs = replace(observation(30.0, roles, decoding=150), workload=shape)
+        policy = make_policy("predictive", payback_s=30.0)
+        # DP8 attention: a colocated prefill stalls eight ranks, so only splits compete.
+        policy.reset(replace(spec(4), dp_attention_ranks=8))
+        fc = _burst_forecast(30.0, [per_s * h for h in HORIZONS], 150.0)
+        chosen[output_tokens] = policy.decide(obs, fc).gpus
+    assert chosen[40.0] == {"prefill": 2, "decode": 2}
+    assert chosen[4_000.0] == {"prefill": 1, "decode": 3}
+
+
+def test_predictive_moves_draining_slots_to_prefill_under_a_backlog_no_split_clears():
+    # The drain above delays a move; under a backlog of hours the prefill it adds is
+    # short for the whole window after it completes, so the move still pays (235B swe
+    # sync 64/GPU: priced with the drain eating the window, predictive moved back to
+    # prefill at 1,777 s instead of 331 s and fell from 1.15x to 1.09x).
+    from prorsa.policy.types import WorkloadShape
+
+    roles = ["prefill", "decode", "decode", "decode"]
+    shape = WorkloadShape(10, 1000, 300, 4_000.0, 2.0, 9000)
+    cluster = replace(spec(4), dp_attention_ranks=8)
+    chosen = {}
+    for backlog in (0, 10_000_000):
+        obs = replace(observation(30.0, roles, decoding=150, prefill_queue=backlog), workload=shape)
+        policy = make_policy("predictive", payback_s=30.0)
+        policy.reset(cluster)
+        per_s = 2.0 * 20_000 * 0.8
+        fc = _burst_forecast(30.0, [per_s * h for h in HORIZONS], 150.0)
+        chosen[backlog] = policy.decide(obs, fc).gpus
+    assert chosen[0] == {"prefill": 1, "decode": 3}
+    assert chosen[10_000_000]["prefill"] > 1
+
+
 def test_best_static_search_finds_the_minimum():
     curve = {x: (x - 5) ** 2 + 3 for x in range(1, 32)}
     best, seen = search_best_static(curve.__getitem__, 32)

@@ -63,6 +63,10 @@ class ClusterSpec:
     # engines the cluster would run with every slot colocated, and a rank's step token
     # budget: what bounds the prefills a colocated engine admits beside its decodes
     # (:func:`prorsa.policy.demand.colocated_prefill_ranks`). Zero: not known.
+    # How a switching slot's in-flight decodes leave it (ClusterConfig.switch_mode):
+    # "drain" lets them finish, up to ``drain_timeout_s``; "migrate" moves them at once.
+    switch_mode: str = "drain"
+    drain_timeout_s: float = 60.0
     colocated_kv_tokens_per_engine: float = 0.0
     colocated_engines: int = 0
     colocated_step_tokens_per_rank: int = 0

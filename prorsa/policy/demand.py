@@ -220,6 +220,36 @@ def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int
     return tokens / max(per_slot, 1e-9)
 
 
+def decode_drain_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
+    """Seconds until the ``slots`` decode slots the controller would move first (the least
+    loaded) have drained their running sequences, were they switched away in drain mode
+    (zero under migration, or without the workload's shape).
+
+    A slot is drained when its longest sequence ends. With ``n`` sequences of mean output
+    ``o`` tokens per turn, memoryless lengths leave the longest ``o * H(n)`` tokens to go
+    (``H``: the harmonic number), decoded one a step at ``n`` sequences over the slot's
+    quoted decode tokens/s; capped at the drain timeout. Found in the regime map
+    (Qwen3-235B-A22B mixed sync 16/GPU, half context growth): two DP8 decode slots moved to
+    prefill for a burst drained for the full 60 s timeout; priced at the 2 s relabel, the
+    move looked to pay back over a 30 s window it never served (0.93x colocation).
+    """
+    if slots <= 0 or spec.switch_mode != "drain" or obs.workload is None:
+        return 0.0
+    decode = sorted(
+        (s for s in obs.slots if s.role in ("decode", "colocated")),
+        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
+    )[:slots]
+    per_slot = spec.decode_tokens_per_s_per_gpu * spec.slot_gpus
+    output = obs.workload.output_tokens_per_turn
+    longest = 0.0
+    for slot in decode:
+        n = slot.running_sequences
+        if n > 0:
+            harmonic = sum(1.0 / k for k in range(1, n + 1))
+            longest = max(longest, output * harmonic * n / max(per_slot, 1e-9))
+    return min(longest, spec.drain_timeout_s)
+
+
 def busier_utilisation(prefill: int, slots: int, need_p: float, need_d: float) -> float:
     """Utilisation of the busier side of a ``prefill`` / ``slots - prefill`` split; a side
     with no slots (mid-change from or to colocation) is saturated by any need."""
@@ -392,6 +422,8 @@ def choose_mode(
             latency += (n - best_x) * spec.switch_latency_between("colocated", "decode")
             done_s = max(done_s, spec.switch_latency_between("colocated", "decode"))
             moved = n
+        # The colocated slots that leave drain their running sequences first.
+        done_s += decode_drain_s(obs, spec, moved)
         saved = (c_short - pd_short) * paying_s(payback_s, done_s)
         lost = latency + decode_slot_rebuild_s(obs, spec, moved)
         return best_x if saved > switch_cost_weight * lost else None

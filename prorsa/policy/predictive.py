@@ -14,6 +14,7 @@ from prorsa.policy.demand import (
     choose_mode,
     current_load,
     decode_demand,
+    decode_drain_s,
     decode_slot_rebuild_s,
     forecast_rate,
     kv_capacity_per_slot,
@@ -202,12 +203,21 @@ class PredictivePolicy(ModeChoosingPolicy):
         # new role (and saves anything) only once that is done.
         old, new = ("decode", "prefill") if target > current else ("prefill", "decode")
         latency = self.cluster_.switch_latency_between(old, new)
+        # Decode slots serve prefill only once their running sequences have drained.
+        done_s = latency + decode_drain_s(obs, self.cluster_, target - current)
+        paying = paying_s(self.payback_s, done_s)
+        if target > current and self.sizing_.prefill_bound(
+            self.cluster_, current_load(obs), self.payback_s + done_s
+        ):
+            # A backlog no split clears by then keeps prefill short after the switch
+            # completes: the move saves a whole window, however long it takes.
+            paying = self.payback_s
         saved = min(
             (
                 split_shortage(current, slots, window_p, window_d)
                 - split_shortage(target, slots, window_p, window_d)
             )
-            * paying_s(self.payback_s, latency)
+            * paying
             for window_p, window_d, _ in ends
         )
         # A switch costs the slots' service while they switch, and moving decode slots to

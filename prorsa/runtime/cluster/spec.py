@@ -74,6 +74,8 @@ def cluster_spec(config: ClusterConfig, profiles: dict, min_dwell_s: float) -> C
         dp_attention_ranks=config.dp_attention_ranks,
         reshard_latency_s=config.reshard_latency_s,
         reuse_mode=config.reuse_mode,
+        switch_mode=config.switch_mode,
+        drain_timeout_s=config.drain_timeout_s,
     )
 
 
@@ -98,6 +100,8 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
         dp_attention_ranks=colocated.dp_ranks,
         reshard_latency_s=config.reshard_latency_s,
         reuse_mode=config.reuse_mode,
+        switch_mode=config.switch_mode,
+        drain_timeout_s=config.drain_timeout_s,
         role_layouts=dict(layouts),
         colocated_prefill_factor=_prefill_interference(colocated, prefill_tps, point),
         colocated_packed_prefill_factor=_prefill_interference(
