@@ -486,8 +486,6 @@ def test_colocated_prefill_costs_less_per_token_when_every_rank_prefills():
 
 
 def _kv_bound_moe():
-    from dataclasses import replace
-
     return replace(
         spec(8),
         dp_attention_ranks=8,
@@ -514,7 +512,6 @@ def test_colocated_prefill_costs_more_when_kv_admits_prefills_on_few_ranks():
 
 
 def test_prefills_a_colocated_engine_admits_follow_kv_and_the_turn_shape():
-    from dataclasses import replace
 
     from prorsa.policy.demand import colocated_prefill_ranks
     from prorsa.policy.types import WorkloadShape
@@ -555,8 +552,6 @@ def test_a_prefill_bound_split_holds_when_colocated_kv_would_starve_prefill():
     """The Qwen3-235B-A22B tau2 sync cells: every trajectory queued for its first
     prefill, live contexts 3x the colocated KV. Priced as if all eight ranks prefilled,
     colocation looks cheaper; with the KV bound (~3 ranks) the split holds."""
-    from dataclasses import replace
-
     from prorsa.policy.demand import choose_mode
     from prorsa.policy.types import WorkloadShape
 
