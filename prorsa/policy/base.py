@@ -59,14 +59,14 @@ class ClusterSpec:
     # How a prefill engine gets a trajectory's earlier context (ClusterConfig.reuse_mode):
     # under "reprefill" it recomputes what its own prefix cache lacks.
     reuse_mode: str = "reprefill"
-    # KV tokens one colocated engine holds (over all its ranks), how many colocated
-    # engines the cluster would run with every slot colocated, and a rank's step token
-    # budget: what bounds the prefills a colocated engine admits beside its decodes
-    # (:func:`prorsa.policy.demand.colocated_prefill_ranks`). Zero: not known.
     # How a switching slot's in-flight decodes leave it (ClusterConfig.switch_mode):
     # "drain" lets them finish, up to ``drain_timeout_s``; "migrate" moves them at once.
     switch_mode: str = "drain"
     drain_timeout_s: float = 60.0
+    # KV tokens one colocated engine holds (over all its ranks), how many colocated
+    # engines the cluster would run with every slot colocated, and a rank's step token
+    # budget: what bounds the prefills a colocated engine admits beside its decodes
+    # (:func:`prorsa.policy.demand.colocated_prefill_ranks`). Zero: not known.
     colocated_kv_tokens_per_engine: float = 0.0
     colocated_engines: int = 0
     colocated_step_tokens_per_rank: int = 0

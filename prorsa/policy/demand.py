@@ -321,10 +321,10 @@ def colocated_prefill_ranks(obs: ClusterObservation, spec: ClusterSpec) -> float
     prefills whole). Their shares of the KV follow those step counts, so an engine
     holding ``C`` tokens at live context ``c`` admits ``C / c * p / (p + o)`` prefills
     (``p = c / budget`` steps, ``o`` output tokens per turn from the workload's
-    shape); the step time cancels. Qwen3-235B-A22B tau2 sync on tp1-dp8-ep8-a2a
-    engines: ~3.2 by this, 3.3-3.8 ranks prefilling per step in the simulator
-    (``benchmarks/prefill_concurrency_bench.py``), not the eight the packed price
-    assumes.
+    shape); the step time cancels. Qwen3-235B-A22B tau2 sync 128/GPU on tp1-dp8-ep8-a2a
+    engines: 3.6 by this at the first tick; 3.3-3.8 ranks prefilling per step in the
+    simulator at 64 and 128/GPU (``benchmarks/prefill_concurrency_bench.py``), not the
+    eight the packed price assumes.
     """
     shape = obs.workload
     kv = spec.colocated_kv_tokens_per_engine
