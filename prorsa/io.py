@@ -23,6 +23,7 @@ Typical use in a command::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import uuid
@@ -88,6 +89,11 @@ def check_output(
         # A rename would replace it anyway, but a read-only file is usually a protected one.
         raise OutputError("exists and is read-only", path=str(out), hint=_WRITABLE_HINT)
     return out
+
+
+def file_sha256(path: PathLike) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @contextlib.contextmanager

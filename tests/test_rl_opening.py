@@ -11,8 +11,9 @@ import pytest
 
 from prorsa.errors import ConfigError
 from prorsa.forecast import lgbm
+from prorsa.io import file_sha256
 from prorsa.policy import make_policy
-from prorsa.policy.rl import OBS_FEATURES, TARGETS, file_sha256, resolve_model_dir
+from prorsa.policy.rl import OBS_FEATURES, TARGETS, resolve_model_dir
 from prorsa.policy.rl_actions import Target
 from prorsa.policy.rl_opening import OPENING_FEATURES, arm_rows, choose_arm, opening_arms
 from prorsa.runtime.sim.rl_domain import DomainConfig, EpisodeConfig

@@ -16,7 +16,7 @@ import numpy as np
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec, colocated_now
-from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast
+from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast, SlotView
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,14 @@ def split_slots(total: int, prefill_need: float, decode_need: float) -> int:
     return int(min(max(round(total * share), 1), total - 1))
 
 
+def decode_slots_moved_first(obs: ClusterObservation, slots: int) -> list[SlotView]:
+    """The ``slots`` decode-side slots the controller would move first: the least loaded."""
+    return sorted(
+        (s for s in obs.slots if s.role in ("decode", "colocated")),
+        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
+    )[: max(slots, 0)]
+
+
 def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
     """Slot-seconds of prefill needed to rebuild the KV of the ``slots`` decode slots the
     controller would move first (the least loaded), were they switched away.
@@ -211,11 +219,7 @@ def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int
     """
     if slots <= 0:
         return 0.0
-    decode = sorted(
-        (s for s in obs.slots if s.role in ("decode", "colocated")),
-        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
-    )[:slots]
-    tokens = sum(s.kv_used_tokens + s.cached_tokens for s in decode)
+    tokens = sum(s.kv_used_tokens + s.cached_tokens for s in decode_slots_moved_first(obs, slots))
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
     return tokens / max(per_slot, 1e-9)
 
@@ -235,14 +239,10 @@ def decode_drain_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> fl
     """
     if slots <= 0 or spec.switch_mode != "drain" or obs.workload is None:
         return 0.0
-    decode = sorted(
-        (s for s in obs.slots if s.role in ("decode", "colocated")),
-        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
-    )[:slots]
     per_slot = spec.decode_tokens_per_s_per_gpu * spec.slot_gpus
     output = obs.workload.output_tokens_per_turn
     longest = 0.0
-    for slot in decode:
+    for slot in decode_slots_moved_first(obs, slots):
         n = slot.running_sequences
         if n > 0:
             harmonic = sum(1.0 / k for k in range(1, n + 1))
@@ -310,6 +310,13 @@ def colocated_shortage(
     return max(need_p * interference + need_d - spec.num_slots, 0.0)
 
 
+def live_trajectories(obs: ClusterObservation) -> tuple[int, int]:
+    """(trajectories, their context tokens) not yet done, over every lifecycle state."""
+    live = sum(n for state, n in obs.trajectory_state.items() if state != "done")
+    tokens = sum(n for state, n in obs.trajectory_tokens.items() if state != "done")
+    return live, tokens
+
+
 def colocated_prefill_ranks(obs: ClusterObservation, spec: ClusterSpec) -> float | None:
     """Prefills a colocated engine's KV admits at once when the live contexts overflow
     the colocated KV (None when they fit, or what it needs is unknown).
@@ -331,8 +338,7 @@ def colocated_prefill_ranks(obs: ClusterObservation, spec: ClusterSpec) -> float
     engines, budget = spec.colocated_engines, spec.colocated_step_tokens_per_rank
     if shape is None or kv <= 0 or engines <= 0 or budget <= 0 or spec.dp_attention_ranks <= 1:
         return None
-    live = sum(n for state, n in obs.trajectory_state.items() if state != "done")
-    tokens = sum(n for state, n in obs.trajectory_tokens.items() if state != "done")
+    live, tokens = live_trajectories(obs)
     if live <= 0 or tokens <= kv * engines:
         return None
     context = tokens / live
@@ -360,9 +366,9 @@ def split_recompute_slots(
     """
     if spec.reuse_mode != "reprefill":
         return 0.0
-    live = sum(v for state, v in obs.trajectory_tokens.items() if state != "done")
+    _, tokens = live_trajectories(obs)
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
-    return float(live) / max(window_s, 1e-9) / max(per_slot, 1e-9)
+    return float(tokens) / max(window_s, 1e-9) / max(per_slot, 1e-9)
 
 
 def paying_s(payback_s: float, switch_s: float) -> float:

@@ -165,7 +165,8 @@ class PredictivePolicy(ModeChoosingPolicy):
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         slots = self.cluster_.num_slots
-        current = current_load(obs).prefill_slots
+        load = current_load(obs)
+        current = load.prefill_slots
         self.work_.update(obs)
         if forecast is None:
             return self.before_forecast(obs, current, "predictive")
@@ -207,7 +208,7 @@ class PredictivePolicy(ModeChoosingPolicy):
         done_s = latency + decode_drain_s(obs, self.cluster_, target - current)
         paying = paying_s(self.payback_s, done_s)
         if target > current and self.sizing_.prefill_bound(
-            self.cluster_, current_load(obs), self.payback_s + done_s
+            self.cluster_, load, self.payback_s + done_s
         ):
             # A backlog no split clears by then keeps prefill short after the switch
             # completes: the move saves a whole window, however long it takes.

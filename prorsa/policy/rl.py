@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
+from prorsa.io import file_sha256
 from prorsa.policy.base import POLICIES, ClusterSpec, SplitPolicy
 from prorsa.policy.rl_actions import (
     COLOCATED,
@@ -304,13 +305,6 @@ def load_opening(path: Path):
             hint=hint,
         )
     return _load_opening(str(file), digest)
-
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @functools.lru_cache(maxsize=4)

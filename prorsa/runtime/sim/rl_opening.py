@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.io import atomic_write_text
-from prorsa.policy.rl import OBS_FEATURES, OPENING_FILE, file_sha256
+from prorsa.io import atomic_write_text, file_sha256
+from prorsa.policy.rl import OBS_FEATURES, OPENING_FILE
 from prorsa.policy.rl_opening import (
     DEFAULT_OPENING_MARGIN,
     OPENING_FEATURES,

@@ -229,7 +229,9 @@ def train_ppo(out: Path, config: TrainConfig | None = None, *, progress=None) ->
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         # An opening fitted beside an earlier agent is vouched for by that agent's
         # manifest, which this one replaces: remove it (`prorsa rl opening` fits anew).
-        stale = out / "opening.txt"
+        from prorsa.policy.rl import OPENING_FILE
+
+        stale = out / OPENING_FILE
         if stale.exists():
             stale.unlink()
             logging.getLogger(__name__).info("removed %s (fit before this agent)", stale)

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.runtime.sim.cost.kernel_tables import TABLE_DIR_NAME, _sha256, default_table_dir
+from prorsa.io import file_sha256
+from prorsa.runtime.sim.cost.kernel_tables import TABLE_DIR_NAME, default_table_dir
 
 ALLREDUCE_FILE = "custom_allreduce_vllm_0.19.0_perf.parquet"
 NCCL_FILE = "nccl_2.29.2_perf.parquet"
@@ -87,7 +88,7 @@ class CommTables:
                 f"communication table missing: {missing[0]}",
                 hint="pass --data pointing at shared/data/profiles/" + TABLE_DIR_NAME,
             )
-        self.files = {name: {"sha256": _sha256(p)} for name, p in paths.items()}
+        self.files = {name: {"sha256": file_sha256(p)} for name, p in paths.items()}
 
         ar = pd.read_parquet(paths[ALLREDUCE_FILE])
         self._allreduce = {}

@@ -25,13 +25,13 @@ what FlashAttention-3 (vLLM's prefill kernel on Hopper) reaches at that sequence
 
 from __future__ import annotations
 
-import hashlib
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from prorsa.errors import ConfigError
+from prorsa.io import file_sha256
 from prorsa.runtime.sim.cost.hardware import get_hardware
 
 GEMM_FILE = "gemm_vllm_0.19.0_gemm_perf.parquet"
@@ -79,10 +79,6 @@ def default_table_dir() -> Path:
     return repo_root().parent / "shared" / "data" / "profiles" / TABLE_DIR_NAME
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 class KernelTables:
     """The three tables indexed for interpolation; every lookup returns seconds."""
 
@@ -97,7 +93,7 @@ class KernelTables:
                 f"kernel table missing: {missing[0]}",
                 hint="pass --data pointing at shared/data/profiles/" + TABLE_DIR_NAME,
             )
-        self.files = {name: {"sha256": _sha256(p)} for name, p in paths.items()}
+        self.files = {name: {"sha256": file_sha256(p)} for name, p in paths.items()}
         self.hardware = get_hardware("h200")
 
         gemm = pd.read_parquet(paths[GEMM_FILE])

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.runtime.sim.cost.kernel_tables import TABLE_DIR_NAME, _sha256, default_table_dir
+from prorsa.io import file_sha256
+from prorsa.runtime.sim.cost.kernel_tables import TABLE_DIR_NAME, default_table_dir
 
 MOE_FILE = "moe_vllm_0.19.0_moe_perf.parquet"
 DISTRIBUTIONS = ("balanced", "power_law_1.01", "power_law_1.2")
@@ -50,7 +51,7 @@ class MoETable:
                 f"MoE kernel table missing: {path}",
                 hint="pass --data pointing at shared/data/profiles/" + TABLE_DIR_NAME,
             )
-        self.files = {MOE_FILE: {"sha256": _sha256(path)}}
+        self.files = {MOE_FILE: {"sha256": file_sha256(path)}}
         df = pd.read_parquet(path)
         keys = [
             "hidden_size",
