@@ -174,10 +174,13 @@ def _decode_terms(
 
 
 def _take(live: Live, rows: np.ndarray) -> Live:
-    """The rows ``rows`` of every field, as float32 (state and open keep their type)."""
+    """The rows ``rows`` of every field, as float32 (state and open keep their type);
+    gathered first, so each group converts only its own rows."""
     return Live(
         **{
-            k: (np.asarray(v, np.float32) if k not in ("state", "open") else np.asarray(v))[rows]
+            k: np.asarray(v)[rows]
+            if k in ("state", "open")
+            else np.asarray(v)[rows].astype(np.float32, copy=False)
             for k, v in vars(live).items()
         }
     )
