@@ -10,14 +10,19 @@ OpenAI server, so clients written against vLLM parse them unchanged.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from prorsa.serve.http_errors import HTTPError, json_object
-from prorsa.serve.routes_tokens import check_model, json_response, session_id, token_ids
+from prorsa.serve.routes_tokens import (
+    check_model,
+    json_response,
+    response_id,
+    session_id,
+    token_ids,
+)
 from prorsa.serve.sampling import TEXT_ONLY_KEYS, Sampling, parse_sampling
 
 router = APIRouter()
@@ -103,7 +108,7 @@ async def completions(request: Request) -> Response:
         choice["prompt_token_ids"] = prompt
     return json_response(
         {
-            "id": f"cmpl-{uuid.uuid4().hex}",
+            "id": response_id("cmpl"),
             "object": "text_completion",
             "created": int(time.time()),
             "model": request.app.state.model_names[0],
@@ -145,7 +150,7 @@ async def chat_completions(request: Request) -> dict[str, Any]:
     if body.get("return_token_ids"):
         choice["token_ids"] = result.output_token_ids
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": response_id("chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.app.state.model_names[0],

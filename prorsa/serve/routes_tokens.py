@@ -10,28 +10,61 @@ engines in a ``prorsa`` field, and accepts an optional ``routing`` object.
 
 from __future__ import annotations
 
-import json
+import itertools
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from prorsa.serve.http_errors import HTTPError, json_object
+from prorsa.serve.http_errors import HTTPError, json_object, typed_body
 from prorsa.serve.sampling import parse_sampling
 
 router = APIRouter()
 
 SESSION_HEADER = "x-session-id"
-#: Body fields of vLLM's GenerateRequest that change nothing here (token-in/token-out,
-#: prefix cache already salted by weight version per engine).
-_IGNORED_FIELDS = frozenset(
-    {"cache_salt", "priority", "output_mode", "return_token_ids", "stream_options"}
-)
-_FIELDS = frozenset(
-    {"token_ids", "sampling_params", "model", "request_id", "stream", "session_id", "routing"}
-)
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of ``/inference/v1/generate``, checked field by field as it is decoded.
+
+    Decoding into this type costs a third of ``json.loads`` plus a per-token check in
+    Python (measured: 23 against 71 µs for an 800-token prompt), which matters because a
+    trainer resends the whole context every turn. Bools and floats are not token ids.
+    """
+
+    token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    sampling_params: dict[str, Any] | None = None
+    model: str | None = None
+    request_id: str | None = None
+    stream: bool | None = None
+    session_id: str | int | None = None
+    routing: dict[str, Any] | None = None
+    kv_transfer_params: Any = None  # refused when set: prorsa's router sets these
+    # vLLM GenerateRequest fields that change nothing here (token-in/token-out, prefix
+    # cache already salted by weight version per engine).
+    cache_salt: Any = None
+    priority: Any = None
+    output_mode: Any = None
+    return_token_ids: Any = None
+    stream_options: Any = None
+
+
+_GENERATE_BODY = msgspec.json.Decoder(GenerateBody)
+
+#: Response ids: a random tag per server process, then a counter (uuid4 per response
+#: costs a system call for randomness on every turn).
+_ID_TAG = uuid.uuid4().hex[:12]
+_ID_COUNTER = itertools.count()
+
+
+def response_id(prefix: str) -> str:
+    """A response id unique to this server process (and, by its random tag, across them)."""
+    return f"{prefix}-{_ID_TAG}{next(_ID_COUNTER):x}"
 
 
 def session_id(request: Request, body: dict[str, Any]) -> str | None:
@@ -59,44 +92,39 @@ def token_ids(value: Any, field: str) -> list[int]:
     """A non-empty list of non-negative token ids (range checked by the router)."""
     if not isinstance(value, list) or not value:
         raise HTTPError(400, f"{field} must be a non-empty list of token ids", param=field)
-    if not all(type(t) is int for t in value) or min(value) < 0:  # bools are not token ids
+    # bools are not token ids; type() runs in C over the list
+    if set(map(type, value)) != {int} or min(value) < 0:
         raise HTTPError(400, f"{field} must hold non-negative integers only", param=field)
     return value
 
 
-def reject_unknown(body: dict[str, Any], known: frozenset[str], ignored: frozenset[str]) -> None:
-    unknown = sorted(set(body) - known - ignored)
-    if unknown:
-        raise HTTPError(400, f"unknown field(s) {unknown}", param=unknown[0])
-
-
 def json_response(payload: dict[str, Any]) -> Response:
-    """A JSON response encoded once by the C encoder (the hot routes skip FastAPI's
-    model-driven serialization, which costs more than the rest of the route)."""
-    return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
+    """A JSON response encoded once by msgspec's C encoder (the hot routes skip FastAPI's
+    model-driven serialization, which costs more than the rest of the route). A
+    non-finite float is written as null, as strict JSON requires."""
+    return Response(msgspec.json.encode(payload), media_type="application/json")
 
 
 async def generate(request: Request) -> Response:
     """``POST /inference/v1/generate`` (a plain Starlette route: the data-plane hot path)."""
-    body = await json_object(request)
-    reject_unknown(body, _FIELDS, _IGNORED_FIELDS | {"kv_transfer_params"})
-    if body.get("kv_transfer_params"):
+    body = await typed_body(request, _GENERATE_BODY)
+    if body.kv_transfer_params:
         raise HTTPError(
             400, "kv_transfer_params are set by prorsa's router, not by clients",
             param="kv_transfer_params",
         )  # fmt: skip
-    if body.get("stream"):
+    if body.stream:
         raise HTTPError(400, "streaming is not supported on this route", param="stream")
-    check_model(request, body.get("model"))
-    prompt = token_ids(body.get("token_ids"), "token_ids")
-    sampling = parse_sampling(body.get("sampling_params"), source="sampling_params")
+    check_model(request, body.model)
+    sampling = parse_sampling(body.sampling_params, source="sampling_params")
+    session = request.headers.get(SESSION_HEADER) or body.session_id
     service = request.app.state.service
     result = await service.generate(
-        session_id(request, body), prompt, sampling, routing=body.get("routing")
+        None if session is None else str(session), body.token_ids, sampling, routing=body.routing
     )
     return json_response(
         {
-            "request_id": body.get("request_id") or f"gen-{uuid.uuid4().hex}",
+            "request_id": body.request_id or response_id("gen"),
             "model": request.app.state.model_names[0],
             "created": int(time.time()),
             "choices": [
@@ -111,7 +139,7 @@ async def generate(request: Request) -> Response:
                     ],
                 }
             ],
-            "prompt_logprobs": prompt_logprobs(result, prompt),
+            "prompt_logprobs": prompt_logprobs(result, body.token_ids),
             "usage": usage(result),
             "prorsa": prorsa_fields(result),
         }

@@ -64,12 +64,12 @@ def serve(
     config.validate()
     with (
         listen_socket(config.host, config.port) as sock,
-        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        asyncio.Runner(loop_factory=event_loop_factory()) as runner,
     ):
         return runner.run(_serve(config, on_ready, fleet, sock))
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop when installed (a faster loop for the HTTP and Ray plumbing)."""
     try:
         import uvloop
@@ -110,7 +110,8 @@ async def _serve(
 def uvicorn_config(config: ServeConfig, app: Any) -> Any:
     """The HTTP server's settings, for ``prorsa serve`` and :class:`BackgroundServer`:
     quiet logs (the service logs what matters), no lifespan events (the service starts
-    before the server and stops after it), in-flight requests given 30 s to finish."""
+    before the server and stops after it), no proxy-header rewriting (nothing reads the
+    client address), in-flight requests given 30 s to finish."""
     import uvicorn
 
     return uvicorn.Config(
@@ -120,6 +121,7 @@ def uvicorn_config(config: ServeConfig, app: Any) -> Any:
         log_level="warning",
         access_log=False,
         lifespan="off",
+        proxy_headers=False,
         timeout_graceful_shutdown=30,
     )
 
@@ -235,7 +237,7 @@ class BackgroundServer:
 
     def _main(self) -> None:
         try:
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
                 runner.run(self._run())
         except BaseException as exc:  # reported to start(); the thread ends
             self.error = exc

@@ -263,19 +263,19 @@ class RolloutService:
         routing = _routing(routing)
         one_shot = session_id is None
         session_id = sessions.anonymous_id() if one_shot else session_id
-        probe = ServeTurnRequest.build(session_id, prompt_ids, sampling, turn=0, **routing)
-        self.router.validate(probe)  # fail fast, before waiting at a closed gate
+        request = ServeTurnRequest.build(
+            session_id, prompt_ids, sampling, turn=0, group_id=group_id, task=task, **routing
+        )
+        self.router.validate(request)  # fail fast, before waiting at a closed gate
         session = sessions.get_or_start(session_id, group_id=group_id, task=task)
         try:
             async with session.lock, self.gate.admitted():
-                turn = sessions.before_turn(session, len(prompt_ids))
-                request = ServeTurnRequest.build(
-                    session_id, prompt_ids, sampling, turn=turn, group_id=group_id,
-                    task=task, **routing,
-                )  # fmt: skip
-                result = await self.router.generate(request)
+                request.turn = sessions.before_turn(session, len(prompt_ids))
+                result = await self.router.generate(request, checked=True)
                 served = served_result(result, session_id, len(prompt_ids))
-                sessions.after_turn(session, turn, len(prompt_ids) + len(result.output_token_ids))
+                sessions.after_turn(
+                    session, request.turn, len(prompt_ids) + len(result.output_token_ids)
+                )
         finally:
             if one_shot:
                 sessions.finish(session_id)

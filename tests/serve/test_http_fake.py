@@ -244,6 +244,43 @@ def test_malformed_requests_get_4xx_and_leave_other_sessions_alone(tmp_path):
     assert good["choices"][0]["token_ids"] == tokens_for(PROMPT, 80, 0)
 
 
+def test_generate_body_errors_name_the_field_and_element(tmp_path):
+    """The token route's body is type-checked as it is decoded; each error is a 400 that
+    names the field (and the list element), and nothing reaches an engine."""
+    bodies = {
+        "bool token": {"token_ids": [5, True]},
+        "negative token": {"token_ids": [5, -1]},
+        "float token": {"token_ids": [5.0]},
+        "empty prompt": {"token_ids": []},
+        "no prompt": {"sampling_params": {"max_tokens": 2}},
+        "unknown field": {"token_ids": PROMPT, "sampling": {}},
+        "session not a string": {"token_ids": PROMPT, "session_id": [1]},
+        "not an object": [1, 2],
+    }
+
+    async def go():
+        async with client(tmp_path) as (http, (svc, _)):
+            replies = {
+                name: await http.post("/inference/v1/generate", json=body)
+                for name, body in bodies.items()
+            }
+            return replies, svc.status()["sessions_started"]
+
+    replies, sessions_started = run(go())
+    assert {name: r.status_code for name, r in replies.items()} == dict.fromkeys(bodies, 400)
+    errors = {name: r.json()["error"] for name, r in replies.items()}
+    assert "$.token_ids[1]" in errors["bool token"]["message"]
+    assert ">= 0" in errors["negative token"]["message"]
+    assert "got `float`" in errors["float token"]["message"]
+    params = {name: e["param"] for name, e in errors.items()}
+    assert params == {
+        "bool token": "token_ids", "negative token": "token_ids", "float token": "token_ids",
+        "empty prompt": "token_ids", "no prompt": "token_ids", "unknown field": "sampling",
+        "session not a string": "session_id", "not an object": None,
+    }  # fmt: skip
+    assert sessions_started == 0  # refused before a session or an engine saw it
+
+
 def test_metrics_report_roles_versions_and_latencies(tmp_path):
     async def go():
         async with client(tmp_path) as (http, _):

@@ -228,8 +228,13 @@ class PDRouter:
         for per_engine in self._resident.values():
             per_engine.pop(engine_id, None)
 
-    async def generate(self, request: TurnRequest) -> TurnResult:
+    async def generate(self, request: TurnRequest, *, checked: bool = False) -> TurnResult:
         """Serve one turn; retries on engine failure and re-routes after evictions.
+
+        Args:
+            request: the turn.
+            checked: the caller already ran :meth:`validate` on a request with this prompt
+                and sampling (the check scans the whole prompt, once is enough).
 
         Raises:
             InputError: the request is malformed (nothing was dispatched).
@@ -237,7 +242,8 @@ class PDRouter:
             RoutingError: no engine of the needed role within ``route_timeout_s``, or
                 ``max_retries`` engine failures.
         """
-        self.validate(request)
+        if not checked:
+            self.validate(request)
         queued_at = self.now()
         context = len(request.prompt_token_ids)
         self._event(
