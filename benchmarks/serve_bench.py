@@ -1,17 +1,23 @@
 """What ``prorsa serve`` adds over calling an engine directly, at 1, 16 and 64 sessions.
 
-One tiny-model engine in Ray, reached two ways in alternating rounds:
+One tiny-model engine in Ray, reached three ways in alternating rounds:
 
 * direct: ``EngineServer.generate`` through its Ray actor handle from this process;
 * served: ``POST /inference/v1/generate`` to ``prorsa serve`` (router, sessions, admission,
   telemetry, HTTP) over the same engine, from a separate client process (as a trainer
-  would be), each session a multi-turn conversation with ``X-Session-ID``.
+  would be), each session a multi-turn conversation with ``X-Session-ID``;
+* floor: the same client and route against a bare ASGI app on the same uvicorn settings
+  and event loop that forwards each body straight to the engine actor. It is what any
+  HTTP hop in front of the engine costs on this machine (client, uvicorn, JSON), so
+  *served minus floor* is prorsa's own share.
 
 Per request, *overhead* is the client-observed latency minus the time the request spent
-inside the engine actor (which both paths report), so engine queueing and decode time cancel
-out; *added* is served overhead minus direct overhead (the Ray round trip), at p50 and p99.
-Requests/s is requests completed per second of each phase. Writes
-benchmarks/results/serve.json. Goal from issue 12: added p50 < 3 ms and p99 < 20 ms at 16.
+inside the engine actor (which all paths report), so engine queueing and decode time cancel
+out; *added* is overhead minus direct overhead (the Ray round trip), at p50 and p99.
+Requests/s is requests completed per second of each phase; server CPU per turn is this
+process's CPU time (the server thread and Ray's driver threads) over a phase's turns.
+Writes benchmarks/results/serve.json. Goal from issue 12: added p50 < 3 ms and p99 < 20 ms
+at 16 sessions.
 
     .venv/bin/python benchmarks/serve_bench.py [--requests 40] [--rounds 3]
 """
@@ -107,14 +113,79 @@ async def _http_session(url: str, concurrency: int, http_client: str):
 
 def served_round(
     url: str, concurrency: int, requests: int, http_client: str = "aiohttp"
-) -> tuple[list, float]:
+) -> tuple[list, float, float]:
+    """(samples, wall_s, server_cpu_s): one client process against ``url``."""
     cmd = [sys.executable, __file__, "--client", url, "--concurrency", str(concurrency),
            "--requests", str(requests), "--http-client", http_client]  # fmt: skip
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     payload = json.loads(done.stdout.strip().splitlines()[-1])
-    return payload["samples"], payload["wall_s"] or wall
+    return payload["samples"], payload["wall_s"] or wall, cpu
+
+
+# ---------------------------------------------------------------------- HTTP floor
+def floor_app(client: Any):
+    """A bare ASGI app: decode, one engine call, encode; nothing prorsa does per turn."""
+    import itertools
+
+    import msgspec
+
+    ids = itertools.count()
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        reply: dict[str, Any] = {}
+        if scope["path"] == "/inference/v1/generate":
+            body = msgspec.json.decode(b"".join(chunks))
+            result = await client.generate(
+                f"floor-{next(ids)}", body["token_ids"], body["sampling_params"]["max_tokens"],
+                0.0, ignore_eos=True,
+            )  # fmt: skip
+            reply = {
+                "choices": [{"token_ids": result["output_token_ids"]}],
+                "prorsa": {"engine_s": result["timings"]["total_s"]},
+            }
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": msgspec.json.encode(reply)})
+
+    return app
+
+
+@contextlib.contextmanager
+def floor_server(client: Any, config: Any):
+    """:func:`floor_app` on a thread, with ``prorsa serve``'s uvicorn settings and loop."""
+    import threading
+
+    import uvicorn
+
+    from prorsa.serve.server import event_loop_factory, listen_socket, uvicorn_config
+
+    sock = listen_socket(config.host, config.port)
+    server = uvicorn.Server(uvicorn_config(config, floor_app(client)))
+
+    def run() -> None:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(server.serve(sockets=[sock]))
+
+    thread = threading.Thread(target=run, name="http-floor", daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        yield f"http://{config.host}:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 # ---------------------------------------------------------------------- direct path
@@ -135,17 +206,61 @@ async def direct_load(client, concurrency: int, requests: int) -> tuple[list, fl
     return out, time.perf_counter() - started
 
 
-def stats(samples: list[tuple[float, float]], wall_s: float) -> dict[str, float]:
+def stats(
+    samples: list[tuple[float, float]], wall_s: float, cpu_s: float | None = None
+) -> dict[str, float]:
     latency = np.array([s[0] for s in samples])
     overhead = np.array([s[0] - s[1] for s in samples])
     return {
         "requests": len(samples),
         "requests_per_s": len(samples) / wall_s,
+        **({} if cpu_s is None else {"server_cpu_ms_per_turn": cpu_s / len(samples) * 1000}),
         "latency_p50_ms": float(np.percentile(latency, 50) * 1000),
         "latency_p99_ms": float(np.percentile(latency, 99) * 1000),
         "overhead_p50_ms": float(np.percentile(overhead, 50) * 1000),
         "overhead_p99_ms": float(np.percentile(overhead, 99) * 1000),
     }
+
+
+def measure(
+    client: Any, urls: dict[str, str], concurrency: int, requests: int, args: Any
+) -> dict[str, Any]:
+    """Direct and each HTTP path in alternating rounds; added latency of each path."""
+    samples: dict[str, list] = {"direct": [], **{name: [] for name in urls}}
+    wall = dict.fromkeys(samples, 0.0)
+    cpu = dict.fromkeys(urls, 0.0)
+    for _ in range(args.rounds):
+        d, w = asyncio.run(direct_load(client, concurrency, requests))
+        samples["direct"] += d
+        wall["direct"] += w
+        for name, url in urls.items():
+            s, w, c = served_round(url, concurrency, requests, args.http_client)
+            samples[name] += s
+            wall[name] += w
+            cpu[name] += c
+    row: dict[str, Any] = {"direct": stats(samples["direct"], wall["direct"])}
+    for name in urls:
+        row[name] = stats(samples[name], wall[name], cpu[name])
+    direct = row["direct"]
+    for name in urls:
+        prefix = "" if name == "served" else f"{name}_"
+        row[f"{prefix}added_p50_ms"] = row[name]["overhead_p50_ms"] - direct["overhead_p50_ms"]
+        row[f"{prefix}added_p99_ms"] = row[name]["overhead_p99_ms"] - direct["overhead_p99_ms"]
+    served, floor = row["served"], row.get("floor")
+    line = (
+        f"{concurrency:>3} sessions: served {served['requests_per_s']:.0f} req/s vs direct "
+        f"{direct['requests_per_s']:.0f}; added p50 {row['added_p50_ms']:.2f} ms, "
+        f"p99 {row['added_p99_ms']:.2f} ms; server CPU {served['server_cpu_ms_per_turn']:.2f} "
+        "ms/turn"
+    )
+    if floor is not None:
+        line += (
+            f" | HTTP floor: added p50 {row['floor_added_p50_ms']:.2f} ms, "
+            f"p99 {row['floor_added_p99_ms']:.2f} ms, CPU "
+            f"{floor['server_cpu_ms_per_turn']:.2f} ms/turn"
+        )
+    print(line, flush=True)
+    return row
 
 
 def main() -> None:
@@ -183,35 +298,22 @@ def main() -> None:
         fleet = EngineFleet.start(FleetSpec(engine, roles=["colocated"]))
         config = ServeConfig(model=str(model), engines=1, policy="colocate", port=free_port(),
                              max_num_seqs=64)  # fmt: skip
+        floor_config = ServeConfig(model=str(model), engines=1, port=free_port())
+        client = fleet.clients[0]
         try:
-            with BackgroundServer(config, fleet=fleet) as server:
-                client = fleet.clients[0]
+            with (
+                BackgroundServer(config, fleet=fleet) as server,
+                floor_server(client, floor_config) as floor_url,
+            ):
                 # warm-up: connections, NIXL-free path, caches
                 served_round(server.url, 4, 5, args.http_client)
+                served_round(floor_url, 4, 5, args.http_client)
                 asyncio.run(direct_load(client, 4, 5))
                 for c in CONCURRENCY:
                     requests = max(5, args.requests // max(1, c // 8))
-                    direct, served = [], []
-                    direct_wall = served_wall = 0.0
-                    for _ in range(args.rounds):
-                        d, w = asyncio.run(direct_load(client, c, requests))
-                        direct += d
-                        direct_wall += w
-                        s, w = served_round(server.url, c, requests, args.http_client)
-                        served += s
-                        served_wall += w
-                    rd, rs = stats(direct, direct_wall), stats(served, served_wall)
-                    rows[str(c)] = {
-                        "direct": rd,
-                        "served": rs,
-                        "added_p50_ms": rs["overhead_p50_ms"] - rd["overhead_p50_ms"],
-                        "added_p99_ms": rs["overhead_p99_ms"] - rd["overhead_p99_ms"],
-                    }
-                    print(
-                        f"{c:>3} sessions: served {rs['requests_per_s']:.0f} req/s vs direct "
-                        f"{rd['requests_per_s']:.0f}; added p50 {rows[str(c)]['added_p50_ms']:.2f} "
-                        f"ms, p99 {rows[str(c)]['added_p99_ms']:.2f} ms", flush=True,
-                    )  # fmt: skip
+                    rows[str(c)] = measure(
+                        client, {"served": server.url, "floor": floor_url}, c, requests, args
+                    )
         finally:
             fleet.shutdown()
             ray.shutdown()
@@ -227,6 +329,8 @@ def main() -> None:
                 "load_average": os.getloadavg(),
             },
             "goal": {"concurrency": 16, "added_p50_ms": 3.0, "added_p99_ms": 20.0},
+            "floor": "a bare ASGI app on the same uvicorn settings and loop, forwarding each "
+            "body to the engine actor: what any HTTP hop costs here",
             "concurrency": rows,
         },
     )
