@@ -63,6 +63,8 @@ BOTTOM_UP_FEATURES = ("bu_prefill", "bu_decode", "bu_sequences", "bu_kv")
 # calibration fall back on recent demand where the bottom-up sum is off.
 _LAG_PREFIXES = ("lag_prefill_rate_", "lag_decode_rate_", "lag_decodes_", "lag_kv_tokens_")
 LAG_FEATURES = ("lag_prefill", "lag_decode", "lag_sequences", "lag_kv")
+#: What the calibration corrects for the decode targets (see the class doc).
+DECODE_OFFSETS = ("bottom-up", "recent", "blend")
 CALIBRATION_FEATURES = (
     "live",
     "queued",
@@ -89,6 +91,13 @@ class LightGBMTrajectoryForecaster(Forecaster):
         folds: run folds for the out-of-fold predictions the calibration trains on.
         calibration_estimators: trees of each calibration model.
         max_rows: rows kept per model (seeded sample).
+        decode_offset: what the calibration trees correct for the three decode targets:
+            ``"bottom-up"`` (the bottom-up sum, as for prefill), ``"recent"`` (what was
+            observed over the same horizon just before the tick) or ``"blend"`` (a
+            weighted sum of the two, the weight per target and horizon fitted by least
+            squares on the training ticks). Decode demand is a slowly moving stock, which
+            recent demand predicts well at short horizons; trees correct a good offset
+            more easily than they learn it.
     """
 
     provides_quantiles = True
@@ -105,6 +114,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         folds: int = 2,
         calibration_estimators: int = 150,
         max_rows: int = 200_000,
+        decode_offset: str = "bottom-up",
     ) -> None:
         super().__init__(horizons, seed)
         self.n_estimators = n_estimators
@@ -115,6 +125,13 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.folds = folds
         self.calibration_estimators = calibration_estimators
         self.max_rows = max_rows
+        if decode_offset not in DECODE_OFFSETS:
+            from prorsa.errors import ConfigError
+
+            raise ConfigError(
+                f"unknown decode_offset {decode_offset!r}", hint=f"one of {DECODE_OFFSETS}"
+            )
+        self.decode_offset = decode_offset
 
     # ------------------------------------------------------------------- fit
     def _train(
@@ -246,9 +263,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
         y = self._targets_matrix(sub, self.horizons_)
         keep = subsample(len(xs), self.max_rows, self.seed)
         names = [*self.calibration_features_, *BOTTOM_UP_FEATURES, *LAG_FEATURES, "horizon_s"]
-        n_feats = len(self.calibration_features_)
         ys = np.stack([y[:, i, :].T.reshape(-1) for i in range(len(TARGETS))], axis=1)
         runs = np.tile(sub["run_id"].to_numpy(), len(self.horizons_))
+        self.offset_weights_ = self._fit_offset_weights(xs[keep], ys[keep])
 
         def train(xk, yk, objective, alpha, init):
             return self._train(
@@ -264,10 +281,49 @@ class LightGBMTrajectoryForecaster(Forecaster):
             self.horizons_,
             train,
             self.seed,
-            init=xs[keep, n_feats : n_feats + len(TARGETS)],
+            init=self._offsets(xs[keep]),
             prefix="cal:",
         )
         self.boosters_.update(boosters)
+
+    def _fit_offset_weights(self, xs: np.ndarray, ys: np.ndarray) -> dict[str, list[float]]:
+        """Per target and horizon, the weight of the bottom-up sum in the offset (the rest
+        on recent demand): 1 for prefill; for decode 1, 0 or, for ``"blend"``, the
+        least-squares weight on the training rows, clipped to [0, 1]."""
+        if self.decode_offset == "bottom-up":
+            return {}  # the bottom-up sum everywhere
+        n_feats = len(self.calibration_features_)
+        weights = {t: [1.0] * len(self.horizons_) for t in TARGETS}
+        for i, target in enumerate(TARGETS[1:], start=1):
+            for j, h in enumerate(self.horizons_):
+                if self.decode_offset == "recent":
+                    weights[target][j] = 0.0
+                    continue
+                rows = np.isclose(xs[:, -1], h) & np.isfinite(ys[:, i])
+                recent = xs[rows, n_feats + len(TARGETS) + i]
+                gap = xs[rows, n_feats + i] - recent
+                denom = float(gap @ gap)
+                w = float((ys[rows, i] - recent) @ gap) / denom if denom > 0 else 1.0
+                weights[target][j] = float(np.clip(w, 0.0, 1.0))
+        return weights
+
+    def _offsets(self, x: np.ndarray) -> np.ndarray:
+        """The offset each target's calibration trees correct, per calibration row
+        [rows, targets]: ``w`` x bottom-up sum + (1 - ``w``) x recent demand over the
+        same horizon (same units: per live trajectory, per second for sums)."""
+        n_feats = len(self.calibration_features_)
+        bottom_up_sum = x[:, n_feats : n_feats + len(TARGETS)]
+        recent = x[:, n_feats + len(TARGETS) : n_feats + 2 * len(TARGETS)]
+        weights = getattr(self, "offset_weights_", None)
+        if not weights:
+            return bottom_up_sum
+        table = np.array([weights[t] for t in TARGETS]).T  # [horizons, targets]
+        index = {h: j for j, h in enumerate(self.horizons_)}
+        seen, inverse = np.unique(x[:, -1], return_inverse=True)
+        w = table[[index[h] for h in seen]][inverse]
+        # Weights of exactly 1 or 0 take one side as it is (the other may be NaN).
+        blend = w * bottom_up_sum + (1.0 - w) * recent
+        return np.where(w == 1.0, bottom_up_sum, np.where(w == 0.0, recent, blend))
 
     def _calibration_rows(
         self, feats: np.ndarray, sums: np.ndarray, scale: np.ndarray, horizons: Sequence[float]
@@ -361,10 +417,10 @@ class LightGBMTrajectoryForecaster(Forecaster):
         x = self._calibration_rows(self.current_features()[None, :], sums[None], scale, horizons)
         point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
-        n_feats = len(self.calibration_features_)
+        offset = self._offsets(x)
         for i, target in enumerate(TARGETS):
             for suffix, _, alpha in LOSSES:
-                raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x) + x[:, n_feats + i]
+                raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x) + offset[:, i]
                 raw = raw + conformal_shift(
                     self.conformal_, alpha, target, self.horizons_, horizons
                 )
@@ -385,6 +441,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             "default": self.default_,
             "calibration_features": getattr(self, "calibration_features_", []),
             "conformal": getattr(self, "conformal_", {}),
+            "offset_weights": getattr(self, "offset_weights_", {}),
         }
 
     def _set_state(self, state: dict, path: Path) -> None:
@@ -419,6 +476,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.default_ = {k: float(v) for k, v in default.items()}
         self.calibration_features_ = list(features)
         self.conformal_ = read_conformal(state, path, len(self.horizons_))
+        self.offset_weights_ = _offset_weights(state, source, len(self.horizons_))
         self._cal_index = None
         turn_width = len(EVENT_FEATURES)
         cal_width = (
@@ -427,6 +485,28 @@ class LightGBMTrajectoryForecaster(Forecaster):
         for key, booster in self.boosters_.items():
             width = cal_width if key.startswith("cal:") else turn_width
             lgbm.check_width(booster, width, source=str(file))
+
+
+def _offset_weights(state: dict, source: str, horizons: int) -> dict[str, list[float]]:
+    """``state.offset_weights``, checked (absent in models saved before it existed: those
+    correct the bottom-up sum everywhere, which an empty table means)."""
+    table = state.get("offset_weights", {})
+    if not isinstance(table, dict):
+        raise InputError("must be an object", source=source, field="state.offset_weights")
+    for target, weights in table.items():
+        ok = (
+            target in TARGETS
+            and isinstance(weights, list)
+            and len(weights) == horizons
+            and all(_finite(w) and 0.0 <= w <= 1.0 for w in weights)
+        )
+        if not ok:
+            raise InputError(
+                f"must be {horizons} weights in [0, 1] per target, got {weights!r}",
+                source=source,
+                field=f"state.offset_weights.{target}",
+            )
+    return {t: [float(w) for w in ws] for t, ws in table.items()}
 
 
 def _finite(value: object) -> bool:

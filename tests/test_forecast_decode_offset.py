@@ -1,0 +1,85 @@
+"""lightgbm-trajectory's decode offset: what the calibration trees correct for decode."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prorsa.errors import ConfigError, InputError
+from prorsa.forecast import build_dataset, load_forecaster, make_forecaster
+from prorsa.forecast.types import TARGETS
+from tests.sim_helpers import random_specs, run
+
+
+def _telemetry(slots: int, n: int, seed: int, run_id: str) -> pa.Table:
+    table = run(random_specs(n, seed=seed, turns=(2, 5)), "static", slots=slots).telemetry
+    ids = pa.array([run_id] * table.num_rows, pa.string())
+    field = pa.field("run_id", pa.string(), nullable=False)
+    return table.set_column(table.schema.get_field_index("run_id"), field, ids)
+
+
+def _feed(model, table: pa.Table, until_s: float) -> None:
+    model.reset()
+    for t in np.arange(1.0, until_s + 1.0):
+        events = table.filter(pa.compute.less_equal(table.column("time"), t))
+        if t > 1.0:
+            events = events.filter(pa.compute.greater(events.column("time"), t - 1.0))
+        model.update(events, float(t))
+
+
+def test_recent_offset_starts_decode_from_recent_demand_and_leaves_prefill_alone(tmp_path):
+    data = build_dataset([_telemetry(2, 80, s, f"r{s}") for s in range(3)], horizons=[5])
+    # One slow calibration tree: the forecast stays close to the offset it corrects.
+    settings = {"horizons": [5], "n_estimators": 5, "calibration_estimators": 1}
+    recent = make_forecaster("lightgbm-trajectory", decode_offset="recent", **settings)
+    bottom_up = make_forecaster("lightgbm-trajectory", **settings)
+    recent.fit(data).set_drift_check(False)
+    bottom_up.fit(data).set_drift_check(False)
+    held_out = _telemetry(2, 80, 9, "held-out")
+    for model in (recent, bottom_up):
+        _feed(model, held_out, 5.0)
+    fr, fb = recent.predict(), bottom_up.predict()
+    tracker = recent.tracker_
+    observed = tracker.observed_mean("decodes", 5.0)
+    assert observed > 0
+    assert fr.point["decode_sequences"][0] == pytest.approx(observed, rel=0.15)
+    rate = tracker.observed_sum("cum_decode", 5.0)
+    assert fr.point["decode_tokens"][0] == pytest.approx(rate * 5.0, rel=0.15)
+    # prefill keeps the bottom-up offset: the same trees, the same forecast
+    np.testing.assert_array_equal(fr.point["prefill_tokens"], fb.point["prefill_tokens"])
+    assert fr.point["decode_sequences"][0] != fb.point["decode_sequences"][0]
+    # the choice travels with the saved model
+    recent.save(tmp_path / "m")
+    loaded = load_forecaster(tmp_path / "m").set_drift_check(False)
+    assert loaded.decode_offset == "recent"
+    _feed(loaded, held_out, 5.0)
+    np.testing.assert_allclose(
+        loaded.predict().point["decode_sequences"], fr.point["decode_sequences"]
+    )
+
+
+def test_blend_weights_are_fitted_saved_and_checked_on_load(tmp_path):
+    data = build_dataset([_telemetry(2, 80, s, f"r{s}") for s in range(3)], horizons=[1, 5])
+    settings = {"horizons": [1, 5], "n_estimators": 5, "calibration_estimators": 5}
+    model = make_forecaster("lightgbm-trajectory", decode_offset="blend", **settings).fit(data)
+    weights = model.offset_weights_
+    assert weights["prefill_tokens"] == [1.0, 1.0]  # prefill corrects the bottom-up sum
+    decode = [w for t in TARGETS[1:] for w in weights[t]]
+    assert len(decode) == 6 and all(0.0 <= w <= 1.0 for w in decode)
+    assert decode != [1.0] * 6  # recent demand carries weight somewhere
+    model.save(tmp_path / "m")
+    assert load_forecaster(tmp_path / "m").offset_weights_ == weights
+    manifest = tmp_path / "m" / "manifest.json"
+    text = json.loads(manifest.read_text())
+    text["state"]["offset_weights"]["decode_tokens"] = [0.5, 1.5]
+    manifest.write_text(json.dumps(text))
+    with pytest.raises(InputError, match=r"offset_weights\.decode_tokens"):
+        load_forecaster(tmp_path / "m")
+
+
+def test_unknown_decode_offset_is_refused():
+    with pytest.raises(ConfigError, match="decode_offset"):
+        make_forecaster("lightgbm-trajectory", decode_offset="last")
