@@ -78,6 +78,10 @@ def test_blend_weights_are_fitted_saved_and_checked_on_load(tmp_path):
     manifest.write_text(json.dumps(text))
     with pytest.raises(InputError, match=r"offset_weights\.decode_tokens"):
         load_forecaster(tmp_path / "m")
+    text["state"]["offset_weights"] = {}  # a blend model without its weights
+    manifest.write_text(json.dumps(text))
+    with pytest.raises(InputError, match="needs the fitted offset weights"):
+        load_forecaster(tmp_path / "m")
 
 
 def test_unknown_decode_offset_is_refused():

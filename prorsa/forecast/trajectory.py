@@ -477,6 +477,12 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.calibration_features_ = list(features)
         self.conformal_ = read_conformal(state, path, len(self.horizons_))
         self.offset_weights_ = _offset_weights(state, source, len(self.horizons_))
+        if not self.offset_weights_ and self.decode_offset != "bottom-up":
+            raise InputError(
+                f"decode_offset {self.decode_offset!r} needs the fitted offset weights",
+                source=source,
+                field="state.offset_weights",
+            )
         self._cal_index = None
         turn_width = len(EVENT_FEATURES)
         cal_width = (
@@ -493,6 +499,9 @@ def _offset_weights(state: dict, source: str, horizons: int) -> dict[str, list[f
     table = state.get("offset_weights", {})
     if not isinstance(table, dict):
         raise InputError("must be an object", source=source, field="state.offset_weights")
+    missing = [t for t in TARGETS if table and t not in table]
+    if missing:
+        raise InputError("missing", source=source, field=f"state.offset_weights.{missing[0]}")
     for target, weights in table.items():
         ok = (
             target in TARGETS
