@@ -16,8 +16,9 @@ inside the engine actor (which all paths report), so engine queueing and decode 
 out; *added* is overhead minus direct overhead (the Ray round trip), at p50 and p99.
 Requests/s is requests completed per second of each phase; server CPU per turn is this
 process's CPU time (the server thread and Ray's driver threads) over a phase's turns.
-Writes benchmarks/results/serve.json. Goal from issue 12: added p50 < 3 ms and p99 < 20 ms
-at 16 sessions.
+The same is measured once more at 16 sessions with 800-token prompts (``long_prompt``),
+where the server's per-token work shows. Writes benchmarks/results/serve.json. Goal from
+issue 12: added p50 < 3 ms and p99 < 20 ms at 16 sessions.
 
     .venv/bin/python benchmarks/serve_bench.py [--requests 40] [--rounds 3]
 """
@@ -44,16 +45,23 @@ from benchmarks._common import save
 
 CONCURRENCY = (1, 16, 64)
 PROMPT_TOKENS = 32
+#: A second, trainer-like context length at 16 sessions: the server's per-token work
+#: (decoding and checking the body, the router's prompt check, Ray serialisation) shows.
+LONG_PROMPT_TOKENS = 800
 MAX_TOKENS = 4
 
 
-def prompt_for(session: int, turn: int) -> list[int]:
-    return [(31 * session + 7 * i + turn) % 500 + 3 for i in range(PROMPT_TOKENS + 2 * turn)]
+def prompt_for(session: int, turn: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+    return [(31 * session + 7 * i + turn) % 500 + 3 for i in range(tokens + 2 * turn)]
 
 
 # ---------------------------------------------------------------------- client process
 async def client_load(
-    url: str, concurrency: int, requests: int, http_client: str = "aiohttp"
+    url: str,
+    concurrency: int,
+    requests: int,
+    http_client: str = "aiohttp",
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> list[tuple[float, float]]:
     """(latency_s, engine_s) per request, ``concurrency`` sessions of ``requests`` turns."""
     out: list[tuple[float, float]] = []
@@ -62,7 +70,7 @@ async def client_load(
         async def session(s: int) -> None:
             sid = f"bench-{concurrency}-{s}-{time.monotonic_ns()}"
             for turn in range(requests):
-                body = {"token_ids": prompt_for(s, turn),
+                body = {"token_ids": prompt_for(s, turn, prompt_tokens),
                         "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0,
                                             "ignore_eos": True}}  # fmt: skip
                 started = time.perf_counter()
@@ -112,11 +120,16 @@ async def _http_session(url: str, concurrency: int, http_client: str):
 
 
 def served_round(
-    url: str, concurrency: int, requests: int, http_client: str = "aiohttp"
+    url: str,
+    concurrency: int,
+    requests: int,
+    http_client: str = "aiohttp",
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> tuple[list, float, float]:
     """(samples, wall_s, server_cpu_s): one client process against ``url``."""
     cmd = [sys.executable, __file__, "--client", url, "--concurrency", str(concurrency),
-           "--requests", str(requests), "--http-client", http_client]  # fmt: skip
+           "--requests", str(requests), "--http-client", http_client,
+           "--prompt-tokens", str(prompt_tokens)]  # fmt: skip
     started, cpu = time.perf_counter(), time.process_time()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -189,7 +202,9 @@ def floor_server(client: Any, config: Any):
 
 
 # ---------------------------------------------------------------------- direct path
-async def direct_load(client, concurrency: int, requests: int) -> tuple[list, float]:
+async def direct_load(
+    client, concurrency: int, requests: int, prompt_tokens: int = PROMPT_TOKENS
+) -> tuple[list, float]:
     out: list[tuple[float, float]] = []
 
     async def session(s: int) -> None:
@@ -197,7 +212,7 @@ async def direct_load(client, concurrency: int, requests: int) -> tuple[list, fl
             started = time.perf_counter()
             request_id = f"d{concurrency}-{s}-{turn}-{time.monotonic_ns()}"
             r = await client.generate(
-                request_id, prompt_for(s, turn), MAX_TOKENS, 0.0, ignore_eos=True
+                request_id, prompt_for(s, turn, prompt_tokens), MAX_TOKENS, 0.0, ignore_eos=True
             )
             out.append((time.perf_counter() - started, r["timings"]["total_s"]))
 
@@ -223,18 +238,23 @@ def stats(
 
 
 def measure(
-    client: Any, urls: dict[str, str], concurrency: int, requests: int, args: Any
+    client: Any,
+    urls: dict[str, str],
+    concurrency: int,
+    requests: int,
+    args: Any,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict[str, Any]:
     """Direct and each HTTP path in alternating rounds; added latency of each path."""
     samples: dict[str, list] = {"direct": [], **{name: [] for name in urls}}
     wall = dict.fromkeys(samples, 0.0)
     cpu = dict.fromkeys(urls, 0.0)
     for _ in range(args.rounds):
-        d, w = asyncio.run(direct_load(client, concurrency, requests))
+        d, w = asyncio.run(direct_load(client, concurrency, requests, prompt_tokens))
         samples["direct"] += d
         wall["direct"] += w
         for name, url in urls.items():
-            s, w, c = served_round(url, concurrency, requests, args.http_client)
+            s, w, c = served_round(url, concurrency, requests, args.http_client, prompt_tokens)
             samples[name] += s
             wall[name] += w
             cpu[name] += c
@@ -248,7 +268,8 @@ def measure(
         row[f"{prefix}added_p99_ms"] = row[name]["overhead_p99_ms"] - direct["overhead_p99_ms"]
     served, floor = row["served"], row.get("floor")
     line = (
-        f"{concurrency:>3} sessions: served {served['requests_per_s']:.0f} req/s vs direct "
+        f"{concurrency:>3} sessions, {prompt_tokens}-token prompts: served "
+        f"{served['requests_per_s']:.0f} req/s vs direct "
         f"{direct['requests_per_s']:.0f}; added p50 {row['added_p50_ms']:.2f} ms, "
         f"p99 {row['added_p99_ms']:.2f} ms; server CPU {served['server_cpu_ms_per_turn']:.2f} "
         "ms/turn"
@@ -269,14 +290,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as load client
     parser.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help=argparse.SUPPRESS)
     parser.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp",
                         help="the load client's HTTP library")  # fmt: skip
     args = parser.parse_args()
     if args.client:
         started = time.perf_counter()
-        samples = asyncio.run(
-            client_load(args.client, args.concurrency, args.requests, args.http_client)
+        load = client_load(
+            args.client, args.concurrency, args.requests, args.http_client, args.prompt_tokens
         )
+        samples = asyncio.run(load)
         print(json.dumps({"samples": samples, "wall_s": time.perf_counter() - started}))
         return
 
@@ -290,6 +313,7 @@ def main() -> None:
     from prorsa.serve.server import BackgroundServer
 
     rows: dict[str, dict] = {}
+    long_rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", seed=0)
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -314,6 +338,10 @@ def main() -> None:
                     rows[str(c)] = measure(
                         client, {"served": server.url, "floor": floor_url}, c, requests, args
                     )
+                long_rows["16"] = measure(
+                    client, {"served": server.url, "floor": floor_url}, 16, args.requests // 2,
+                    args, LONG_PROMPT_TOKENS,
+                )  # fmt: skip
         finally:
             fleet.shutdown()
             ray.shutdown()
@@ -332,6 +360,7 @@ def main() -> None:
             "floor": "a bare ASGI app on the same uvicorn settings and loop, forwarding each "
             "body to the engine actor: what any HTTP hop costs here",
             "concurrency": rows,
+            "long_prompt": {"prompt_tokens": LONG_PROMPT_TOKENS, "concurrency": long_rows},
         },
     )
     print(f"saved {path}")
