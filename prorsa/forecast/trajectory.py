@@ -265,23 +265,25 @@ class LightGBMTrajectoryForecaster(Forecaster):
         names = [*self.calibration_features_, *BOTTOM_UP_FEATURES, *LAG_FEATURES, "horizon_s"]
         ys = np.stack([y[:, i, :].T.reshape(-1) for i in range(len(TARGETS))], axis=1)
         runs = np.tile(sub["run_id"].to_numpy(), len(self.horizons_))
-        self.offset_weights_ = self._fit_offset_weights(xs[keep], ys[keep])
+        x_kept, y_kept = xs[keep], ys[keep]
+        self.offset_weights_ = self._fit_offset_weights(x_kept, y_kept)
 
         def train(xk, yk, objective, alpha, init):
             return self._train(
                 xk, yk, objective, alpha=alpha, names=names, calibration=True, init_score=init
             )
 
-        # The trees correct the bottom-up sum (an offset), rather than replace it.
+        # The trees correct an offset (the bottom-up sum, or for decode what
+        # ``decode_offset`` names), rather than replace it.
         boosters, self.conformal_ = fit_target_models(
-            xs[keep],
-            ys[keep],
+            x_kept,
+            y_kept,
             runs[keep],
-            xs[keep, -1],
+            x_kept[:, -1],
             self.horizons_,
             train,
             self.seed,
-            init=self._offsets(xs[keep]),
+            init=self._offsets(x_kept),
             prefix="cal:",
         )
         self.boosters_.update(boosters)
