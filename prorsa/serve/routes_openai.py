@@ -93,7 +93,7 @@ async def completions(request: Request) -> Response:
     sampling = parse_sampling(sampling_fields, source="request")
     service = request.app.state.service
     result = await service.generate(
-        session_id(request, body), prompt, sampling, routing=body.get("routing")
+        session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
     )
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     choice: dict[str, Any] = {
@@ -137,7 +137,7 @@ async def chat_completions(request: Request) -> dict[str, Any]:
     sampling = parse_sampling(sampling_fields, source="request")
     service = request.app.state.service
     result = await service.generate(
-        session_id(request, body), prompt, sampling, routing=body.get("routing")
+        session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
     )
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     choice: dict[str, Any] = {

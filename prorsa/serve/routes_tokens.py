@@ -67,9 +67,10 @@ def response_id(prefix: str) -> str:
     return f"{prefix}-{_ID_TAG}{next(_ID_COUNTER):x}"
 
 
-def session_id(request: Request, body: dict[str, Any]) -> str | None:
-    """The session a request belongs to: ``X-Session-ID`` header, else body ``session_id``."""
-    value = request.headers.get(SESSION_HEADER) or body.get("session_id")
+def session_id(request: Request, from_body: Any) -> str | None:
+    """The session a request belongs to: ``X-Session-ID`` header, else the body's
+    ``session_id`` (``from_body``)."""
+    value = request.headers.get(SESSION_HEADER) or from_body
     if value is None:
         return None
     if not isinstance(value, str | int):
@@ -117,10 +118,9 @@ async def generate(request: Request) -> Response:
         raise HTTPError(400, "streaming is not supported on this route", param="stream")
     check_model(request, body.model)
     sampling = parse_sampling(body.sampling_params, source="sampling_params")
-    session = request.headers.get(SESSION_HEADER) or body.session_id
     service = request.app.state.service
     result = await service.generate(
-        None if session is None else str(session), body.token_ids, sampling, routing=body.routing
+        session_id(request, body.session_id), body.token_ids, sampling, routing=body.routing
     )
     return json_response(
         {
