@@ -7,7 +7,10 @@ the simulation advances 1 s at a time and the benchmark runs one controller tick
 observe the cluster, hand the forecaster the tick's events as one ``EventBatch`` from the
 simulator's event log, forecast, decide and actuate. The whole tick is timed, and its parts
 (observe, ingest = ``forecaster.update``, predict, decide = the rest) are timed by wrapping
-the same calls, so the headline number is the controller's own code path.
+the same calls, so the headline number is the controller's own code path. With two or more
+forecast threads, lightgbm-trajectory sums its bottom-up terms inside ``update`` (beside
+the scoring of the tick's new turns, at the horizons the last forecast read), so for it
+"ingest" includes most of what "predict" held before.
 
 The same batches are also fed to a second tracker through the per-event reference path
 (``LifecycleTracker.update_sequential``, what ingestion cost before it was vectorised); its

@@ -92,6 +92,8 @@ def test_compiled_predictions_do_not_depend_on_the_thread_count(
     assert compiled.threads == min(int(threads), os.cpu_count() or 1)
     x = _rows(2000)
     np.testing.assert_array_equal(compiled.predict(x), booster.predict(x, num_threads=1))
+    # A call may ask for another pool size (the library loaded again with it): same values.
+    np.testing.assert_array_equal(compiled.predict(x, threads=1), compiled.predict(x))
 
 
 def test_forecast_threads_reads_the_environment(monkeypatch):

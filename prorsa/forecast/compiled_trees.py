@@ -55,6 +55,8 @@ class CompiledBooster:
         self._text = booster.model_to_string()
         self.digest = hashlib.sha256(self._text.encode()).hexdigest()
         self._predictor = None
+        self._path: Path | None = None
+        self._by_threads: dict[int, object] = {}  # predictors on other thread counts
         # Read here, on the caller's thread: a bad setting is the caller's error, not a
         # failed build (which would fall back to LightGBM quietly).
         self.threads = forecast_threads()
@@ -84,11 +86,19 @@ class CompiledBooster:
             thread.join(timeout_s)
         return self.ready
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        """Raw scores of ``x`` (rows x features), as ``Booster.predict`` gives them."""
+    def predict(self, x: np.ndarray, threads: int | None = None) -> np.ndarray:
+        """Raw scores of ``x`` (rows x features), as ``Booster.predict`` gives them, on
+        ``threads`` threads (default: :func:`forecast_threads` when built). Every row is
+        scored the same way whatever the count."""
         import tl2cgen
 
-        return self._predictor.predict(tl2cgen.DMatrix(np.asarray(x, np.float64))).reshape(-1)
+        predictor = self._predictor
+        if threads is not None and threads != self.threads:
+            predictor = self._by_threads.get(threads)
+            if predictor is None:  # the same library, loaded with another pool size
+                predictor = tl2cgen.Predictor(str(self._path), nthread=threads)
+                self._by_threads[threads] = predictor
+        return predictor.predict(tl2cgen.DMatrix(np.asarray(x, np.float64))).reshape(-1)
 
     def _build(self) -> None:
         try:
@@ -97,6 +107,9 @@ class CompiledBooster:
             path = cache_dir() / f"{self.digest}.so"
             if not path.is_file():
                 _compile(self._text, path)
+            self._path = path
+            if self.threads > 1:  # for scoring beside other work (trajectory.py), ready too
+                self._by_threads[1] = tl2cgen.Predictor(str(path), nthread=1)
             self._predictor = tl2cgen.Predictor(str(path), nthread=self.threads)
         except Exception as error:  # no compiler, no tl2cgen, unsupported model
             self._failed = True

@@ -91,15 +91,16 @@ def predict(booster, x: np.ndarray) -> np.ndarray:
     return booster.predict(x, num_threads=1)
 
 
-def predict_online(booster, x: np.ndarray) -> np.ndarray:
+def predict_online(booster, x: np.ndarray, threads: int | None = None) -> np.ndarray:
     """:func:`predict` on a controller's hot path: large batches go to the booster's
-    compiled library once it is built (same values, see :mod:`compiled_trees`)."""
+    compiled library once it is built (same values, see :mod:`compiled_trees`), on
+    ``threads`` threads (default: the library's own count)."""
     from prorsa.forecast import compiled_trees
 
     if len(x) >= compiled_trees.MIN_ROWS:
         compiled = compiled_trees.compiled_for(booster)
         if compiled is not None:
-            return compiled.predict(x)
+            return compiled.predict(x, threads)
     return predict(booster, x)
 
 

@@ -7,7 +7,9 @@ on this project's 2-core reference machine two threads take a booster from ~0.95
 ~0.58 ms, ~2 ms off a tick's five (benchmarks/results/decision_latency.json). Results do
 not depend on the thread count: every row is scored the same way on whichever thread.
 (The bottom-up sum was tried on two threads too and gained under 5%: its numpy calls
-on a few thousand rows each hold the interpreter lock for most of their time.)
+on a few thousand rows each hold the interpreter lock for most of their time.) With two
+threads or more, the new turns are scored on a worker thread (:func:`scoring_pool`, on
+one thread fewer) while the caller sums the other trajectories' bottom-up terms.
 
 ``PRORSA_FORECAST_THREADS`` sets the count (1 where many simulations share the cores,
 as in a sweep); the default is two where the machine has two cores or more. Sweep
@@ -18,6 +20,8 @@ Ray cluster too; a value set in the driver's environment does not travel to them
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from prorsa.errors import ConfigError
 
@@ -46,3 +50,20 @@ def _usable_cpus() -> int:
         return max(len(os.sched_getaffinity(0)), 1)
     except AttributeError:  # not on this OS
         return os.cpu_count() or 1
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def scoring_pool() -> ThreadPoolExecutor:
+    """One worker thread that scores a tick's new turns beside the bottom-up sum.
+
+    Made again in a forked child: a fork copies the executor but not its thread, and
+    work handed to it there would wait for ever.
+    """
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="prorsa-turn-scores"))
+        return _pool[1]

@@ -39,9 +39,11 @@ from prorsa.forecast.aggregate import (
 )
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
 from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
+from prorsa.forecast.compiled_trees import MIN_ROWS
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import PER_GPU_FEATURES, aggregate_feature_names
 from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
+from prorsa.forecast.threads import forecast_threads, scoring_pool
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
@@ -349,16 +351,54 @@ class LightGBMTrajectoryForecaster(Forecaster):
     def _reset_stream(self) -> None:
         for name in _SLOT_ARRAYS:
             self.tracker_.add_slot_array(name)
+        self._horizons_read: tuple[float, ...] | None = None  # what the last predict read
+        self._sums_at: tuple[tuple[float, ...], np.ndarray] | None = None
 
     def _update(self) -> None:
+        self._sums_at = None
         slots = self.tracker_.take_pending()
         if not len(slots):
             return
         x = self.tracker_.frozen[slots]
-        for name, arr in zip(TURN_MODELS, _SLOT_ARRAYS, strict=True):
-            booster = self.boosters_.get(name)
-            values = lgbm.predict_online(booster, x) if booster is not None else self.default_[name]
+        horizons = self._horizons_read
+        if horizons is not None and len(x) >= MIN_ROWS and forecast_threads() >= 2:
+            self._score_beside_bottom_up(slots, x, horizons)
+        else:
+            self._store_scores(slots, self._score_turns(x))
+
+    def _score_turns(self, x: np.ndarray, threads: int | None = None) -> list:
+        """The five per-turn models' scores of the frozen turn rows ``x``."""
+        return [
+            lgbm.predict_online(self.boosters_[name], x, threads)
+            if name in self.boosters_
+            else self.default_[name]
+            for name in TURN_MODELS
+        ]
+
+    def _store_scores(self, slots: np.ndarray, scores: list) -> None:
+        for arr, values in zip(_SLOT_ARRAYS, scores, strict=True):
             self.tracker_.slot_array(arr)[slots] = values
+
+    def _score_beside_bottom_up(
+        self, slots: np.ndarray, x: np.ndarray, horizons: tuple[float, ...]
+    ) -> None:
+        """Score the new turns on a worker thread while this one sums the bottom-up terms
+        of every other live trajectory (their scores are already in place), then add the
+        new turns' terms: the two halves of a tick's forecast overlap on two cores.
+
+        The sums are the ones :meth:`bottom_up_now` computes at those horizons, bit for
+        bit: every row's terms are computed alone and summed in the same order.
+        """
+        job = scoring_pool().submit(self._score_turns, x, max(forecast_threads() - 1, 1))
+        waiting = np.isin(self.tracker_.snapshot["slot"], slots)
+        terms = np.empty((len(waiting), len(TARGETS), len(horizons)))
+        try:
+            terms[~waiting] = self._bottom_up_terms(np.flatnonzero(~waiting), horizons)
+        finally:
+            scores = job.result()  # never leave the worker writing behind a failure
+        self._store_scores(slots, scores)
+        terms[waiting] = self._bottom_up_terms(np.flatnonzero(waiting), horizons)
+        self._sums_at = (horizons, terms.sum(axis=0))
 
     def _live(self, snap: dict, mus: dict, task: np.ndarray, rate, ttft) -> Live:
         def mu(name: str, model: str) -> np.ndarray:
@@ -392,12 +432,22 @@ class LightGBMTrajectoryForecaster(Forecaster):
 
     def bottom_up_now(self, horizons: Sequence[float]) -> np.ndarray:
         """Raw bottom-up expectation [targets, horizons] at the last tick."""
+        key = tuple(float(h) for h in horizons)
+        if self._sums_at is not None and self._sums_at[0] == key:
+            return self._sums_at[1]  # summed during the tick's update
+        return self._bottom_up_terms(None, key).sum(axis=0)
+
+    def _bottom_up_terms(self, rows: np.ndarray | None, horizons: Sequence[float]) -> np.ndarray:
+        """Per live trajectory terms [rows, targets, horizons] at the last tick (``rows``
+        of the snapshot, or all)."""
         tr = self.tracker_
         snap = tr.snapshot
+        if rows is not None:
+            snap = {name: values[rows] for name, values in snap.items()}
         slots = snap["slot"]
         mus = {n: tr.slot_array(n)[slots] for n in _SLOT_ARRAYS}
         live = self._live(snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s)
-        return bottom_up(live, np.asarray(horizons, float)).sum(axis=0)
+        return bottom_up(live, np.asarray(horizons, float))
 
     def _calibration_index(self) -> tuple[np.ndarray, dict[float, np.ndarray]]:
         """Columns of the aggregate features the calibration reads (and lags per horizon)."""
@@ -412,6 +462,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         return self._cal_index
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
+        self._horizons_read = tuple(float(h) for h in horizons)
         sums = self.bottom_up_now(horizons)
         if not self.calibrate:
             return {t: sums[i] for i, t in enumerate(TARGETS)}, {}
