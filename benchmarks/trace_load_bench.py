@@ -1,8 +1,9 @@
 """Trace loading: specs (and arrival times) per request of the Azure code trace.
 
 The Azure LLM inference trace (code, 2023; 8,819 single-turn requests, in
-``shared/data/traces/azure-llm-2023/``) is imported once into lifecycle telemetry (timed
-and reported apart: that is the importer's work) and written to Parquet; then
+``shared/data/traces/azure-llm-2023/``) is imported into lifecycle telemetry (timed and
+reported apart, best of 5: that is the importer's work, and import + specs is the whole
+way from the published CSV) and written to Parquet; then
 ``specs_from_trace`` is timed on the table and on the Parquet file (read + validate +
 specs), and ``arrivals_from_trace`` on the table. Best of 5 repetitions each, reported
 in microseconds per request. The shipped agent traces (``datasets/traces``) are timed the
@@ -45,7 +46,7 @@ def main() -> None:
     from prorsa.workload.replay import arrivals_from_trace, specs_from_trace
 
     csv = shared_data_dir() / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv"
-    import_s, imported = best_of(lambda: import_trace(csv, "azure"), repeats=1)
+    import_s, imported = best_of(lambda: import_trace(csv, "azure"))
     table = imported.table
     n = imported.trajectories
     table_s, specs = best_of(lambda: specs_from_trace(table))
@@ -59,6 +60,8 @@ def main() -> None:
         "requests": n,
         "events": table.num_rows,
         "import_s": round(import_s, 3),
+        "import_us_per_request": round(1e6 * import_s / n, 2),
+        "csv_to_specs_us_per_request": round(1e6 * (import_s + table_s) / n, 2),
         "specs_from_table_us_per_request": round(1e6 * table_s / n, 2),
         "arrivals_from_table_us_per_request": round(1e6 * arrivals_s / n, 2),
         "specs_from_parquet_us_per_request": round(1e6 * file_s / n, 2),
@@ -68,7 +71,8 @@ def main() -> None:
         f"azure code: {n:,} requests; specs {azure['specs_from_table_us_per_request']:.1f} "
         f"us/request from the table, {azure['specs_from_parquet_us_per_request']:.1f} from "
         f"Parquet (read + validate); arrivals {azure['arrivals_from_table_us_per_request']:.1f};"
-        f" import {import_s:.2f} s"
+        f" import {import_s:.3f} s ({azure['import_us_per_request']:.1f} us/request; CSV to "
+        f"specs {azure['csv_to_specs_us_per_request']:.1f})"
     )
     shipped = {}
     for trace in sorted((REPO / "datasets" / "traces").glob("*.parquet")):
@@ -86,7 +90,11 @@ def main() -> None:
         {
             "azure_code": azure,
             "shipped_traces": shipped,
-            "goal": {"us_per_request": GOAL_US, "met": bool(met)},
+            "goal": {
+                "us_per_request": GOAL_US,
+                "met": bool(met),
+                "met_from_the_csv": bool(azure["csv_to_specs_us_per_request"] <= GOAL_US),
+            },
             "repeats": REPEATS,
         },
     )

@@ -128,9 +128,28 @@ def rows_to_table(rows: Sequence[tuple]) -> pa.Table:
     """Build an Arrow table from rows in ``FIELDS`` order (no validation)."""
     if not rows:
         return ARROW_SCHEMA.empty_table()
-    arrays = pa.array(rows, type=_ROW_STRUCT).flatten()
-    arrays[_KIND_INDEX] = arrays[_KIND_INDEX].dictionary_encode().cast(KIND_TYPE)
-    return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)
+    return encode_kinds(rows_table(rows))
+
+
+#: :data:`ARROW_SCHEMA` with ``kind`` as plain strings (tables still to be joined).
+PLAIN_KIND_SCHEMA = pa.schema(
+    [pa.field(f.name, pa.string(), nullable=False) if f.name == "kind" else f for f in ARROW_SCHEMA]
+)
+
+
+def rows_table(rows: Sequence[tuple]) -> pa.Table:
+    """Rows in ``FIELDS`` order as a table with ``kind`` as plain strings."""
+    if not rows:
+        return PLAIN_KIND_SCHEMA.empty_table()
+    return pa.Table.from_arrays(
+        pa.array(rows, type=_ROW_STRUCT).flatten(), schema=PLAIN_KIND_SCHEMA
+    )
+
+
+def encode_kinds(table: pa.Table) -> pa.Table:
+    """A :func:`rows_table` (or several joined) in the canonical schema."""
+    kind = table.column(_KIND_INDEX).combine_chunks().dictionary_encode().cast(KIND_TYPE)
+    return table.set_column(_KIND_INDEX, ARROW_SCHEMA.field("kind"), kind).cast(ARROW_SCHEMA)
 
 
 def columns_to_table(columns: Sequence[Sequence[Any]]) -> pa.Table:

@@ -20,7 +20,7 @@ from prorsa.errors import ConfigError, InputError
 from prorsa.registry import Registry
 from prorsa.telemetry.importers import azure, mini_swe_agent, mooncake, swe_agent, tau2, tracelab
 from prorsa.telemetry.importers.base import ImportResult, TraceBuilder, TraceFormat, Turn
-from prorsa.telemetry.schema import ARROW_SCHEMA, rows_to_table
+from prorsa.telemetry.schema import ARROW_SCHEMA, encode_kinds
 from prorsa.telemetry.validation import find_violations
 
 IMPORTERS: Registry[TraceFormat] = Registry("trace format")
@@ -82,12 +82,12 @@ def import_trace(
         trace_format.read(path, builder)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise InputError(f"not a readable {fmt} trace: {exc}", source=str(path)) from None
-    if not builder.rows:
+    if builder.empty:
         if builder.first_error is not None:
             raise builder.first_error
         raise InputError("no trajectories found", source=str(path))
     try:
-        table = _finish(builder.rows)
+        table = _finish(builder.parts())
     except (pa.ArrowException, OverflowError) as exc:  # every value was checked: a bug
         raise InputError(
             f"cannot build the event table: {exc}; please report this importer bug",
@@ -116,9 +116,9 @@ def import_trace(
     )
 
 
-def _finish(rows: list[tuple]) -> pa.Table:
+def _finish(parts: list[pa.Table]) -> pa.Table:
     """Events as a table in time order, times shifted to start at the first event."""
-    table = rows_to_table(rows)
+    table = encode_kinds(pa.concat_tables(parts))
     time = table.column("time")
     table = table.set_column(0, ARROW_SCHEMA.field("time"), pc.subtract(time, pc.min(time)))
     # Arrow's sort is stable: events at the same time keep their lifecycle order.

@@ -8,12 +8,21 @@ The published traces are sorted by ``TIMESTAMP``; a row earlier than the one bef
 or before 2000, is a damaged timestamp and an error (with ``--skip-bad``, that row is
 skipped): arrival times are taken relative to the earliest one, so a single bad row would
 shift or stretch the whole trace.
+
+A file is first read whole with Arrow and checked column by column (:func:`_read_whole`,
+~15x faster than line by line); a file in which anything looks unusual is read again line
+by line, which names the line and field of every problem. Both give the same events.
 """
 
 from __future__ import annotations
 
 import csv
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
 
 from prorsa.errors import InputError
 from prorsa.telemetry.importers.base import TraceBuilder, TraceFormat, Turn
@@ -27,9 +36,16 @@ from prorsa.telemetry.importers.fields import (
     parse_iso,
 )
 from prorsa.telemetry.importers.timing import SELF_HOSTED_ENGINE
-from prorsa.telemetry.schema import detail_json
+from prorsa.telemetry.schema import PLAIN_KIND_SCHEMA, EventKind, detail_json
 
 RATES = SELF_HOSTED_ENGINE
+_START, _END = EventKind.TRAJ_START.value, EventKind.TRAJ_END.value
+_Q, _PS, _PE = (
+    EventKind.PREFILL_QUEUED.value,
+    EventKind.PREFILL_START.value,
+    EventKind.PREFILL_END.value,
+)
+_DS, _DE = EventKind.DECODE_START.value, EventKind.DECODE_END.value
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
@@ -42,7 +58,8 @@ def read(src: Path, out: TraceBuilder) -> None:
         mark = out.mark()
         try:
             check_text_file(path)
-            _read_file(path, out)
+            if not _read_whole(path, out):
+                _read_file(path, out)
         except InputError as exc:
             out.rollback(mark)  # a file that fails half-way is skipped whole
             out.skip(exc, "file")
@@ -100,6 +117,100 @@ def _read_file(path: Path, out: TraceBuilder) -> None:
         ) from None
 
 
+# What a well-formed line holds: a naive ISO time (taken as UTC) and two counts.
+_ISO_NAIVE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d{1,9})?$"
+_COUNT = r"^\d{1,10}$"
+# Events of a one-turn trajectory, in the order TraceBuilder.add_trajectory writes them.
+_KINDS = (_START, _Q, _PS, _PE, _DS, _DE, _END)
+
+
+def _read_whole(path: Path, out: TraceBuilder) -> bool:
+    """Import ``path`` in whole-column operations; False (nothing added) when any line is
+    unusual (blank, short, quoted across lines, not UTF-8, a value out of range, out of
+    order, an id already imported), for the line-by-line reader to name it."""
+    raw = path.read_bytes()
+    body = raw.removesuffix(b"\n").removesuffix(b"\r")  # the published files end lines in CRLF
+    try:
+        table = pa_csv.read_csv(
+            pa.py_buffer(raw),
+            read_options=pa_csv.ReadOptions(block_size=max(len(raw), 1 << 20)),
+            parse_options=pa_csv.ParseOptions(newlines_in_values=False),
+            convert_options=pa_csv.ConvertOptions(
+                include_columns=list(COLUMNS),
+                column_types=dict.fromkeys(COLUMNS, pa.string()),
+                strings_can_be_null=False,
+            ),
+        )
+    except (pa.ArrowInvalid, pa.ArrowKeyError, KeyError):
+        return False
+    n = table.num_rows
+    # One record per physical line after the header: no blank lines (the line-by-line
+    # reader numbers trajectories by line) and no record spanning lines.
+    line_breaks = body.count(b"\n") + body.count(b"\r") - body.count(b"\r\n")
+    if n == 0 or line_breaks != n:
+        return False
+    stamp, context, generated = (pc.utf8_trim_whitespace(table.column(c)) for c in COLUMNS)
+    if not (
+        pc.all(pc.match_substring_regex(stamp, _ISO_NAIVE)).as_py()
+        and pc.all(pc.match_substring_regex(context, _COUNT)).as_py()
+        and pc.all(pc.match_substring_regex(generated, _COUNT)).as_py()
+    ):
+        return False
+    try:
+        ns = pc.cast(stamp, pa.timestamp("ns")).cast(pa.int64()).to_numpy()
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return False
+    # datetime.fromisoformat keeps whole microseconds; timestamp() divides them by 10**6.
+    arrival = (ns // 1000) / 1e6
+    ctx = pc.cast(context, pa.int64()).to_numpy()
+    gen = pc.cast(generated, pa.int64()).to_numpy()
+    if (
+        arrival.min() < EARLIEST_PLAUSIBLE_S
+        or (np.diff(arrival) < 0).any()
+        or max(ctx.max(), gen.max()) > INT32_MAX
+    ):
+        return False
+    ids = [f"{path.stem}-r{i:05d}" for i in range(n)]
+    if out.known(ids):
+        return False
+    prefill_s = RATES.base_s + ctx / RATES.prefill_tokens_per_s
+    decode_start = arrival + prefill_s
+    decode_end = decode_start + gen / RATES.decode_tokens_per_s
+    out.add_table(
+        _events(out.run_id, ids, _task(path), arrival, decode_start, decode_end, ctx, gen), ids, n
+    )
+    return True
+
+
+def _events(run_id, ids, task, arrival, decode_start, decode_end, ctx, gen):
+    """The seven events of each one-turn trajectory as a table (see :data:`_KINDS`)."""
+    n, per = len(ids), len(_KINDS)
+    zero = np.zeros(n, np.int64)
+    time = np.stack(
+        [arrival, arrival, arrival, decode_start, decode_start, decode_end, decode_end], 1
+    )
+    context = np.stack([zero, ctx, ctx, ctx, ctx, zero, zero], 1)
+    new = np.stack([zero, ctx, ctx, ctx, zero, zero, zero], 1)
+    output = np.stack([zero, zero, zero, zero, zero, gen, zero], 1)
+    rows = n * per
+    columns = {
+        "time": pa.array(time.ravel()),
+        "run_id": pa.repeat(pa.scalar(run_id), rows),
+        "trajectory_id": pa.array(ids).take(pa.array(np.repeat(np.arange(n), per))),
+        "group_id": pa.repeat(pa.scalar(""), rows),
+        "task": pa.repeat(pa.scalar(task), rows),
+        "turn": pa.array(np.zeros(rows, np.int32)),
+        "kind": pa.array(list(_KINDS) * n),
+        "engine_id": pa.array(np.full(rows, -1, np.int32)),
+        "context_tokens": pa.array(context.ravel()),
+        "new_tokens": pa.array(new.ravel()),
+        "cached_tokens": pa.array(np.zeros(rows, np.int64)),
+        "output_tokens": pa.array(output.ravel()),
+        "detail": pa.array(list(_DETAILS) * n),
+    }
+    return pa.table(columns).cast(PLAIN_KIND_SCHEMA)
+
+
 def _parse(row: list[str], columns: list[int], rec: Fields) -> tuple[float, int, int]:
     if len(row) <= max(columns):
         missing = next(c for c, i in zip(COLUMNS, columns, strict=True) if i >= len(row))
@@ -137,6 +248,7 @@ def _task(path: Path) -> str:
 
 _TOKENS_DERIVED = detail_json(derived=["cached_tokens"])
 _GENERATION_DERIVED = detail_json(derived=["prefill_s", "decode_s"])
+_DETAILS = ("", "", _TOKENS_DERIVED, "", "", _GENERATION_DERIVED, "")  # as _KINDS
 
 FORMAT = TraceFormat(
     name="azure",

@@ -3,7 +3,9 @@
 An importer parses its format into :class:`Turn` tuples per trajectory and hands them to
 :class:`TraceBuilder`, which writes the lifecycle events as plain row tuples (one
 ``rows_to_table`` call at the end is far cheaper than an object per event), counts what
-was skipped and remembers which quantities were derived rather than read.
+was skipped and remembers which quantities were derived rather than read. An importer that
+reads a whole file at once may hand over its events as a ready table instead
+(:meth:`TraceBuilder.add_table`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import NamedTuple
 import pyarrow as pa
 
 from prorsa.errors import InputError
-from prorsa.telemetry.schema import EventKind
+from prorsa.telemetry.schema import EventKind, rows_table
 
 MAX_SKIPPED_EXAMPLES = 5
 
@@ -93,6 +95,9 @@ class TraceBuilder:
         self.run_id = run_id
         self.skip_bad = skip_bad
         self.rows: list[tuple] = []
+        # Tables of whole trajectories, each placed before rows[position:]:
+        # (position, table, its trajectory ids).
+        self.tables: list[tuple[int, pa.Table, list[str]]] = []
         self.trajectories = 0
         self.turns = 0
         self.skipped = 0
@@ -103,16 +108,50 @@ class TraceBuilder:
         # trajectory id -> where it was first read, to refuse a second one
         self._origins: dict[str, str] = {}
 
-    def mark(self) -> tuple[int, int, int]:
+    def mark(self) -> tuple[int, int, int, int]:
         """A point to :meth:`rollback` to (before reading a file that may fail half-way)."""
-        return len(self.rows), self.trajectories, self.turns
+        return len(self.rows), len(self.tables), self.trajectories, self.turns
 
-    def rollback(self, mark: tuple[int, int, int]) -> None:
+    def rollback(self, mark: tuple[int, int, int, int]) -> None:
         """Forget every trajectory added since ``mark``."""
-        rows, self.trajectories, self.turns = mark
+        rows, tables, self.trajectories, self.turns = mark
         for row in self.rows[rows:]:
             self._origins.pop(row[2], None)
         del self.rows[rows:]
+        for _, _, ids in self.tables[tables:]:
+            for trajectory_id in ids:
+                self._origins.pop(trajectory_id, None)
+        del self.tables[tables:]
+
+    @property
+    def empty(self) -> bool:
+        """No event added (or all rolled back)."""
+        return not self.rows and not self.tables
+
+    def known(self, trajectory_ids: Sequence[str]) -> bool:
+        """Whether any of ``trajectory_ids`` was added already."""
+        return not self._origins.keys().isdisjoint(trajectory_ids)
+
+    def add_table(self, table: pa.Table, trajectory_ids: list[str], turns: int) -> None:
+        """Append whole trajectories as a ready event table: ``FIELDS`` columns with
+        ``kind`` as plain strings, each trajectory's events together and in the order
+        :meth:`add_trajectory` writes them (ids not added before: see :meth:`known`)."""
+        self._origins.update(dict.fromkeys(trajectory_ids, "an earlier record"))
+        self.tables.append((len(self.rows), table, trajectory_ids))
+        self.trajectories += len(trajectory_ids)
+        self.turns += turns
+
+    def parts(self) -> list[pa.Table]:
+        """Every event added, in order, as tables with ``kind`` as plain strings."""
+        out, start = [], 0
+        for position, table, _ in self.tables:
+            if position > start:
+                out.append(rows_table(self.rows[start:position]))
+            out.append(table)
+            start = position
+        if start < len(self.rows) or not out:
+            out.append(rows_table(self.rows[start:]))
+        return out
 
     def derive(self, quantity: str, how: str) -> None:
         """Record (once) that ``quantity`` is derived and how."""
