@@ -123,3 +123,15 @@ def test_cut_is_the_first_step_not_done_and_its_end(costs):
             assert boundary == first
             assert end == costs.run_time(batch, ctx, first)
         assert math.isfinite(end)
+
+
+def test_a_profile_without_the_roles_tp_names_role_tp_and_the_tps_it_has():
+    from prorsa.errors import ConfigError
+
+    # The profile's name says TP8; role_tp (default 1) decides, and 32B has no TP1 on H100.
+    with pytest.raises(ConfigError, match="comes from role_tp") as err:
+        load_profiles(ClusterConfig(profile="h100-qwen2.5-32b-tp8-roofline"))
+    assert "TP 2, 4, 8" in err.value.hint and "--role-tp decode=8" in err.value.hint
+    tp8 = {"prefill": 8, "decode": 8, "colocated": 8}
+    profiles = load_profiles(ClusterConfig(profile="h100-qwen2.5-32b-tp8-roofline", role_tp=tp8))
+    assert profiles[8].name == "h100-qwen2.5-32b-tp8-roofline"

@@ -47,10 +47,34 @@ def load_profiles(config: ClusterConfig) -> dict:
             )
             for name in set(config.role_layouts.values())
         }
-    return {
-        tp: get_profile(profile_name_for_tp(config.profile, tp))
-        for tp in set(config.role_tp.values())
-    }
+    return {tp: get_profile(_profile_at_tp(config, tp)) for tp in set(config.role_tp.values())}
+
+
+def _profile_at_tp(config: ClusterConfig, tp: int) -> str:
+    """The registered profile for ``tp``, or an error that says where each role's TP comes
+    from: ``--profile h100-qwen2.5-32b-tp8-roofline`` alone still asks for TP1 (the
+    default ``role_tp``), which that model has no profile for."""
+    from prorsa.runtime.sim.cost import list_profiles
+
+    name = profile_name_for_tp(config.profile, tp)
+    known = list_profiles()
+    if name == config.profile or name in known:
+        return name
+    prefix, named, suffix = re.split(r"-tp(\d+)", config.profile, maxsplit=1)
+    pattern = re.escape(prefix) + r"-tp(\d+)" + re.escape(suffix)
+    have = sorted(int(m.group(1)) for p in known if (m := re.fullmatch(pattern, p)))
+    roles = ", ".join(f"{role}={n}" for role, n in config.role_tp.items())
+    raise ConfigError(
+        f"no TP{tp} profile for '{config.profile}' ('{name}' is not registered); each "
+        f"role's tensor-parallel degree comes from role_tp ({roles}), not from the "
+        "profile's name",
+        hint=(
+            f"this model has TP {', '.join(map(str, have))}; e.g. "
+            + " ".join(f"--role-tp {role}={named}" for role in config.role_tp)
+            if have
+            else "see `prorsa profile list`"
+        ),
+    )
 
 
 def cluster_spec(config: ClusterConfig, profiles: dict, min_dwell_s: float) -> ClusterSpec:
