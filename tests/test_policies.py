@@ -658,3 +658,28 @@ def test_predictive_switches_only_when_both_ends_of_the_forecast_band_pay():
     assert moved["wide band, P90 only"] > 1
     assert moved["narrow band"] > 1
     assert make_policy("predictive").robust is False  # off unless asked for
+
+
+def test_best_split_is_the_least_short_then_most_balanced_then_smallest_split():
+    from prorsa.policy.demand import best_split, busier_utilisation, split_shortage
+
+    def by_definition(slots: int, need_p: float, need_d: float) -> int:
+        return min(
+            range(1, slots),
+            key=lambda x: (
+                split_shortage(x, slots, need_p, need_d),
+                busier_utilisation(x, slots, need_p, need_d),
+                x,
+            ),
+        )
+
+    rng = np.random.default_rng(0)
+    cases = [(2, 0.0, 0.0), (8, 0.0, 3.0), (8, 3.0, 0.0), (512, 40.0, 400.0), (512, 1e4, 1.0)]
+    for _ in range(3000):
+        slots = int(rng.choice([2, 3, 5, 8, 16, 20, 64, 512]))
+        need = rng.uniform(0, 2 * slots, size=2) * 10.0 ** rng.uniform(-3, 1, size=2)
+        cases.append((slots, float(need[0]), float(need[1])))
+    for slots, need_p, need_d in cases:
+        assert best_split(slots, need_p, need_d) == by_definition(slots, need_p, need_d)
+    with pytest.raises(ValueError):
+        best_split(1, 1.0, 1.0)

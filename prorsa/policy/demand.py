@@ -35,7 +35,22 @@ class Load:
 
 def current_load(obs: ClusterObservation) -> Load:
     """Backlog, live decode sequences and KV, and the slots per role (switching slots
-    counted toward their target)."""
+    counted toward their target).
+
+    Kept for the last observation asked about: one decision reads it several times, each
+    a pass over every slot (512 at a time in large clusters).
+    """
+    global _last_load
+    cached = _last_load  # read once: another thread may replace it meanwhile
+    if cached is None or cached[0] is not obs:
+        cached = _last_load = (obs, _load(obs))
+    return cached[1]
+
+
+_last_load: tuple[ClusterObservation, Load] | None = None
+
+
+def _load(obs: ClusterObservation) -> Load:
     # Prefill waiting anywhere: on prefill slots, and on colocated or decode slots that
     # prefill locally.
     backlog = sum(s.queued_prefill_tokens for s in obs.slots)
@@ -203,11 +218,23 @@ def split_slots(total: int, prefill_need: float, decode_need: float) -> int:
 
 
 def decode_slots_moved_first(obs: ClusterObservation, slots: int) -> list[SlotView]:
-    """The ``slots`` decode-side slots the controller would move first: the least loaded."""
-    return sorted(
-        (s for s in obs.slots if s.role in ("decode", "colocated")),
-        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
-    )[: max(slots, 0)]
+    """The ``slots`` decode-side slots the controller would move first: the least loaded.
+
+    The order is kept for the last observation asked about (the drain and the rebuild
+    estimates of one decision both read it).
+    """
+    global _last_order
+    cached = _last_order  # read once: another thread may replace it meanwhile
+    if cached is None or cached[0] is not obs:
+        order = sorted(
+            (s for s in obs.slots if s.role in ("decode", "colocated")),
+            key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
+        )
+        cached = _last_order = (obs, order)
+    return cached[1][: max(slots, 0)]
+
+
+_last_order: tuple[ClusterObservation, list[SlotView]] | None = None
 
 
 def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
@@ -275,15 +302,18 @@ def split_shortage(prefill: int, slots: int, need_p: float, need_d: float) -> fl
 
 def best_split(slots: int, need_p: float, need_d: float) -> int:
     """The prefill slots (1 .. slots-1) that leave the least demand unserved; among
-    splits that serve it all, the most balanced."""
-    return min(
-        range(1, slots),
-        key=lambda x: (
-            split_shortage(x, slots, need_p, need_d),
-            busier_utilisation(x, slots, need_p, need_d),
-            x,
-        ),
-    )
+    splits that serve it all, the most balanced (then the fewest prefill slots).
+
+    Every split at once: :func:`split_shortage` and :func:`busier_utilisation`
+    elementwise, the same float operations (a controller at 512 slots asks every tick).
+    """
+    if slots < 2:
+        raise ValueError(f"a split needs at least 2 slots, got {slots}")
+    prefill = np.arange(1, slots, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        busier = np.maximum(need_p / prefill, need_d / (slots - prefill))
+    shortage = slots * np.maximum(busier - 1.0, 0.0)
+    return 1 + int(np.lexsort((prefill, busier, shortage))[0])
 
 
 def colocated_shortage(
