@@ -77,6 +77,8 @@ def prepare_splitwise(checkout: Path, trace: Path, work: Path) -> Path:
     config = tree / "configs" / "config.yaml"
     text = config.read_text().replace("  - override hydra/launcher: ray\n", "")
     text = re.sub(r"\n  launcher:\n    ray:\n(?:      .*\n)*", "\n", text)
+    if "launcher: ray" in text or "\n    ray:" in text:
+        raise RuntimeError(f"{config}: could not take the Ray launcher out (changed upstream?)")
     config.write_text(text)
     splitwise_trace(trace, tree / "traces" / "azure_code.csv")
     return tree
@@ -127,7 +129,9 @@ def run_splitwise(tree: Path, python: str) -> dict[str, float]:
         hit = _LOG_TIME.match(line)
         if hit:
             stamps[hit.group(2)] = datetime.strptime(hit.group(1), "%Y-%m-%d %H:%M:%S,%f")
-    loop = (stamps["completed"] - stamps["initialized"]).total_seconds() if stamps else None
+    loop = None
+    if "completed" in stamps and "initialized" in stamps:
+        loop = (stamps["completed"] - stamps["initialized"]).total_seconds()
     return {"wall_s": wall, "event_loop_s": loop}
 
 
@@ -146,7 +150,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tree = prepare_splitwise(args.splitwise, trace, work)
-        requests = sum(1 for _ in trace.open()) - 1
+        with trace.open() as handle:
+            requests = sum(1 for _ in handle) - 1
         ours, peer = [], []
         for _ in range(args.repeats):
             ours.append(run_prorsa(trace, work))
@@ -176,10 +181,11 @@ def main() -> None:
     )
     result["goal"] = {"speedup": 20.0, "met": result["speedup_end_to_end"] >= 20.0}
     path = save("peer_splitwise", result)
+    loop = result["splitwise_sim"]["best"]["event_loop_s"]
     print(
         f"{requests:,} requests: prorsa {result['prorsa']['best']['wall_s']:.2f} s, "
         f"SplitwiseSim {result['splitwise_sim']['best']['wall_s']:.2f} s (its event loop "
-        f"{result['splitwise_sim']['best']['event_loop_s']:.2f} s): "
+        f"{'?' if loop is None else f'{loop:.2f}'} s): "
         f"{result['speedup_end_to_end']:.2f}x end to end; wrote {path}"
     )
 

@@ -47,6 +47,10 @@ def test_overlapped_scoring_gives_the_sequential_forecasts_bit_for_bit(monkeypat
     monkeypatch.setattr(trajectory_module, "forecast_threads", lambda: 2)
     overlapped, used = _forecasts(model, held_out, 12)
     assert used >= 8  # the first tick has no horizons to sum yet; some ticks start no turn
+    # A tick whose forecast nobody read is not summed ahead at the next update.
+    model.update(held_out.slice(0, 0), 13.0)
+    model.update(held_out.slice(0, 0), 14.0)
+    assert model._sums_at is None
     for (p1, q1), (p2, q2) in zip(sequential, overlapped, strict=True):
         for target in p1:
             np.testing.assert_array_equal(p1[target], p2[target])

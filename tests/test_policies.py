@@ -674,7 +674,9 @@ def test_best_split_is_the_least_short_then_most_balanced_then_smallest_split():
         )
 
     rng = np.random.default_rng(0)
+    nan, inf = float("nan"), float("inf")
     cases = [(2, 0.0, 0.0), (8, 0.0, 3.0), (8, 3.0, 0.0), (512, 40.0, 400.0), (512, 1e4, 1.0)]
+    cases += [(8, 12.0, nan), (8, nan, 12.0), (8, inf, 3.0), (8, 3.0, inf), (8, inf, inf)]
     for _ in range(3000):
         slots = int(rng.choice([2, 3, 5, 8, 16, 20, 64, 512]))
         need = rng.uniform(0, 2 * slots, size=2) * 10.0 ** rng.uniform(-3, 1, size=2)

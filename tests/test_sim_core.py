@@ -135,3 +135,6 @@ def test_a_profile_without_the_roles_tp_names_role_tp_and_the_tps_it_has():
     tp8 = {"prefill": 8, "decode": 8, "colocated": 8}
     profiles = load_profiles(ClusterConfig(profile="h100-qwen2.5-32b-tp8-roofline", role_tp=tp8))
     assert profiles[8].name == "h100-qwen2.5-32b-tp8-roofline"
+    # A name that is not a profile at all is that error, not one about role_tp.
+    with pytest.raises(ConfigError, match=r"unknown cost profile 'h100-qwen2\.5-32b-tp16"):
+        load_profiles(ClusterConfig(profile="h100-qwen2.5-32b-tp16-roofline"))

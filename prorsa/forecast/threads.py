@@ -8,8 +8,9 @@ on this project's 2-core reference machine two threads take a booster from ~0.95
 not depend on the thread count: every row is scored the same way on whichever thread.
 (The bottom-up sum was tried on two threads too and gained under 5%: its numpy calls
 on a few thousand rows each hold the interpreter lock for most of their time.) With two
-threads or more, the new turns are scored on a worker thread (:func:`scoring_pool`, on
-one thread fewer) while the caller sums the other trajectories' bottom-up terms.
+threads or more, a tick with at least ``compiled_trees.MIN_ROWS`` new turns, after a tick
+whose forecast was read, scores them on a worker thread (:func:`scoring_pool`, on one
+thread fewer) while the caller sums the other trajectories' bottom-up terms.
 
 ``PRORSA_FORECAST_THREADS`` sets the count (1 where many simulations share the cores,
 as in a sweep); the default is two where the machine has two cores or more. Sweep
@@ -52,18 +53,24 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
 def scoring_pool() -> ThreadPoolExecutor:
-    """One worker thread that scores a tick's new turns beside the bottom-up sum.
-
-    Made again in a forked child: a fork copies the executor but not its thread, and
-    work handed to it there would wait for ever.
-    """
+    """One worker thread that scores a tick's new turns beside the bottom-up sum."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="prorsa-turn-scores"))
-        return _pool[1]
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="prorsa-turn-scores")
+        return _pool
+
+
+def _forget_pool_in_child() -> None:
+    # A fork copies the executor but not its thread (work handed to it would wait for
+    # ever), and the lock possibly held by another thread of the parent.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)

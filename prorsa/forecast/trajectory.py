@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np
@@ -351,7 +352,11 @@ class LightGBMTrajectoryForecaster(Forecaster):
     def _reset_stream(self) -> None:
         for name in _SLOT_ARRAYS:
             self.tracker_.add_slot_array(name)
-        self._horizons_read: tuple[float, ...] | None = None  # what the last predict read
+        # The horizons the model itself last forecast, and at which tick: the next tick
+        # sums the bottom-up terms for them during its update only if the tick before
+        # read them (not while the drift check falls back, nor for callers that forecast
+        # less often than they update).
+        self._horizons_read: tuple[int, tuple[float, ...]] | None = None
         self._sums_at: tuple[tuple[float, ...], np.ndarray] | None = None
 
     def _update(self) -> None:
@@ -360,9 +365,14 @@ class LightGBMTrajectoryForecaster(Forecaster):
         if not len(slots):
             return
         x = self.tracker_.frozen[slots]
-        horizons = self._horizons_read
-        if horizons is not None and len(x) >= MIN_ROWS and forecast_threads() >= 2:
-            self._score_beside_bottom_up(slots, x, horizons)
+        read = self._horizons_read
+        if (
+            read is not None
+            and read[0] == self._ticks - 1
+            and len(x) >= MIN_ROWS
+            and forecast_threads() >= 2
+        ):
+            self._score_beside_bottom_up(slots, x, read[1])
         else:
             self._store_scores(slots, self._score_turns(x))
 
@@ -394,11 +404,14 @@ class LightGBMTrajectoryForecaster(Forecaster):
         terms = np.empty((len(waiting), len(TARGETS), len(horizons)))
         try:
             terms[~waiting] = self._bottom_up_terms(np.flatnonzero(~waiting), horizons)
-        finally:
-            scores = job.result()  # never leave the worker writing behind a failure
-        self._store_scores(slots, scores)
+        except BaseException:
+            wait([job])  # the worker finishes before this error leaves; its own is dropped
+            raise
+        self._store_scores(slots, job.result())
         terms[waiting] = self._bottom_up_terms(np.flatnonzero(waiting), horizons)
-        self._sums_at = (horizons, terms.sum(axis=0))
+        sums = terms.sum(axis=0)
+        sums.setflags(write=False)  # handed out by bottom_up_now, maybe more than once
+        self._sums_at = (horizons, sums)
 
     def _live(self, snap: dict, mus: dict, task: np.ndarray, rate, ttft) -> Live:
         def mu(name: str, model: str) -> np.ndarray:
@@ -462,7 +475,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         return self._cal_index
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
-        self._horizons_read = tuple(float(h) for h in horizons)
+        self._horizons_read = (self._ticks, tuple(float(h) for h in horizons))
         sums = self.bottom_up_now(horizons)
         if not self.calibrate:
             return {t: sums[i] for i, t in enumerate(TARGETS)}, {}

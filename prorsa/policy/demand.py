@@ -309,6 +309,15 @@ def best_split(slots: int, need_p: float, need_d: float) -> int:
     """
     if slots < 2:
         raise ValueError(f"a split needs at least 2 slots, got {slots}")
+    if math.isnan(need_p) or math.isnan(need_d):  # numpy's max and Python's treat NaN apart
+        return min(
+            range(1, slots),
+            key=lambda x: (
+                split_shortage(x, slots, need_p, need_d),
+                busier_utilisation(x, slots, need_p, need_d),
+                x,
+            ),
+        )
     prefill = np.arange(1, slots, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         busier = np.maximum(need_p / prefill, need_d / (slots - prefill))

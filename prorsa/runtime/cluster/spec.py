@@ -58,7 +58,9 @@ def _profile_at_tp(config: ClusterConfig, tp: int) -> str:
 
     name = profile_name_for_tp(config.profile, tp)
     known = list_profiles()
-    if name == config.profile or name in known:
+    if config.profile not in known:
+        return config.profile  # the registry's error names the profile as given
+    if name in known:
         return name
     prefix, named, suffix = re.split(r"-tp(\d+)", config.profile, maxsplit=1)
     pattern = re.escape(prefix) + r"-tp(\d+)" + re.escape(suffix)

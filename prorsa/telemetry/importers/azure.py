@@ -9,13 +9,15 @@ or before 2000, is a damaged timestamp and an error (with ``--skip-bad``, that r
 skipped): arrival times are taken relative to the earliest one, so a single bad row would
 shift or stretch the whole trace.
 
-A file is first read whole with Arrow and checked column by column (:func:`_read_whole`,
-~15x faster than line by line); a file in which anything looks unusual is read again line
-by line, which names the line and field of every problem. Both give the same events.
+A file is first read whole with Arrow and checked column by column (:func:`_read_whole`;
+the import of the 8,819-request code trace takes 66 ms instead of 311 ms); a file in
+which anything looks unusual is read again line by line, which names the line and field
+of every problem. Both give the same events.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 from pathlib import Path
 
@@ -129,7 +131,8 @@ def _read_whole(path: Path, out: TraceBuilder) -> bool:
     unusual (blank, short, quoted across lines, not UTF-8, a value out of range, out of
     order, an id already imported), for the line-by-line reader to name it."""
     raw = path.read_bytes()
-    body = raw.removesuffix(b"\n").removesuffix(b"\r")  # the published files end lines in CRLF
+    if not _plain_text(raw):
+        return False
     try:
         table = pa_csv.read_csv(
             pa.py_buffer(raw),
@@ -146,8 +149,7 @@ def _read_whole(path: Path, out: TraceBuilder) -> bool:
     n = table.num_rows
     # One record per physical line after the header: no blank lines (the line-by-line
     # reader numbers trajectories by line) and no record spanning lines.
-    line_breaks = body.count(b"\n") + body.count(b"\r") - body.count(b"\r\n")
-    if n == 0 or line_breaks != n:
+    if n == 0 or _line_breaks(raw) != n:
         return False
     stamp, context, generated = (pc.utf8_trim_whitespace(table.column(c)) for c in COLUMNS)
     if not (
@@ -182,6 +184,29 @@ def _read_whole(path: Path, out: TraceBuilder) -> bool:
     return True
 
 
+def _plain_text(raw: bytes) -> bool:
+    """What the line reader reads the same way Arrow does: UTF-8 throughout (Arrow checks
+    only the columns it imports), no byte-order mark (Arrow drops it; the line reader
+    would not find the first column), no line longer than the csv module's field limit,
+    and under Arrow's 2 GiB block."""
+    if len(raw) >= 2**31 - 1 or raw.startswith(codecs.BOM_UTF8):
+        return False
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    data = np.frombuffer(raw, np.uint8)
+    ends = np.flatnonzero((data == 10) | (data == 13))
+    longest = np.diff(ends, prepend=-1, append=len(raw)).max() - 1
+    return bool(longest <= csv.field_size_limit())
+
+
+def _line_breaks(raw: bytes) -> int:
+    """Line breaks between lines (CRLF, LF or CR; a final one ends the last line)."""
+    breaks = raw.count(b"\n") + raw.count(b"\r") - raw.count(b"\r\n")
+    return breaks - 1 if raw.endswith((b"\n", b"\r")) else breaks
+
+
 def _events(run_id, ids, task, arrival, decode_start, decode_end, ctx, gen):
     """The seven events of each one-turn trajectory as a table (see :data:`_KINDS`)."""
     n, per = len(ids), len(_KINDS)
@@ -193,6 +218,7 @@ def _events(run_id, ids, task, arrival, decode_start, decode_end, ctx, gen):
     new = np.stack([zero, ctx, ctx, ctx, zero, zero, zero], 1)
     output = np.stack([zero, zero, zero, zero, zero, gen, zero], 1)
     rows = n * per
+    position = pa.array(np.tile(np.arange(per), n))  # each row's place in its trajectory
     columns = {
         "time": pa.array(time.ravel()),
         "run_id": pa.repeat(pa.scalar(run_id), rows),
@@ -200,13 +226,13 @@ def _events(run_id, ids, task, arrival, decode_start, decode_end, ctx, gen):
         "group_id": pa.repeat(pa.scalar(""), rows),
         "task": pa.repeat(pa.scalar(task), rows),
         "turn": pa.array(np.zeros(rows, np.int32)),
-        "kind": pa.array(list(_KINDS) * n),
+        "kind": pa.array(_KINDS).take(position),
         "engine_id": pa.array(np.full(rows, -1, np.int32)),
         "context_tokens": pa.array(context.ravel()),
         "new_tokens": pa.array(new.ravel()),
         "cached_tokens": pa.array(np.zeros(rows, np.int64)),
         "output_tokens": pa.array(output.ravel()),
-        "detail": pa.array(list(_DETAILS) * n),
+        "detail": pa.array(_DETAILS).take(position),
     }
     return pa.table(columns).cast(PLAIN_KIND_SCHEMA)
 

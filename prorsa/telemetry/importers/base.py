@@ -1,11 +1,11 @@
 """What every importer shares: the turn record, the event builder and the import result.
 
 An importer parses its format into :class:`Turn` tuples per trajectory and hands them to
-:class:`TraceBuilder`, which writes the lifecycle events as plain row tuples (one
-``rows_to_table`` call at the end is far cheaper than an object per event), counts what
-was skipped and remembers which quantities were derived rather than read. An importer that
+:class:`TraceBuilder`, which writes the lifecycle events as plain row tuples (turned into
+Arrow columns once, at the end: far cheaper than an object per event), counts what was
+skipped and remembers which quantities were derived rather than read. An importer that
 reads a whole file at once may hand over its events as a ready table instead
-(:meth:`TraceBuilder.add_table`).
+(:meth:`TraceBuilder.add_table`); :meth:`TraceBuilder.parts` gives both, in order.
 """
 
 from __future__ import annotations
