@@ -41,12 +41,26 @@ def create_app(service: Any) -> FastAPI:
     async def metrics(request: Request) -> Response:
         return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
 
-    hot = {
-        "/inference/v1/generate": routes_tokens.generate,
-        "/v1/completions": routes_openai.completions,
-    }
-    app.add_middleware(_DataPlane, metrics=app.state.metrics, hot_routes=hot)
+    app.add_middleware(_DataPlane, metrics=app.state.metrics, hot_routes=_hot_routes(app))
     return app
+
+
+def _hot_routes(app: FastAPI) -> dict[str, Any]:
+    """Path -> handler of the POST routes :class:`_DataPlane` dispatches: the handlers
+    every turn goes through (both take the raw request, no dependencies), found among
+    the app's own routes so that a renamed or prefixed route moves with them."""
+    from prorsa.serve import routes_openai, routes_tokens
+
+    handlers = (routes_tokens.generate, routes_openai.completions)
+    hot = {
+        route.path: route.endpoint
+        for route in app.routes
+        if getattr(route, "endpoint", None) in handlers
+        and "POST" in (getattr(route, "methods", None) or ())
+    }
+    if sorted(hot.values(), key=handlers.index) != list(handlers):
+        raise RuntimeError(f"the data-plane routes are not each served once: {sorted(hot)}")
+    return hot
 
 
 def _model_names(config: Any) -> list[str]:
@@ -59,8 +73,9 @@ def _model_names(config: Any) -> list[str]:
 
 
 class _DataPlane:
-    """Pure ASGI middleware: counts responses by route and status, and sends the hot
-    data-plane routes (POST) straight to their handlers.
+    """Pure ASGI middleware (ahead of FastAPI's router and exception middleware; only
+    Starlette's server-error layer sits outside it): counts responses by route and
+    status, and sends the hot data-plane routes (POST) straight to their handlers.
 
     An engine answers the turns of its batch together, so each reply waits behind the
     server's CPU for the others; FastAPI's exception middleware, exit stack and router

@@ -74,7 +74,7 @@ async def typed_body(request: Request, decoder: msgspec.json.Decoder[Body]) -> B
 
 
 #: The top-level field a msgspec error message is about.
-_FIELD = re.compile(r"at `\$\.(\w+)|field `(\w+)`")
+_FIELD = re.compile(r"at `\$\.([^.\[`]+)|field `([^`]+)`")
 
 
 def _field_of(message: str) -> str | None:

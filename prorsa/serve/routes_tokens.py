@@ -11,6 +11,7 @@ engines in a ``prorsa`` field, and accepts an optional ``routing`` object.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import uuid
 from typing import Annotated, Any
@@ -62,6 +63,15 @@ _ID_TAG = uuid.uuid4().hex[:12]
 _ID_COUNTER = itertools.count()
 
 
+def _new_id_tag() -> None:
+    # A forked process would otherwise repeat its parent's ids.
+    global _ID_TAG, _ID_COUNTER
+    _ID_TAG, _ID_COUNTER = uuid.uuid4().hex[:12], itertools.count()
+
+
+os.register_at_fork(after_in_child=_new_id_tag)
+
+
 def response_id(prefix: str) -> str:
     """A response id unique to this server process (and, by its random tag, across them)."""
     return f"{prefix}-{_ID_TAG}{next(_ID_COUNTER):x}"
@@ -69,18 +79,19 @@ def response_id(prefix: str) -> str:
 
 def session_id(request: Request, from_body: Any) -> str | None:
     """The session a request belongs to: ``X-Session-ID`` header, else the body's
-    ``session_id`` (``from_body``)."""
+    ``session_id`` (``from_body``; a string, or an integer id). Every route reads it here."""
     value = request.headers.get(SESSION_HEADER) or from_body
     if value is None:
         return None
-    if not isinstance(value, str | int):
+    if not isinstance(value, str | int) or isinstance(value, bool):
         raise HTTPError(400, "session_id must be a string", param="session_id")
     return str(value)
 
 
 def check_model(request: Request, model: Any) -> None:
-    """404 for a model this server does not serve (None means the served one)."""
-    if model is None:
+    """404 for a model this server does not serve (None or empty means the served one,
+    as vLLM's server takes it)."""
+    if model is None or model == "":
         return
     names = request.app.state.model_names
     if model not in names:
@@ -152,17 +163,16 @@ router.add_route("/inference/v1/generate", generate, methods=["POST"])
 @router.post("/finish_session")
 async def finish_session(request: Request) -> dict[str, Any]:
     body = await json_object(request)
-    value = request.query_params.get("session_id") or body.get("session_id")
-    value = value or request.headers.get(SESSION_HEADER)
+    value = session_id(request, request.query_params.get("session_id") or body.get("session_id"))
     if not value:
         raise HTTPError(400, "finish_session needs a session_id", param="session_id")
-    if not await request.app.state.service.end_session(str(value)):
+    if not await request.app.state.service.end_session(value):
         raise HTTPError(
             404,
             f"unknown session {value!r} (never started, or already finished)",
             param="session_id",
         )
-    return {"status": "finished", "session_id": str(value)}
+    return {"status": "finished", "session_id": value}
 
 
 def logprobs_content(result: Any) -> dict[str, Any] | None:

@@ -368,3 +368,49 @@ def test_a_trainer_tells_the_policy_its_workload_shape(tmp_path):
     assert posted.status_code == 200 and seen.prompt_tokens == 400.0
     assert status["workload"]["turns_per_trajectory"] == 4.5
     assert forgotten is None
+
+
+def test_sessions_read_the_same_way_on_every_route_and_an_empty_model_is_the_served_one(
+    tmp_path,
+):
+    async def go():
+        async with client(tmp_path) as (http, _):
+            body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}, "model": ""}
+            served = await http.post(
+                "/inference/v1/generate", json=body, headers={"X-Session-ID": "a"}
+            )
+            # The header names the session on /finish_session too, ahead of the body.
+            finished = await http.post(
+                "/finish_session", json={"session_id": "b"}, headers={"X-Session-ID": "a"}
+            )
+            again = await http.post("/finish_session", json={"session_id": "a"})
+            as_bool = await http.post(
+                "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "session_id": True}
+            )
+            as_list = await http.post("/finish_session", json={"session_id": ["a"]})
+            dashed = await http.post(
+                "/inference/v1/generate", json={"token_ids": PROMPT, "max-tokens": 3}
+            )
+            return served, finished, again, as_bool, as_list, dashed
+
+    served, finished, again, as_bool, as_list, dashed = run(go())
+    assert served.status_code == 200, served.text
+    assert finished.json() == {"status": "finished", "session_id": "a"}
+    assert again.status_code == 404  # "a" already ended
+    assert as_bool.status_code == 400 and as_bool.json()["error"]["param"] == "session_id"
+    assert as_list.status_code == 400 and as_list.json()["error"]["param"] == "session_id"
+    assert dashed.status_code == 400 and dashed.json()["error"]["param"] == "max-tokens"
+
+
+def test_the_fast_path_serves_the_apps_own_data_plane_routes(tmp_path):
+    from prorsa.serve import routes_openai, routes_tokens
+    from prorsa.serve.app import _hot_routes
+
+    async def go():
+        async with fake_service(tmp_path) as (svc, _):
+            return _hot_routes(create_app(svc))
+
+    assert run(go()) == {
+        "/inference/v1/generate": routes_tokens.generate,
+        "/v1/completions": routes_openai.completions,
+    }

@@ -93,8 +93,18 @@ def request_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, TypeError, VLLMClientError)
 
 
+#: The floor of a reported logprob, as vLLM's OpenAI server applies it: a token the
+#: sampler masks (top-k, top-p) has logprob -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(float(value), LOGPROB_FLOOR)
+
+
 class OutputCollector:
-    """Accumulates one request's delta outputs into the engine's result fields."""
+    """Accumulates one request's delta outputs into the engine's result fields
+    (logprobs floored at :data:`LOGPROB_FLOOR`)."""
 
     def __init__(self, logprobs: int | None, prompt_logprobs: int | None) -> None:
         self.want_logprobs = logprobs is not None
@@ -115,7 +125,7 @@ class OutputCollector:
         self.token_ids.extend(new_ids)
         if self.want_logprobs and completion.logprobs:
             for token_id, ranked in zip(new_ids, completion.logprobs, strict=False):
-                self.logprobs.append(float(ranked[token_id].logprob))
+                self.logprobs.append(_logprob(ranked[token_id].logprob))
                 if self.top_k:
                     self.top_logprobs.append(_top(ranked, self.top_k))
         if self.want_prompt_logprobs and self.prompt_logprobs is None and out.prompt_logprobs:
@@ -132,7 +142,7 @@ class OutputCollector:
                 values.append(None)
                 tops.append([])
                 continue
-            values.append(float(ranked[token_id].logprob) if token_id in ranked else None)
+            values.append(_logprob(ranked[token_id].logprob) if token_id in ranked else None)
             tops.append(_top(ranked, self.prompt_top_k) if self.prompt_top_k else [])
         self.prompt_logprobs = values
         self.prompt_top_logprobs = tops if self.prompt_top_k else None
@@ -156,4 +166,4 @@ class OutputCollector:
 def _top(ranked: dict[int, Any], k: int) -> list[tuple[int, float]]:
     """The ``k`` best-ranked entries as ``(token_id, logprob)``, best first."""
     best = sorted(ranked.items(), key=lambda item: item[1].rank or 0)
-    return [(int(t), float(lp.logprob)) for t, lp in best if lp.rank and lp.rank <= k][:k]
+    return [(int(t), _logprob(lp.logprob)) for t, lp in best if lp.rank and lp.rank <= k][:k]
