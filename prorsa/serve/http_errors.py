@@ -90,7 +90,7 @@ def error_for(exc: Exception, request: Request | None = None) -> JSONResponse:
     if isinstance(exc, HTTPError):
         return error_response(exc.status, exc.message, param=exc.param)
     if isinstance(exc, InputError):
-        return error_response(400, _with_hint(exc), param=exc.field)
+        return error_response(400, _with_hint(exc), param=_client_field(exc.field, request))
     if isinstance(exc, ConfigError):
         return error_response(400, _with_hint(exc))
     if isinstance(exc, RoutingError | EngineUnavailable):
@@ -119,6 +119,30 @@ def install_handlers(app: FastAPI) -> None:
         RequestValidationError, StarletteHTTPException, Exception,
     ):  # fmt: skip
         app.add_exception_handler(kind, handle)
+
+
+#: Where each route's client puts the prompt the service calls ``prompt_token_ids``.
+_PROMPT_FIELD = {
+    "/inference/v1/generate": "token_ids",
+    "/v1/completions": "prompt",
+    "/v1/chat/completions": "messages",
+}
+
+
+def _client_field(field: str | None, request: Request | None) -> str | None:
+    """An error's field as the route's client named it (the service's own names differ:
+    the prompt, and the token route's sampling fields under ``sampling_params``)."""
+    if field is None or request is None:
+        return field
+    path = request.url.path
+    if field == "prompt_token_ids":
+        return _PROMPT_FIELD.get(path, field)
+    if path == "/inference/v1/generate":
+        from prorsa.serve.sampling import Sampling
+
+        if field in Sampling.__dataclass_fields__:
+            return f"sampling_params.{field}"
+    return field
 
 
 def _with_hint(exc: Exception) -> str:

@@ -241,6 +241,10 @@ def test_malformed_requests_get_4xx_and_leave_other_sessions_alone(tmp_path):
     assert "1024 tokens" in messages["over context"]
     assert "unknown session 'nope'" in messages["unknown session"]
     assert "Bearer" in messages["admin, no token"]
+    # Errors name the field as each route's client sent it.
+    params = {name: r.json()["error"]["param"] for name, r in bad.items()}
+    assert params["over context"] == "token_ids"
+    assert params["negative max_tokens"] == "sampling_params.max_tokens"
     assert good["choices"][0]["token_ids"] == tokens_for(PROMPT, 80, 0)
 
 
