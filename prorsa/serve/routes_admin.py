@@ -189,6 +189,7 @@ async def finish_weight_update(request: Request) -> dict[str, Any]:
     version = body.get("weight_version")
     if isinstance(version, str) and version.isdigit():
         version = int(version)
+    service.check_next_version(version)  # refused before the engines finish: may retry
     try:
         await service.collective_rpc("finish_weight_update")
     except BaseException:

@@ -42,6 +42,9 @@ from prorsa.serve.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
+#: An external weight update between its begin call and its window being open.
+_OPENING = "opening"
+
 ROUTING_KEYS = ("mode", "engine_id", "prefill_engine_id")
 SESSION_SWEEP_S = 5.0
 
@@ -300,6 +303,10 @@ class RolloutService:
                 f"unknown pause mode {mode!r}", field="mode", hint=f"one of {PAUSE_MODES}"
             )
         await self.gate.close("paused")
+        # A role switch ends by resuming its engine: none may start or be under way while
+        # the trainer holds the engines paused (it may be pushing weights meanwhile).
+        self.hold_switches("paused")
+        await self.wait_for_switches()
         if mode == "wait":
             await self.gate.drained(None)
         async with self.sync.lock:  # not in the middle of a weight update
@@ -313,6 +320,7 @@ class RolloutService:
             if self.engines_paused_by_trainer and not self.sleeping:
                 await self.for_each_engine(lambda c: c.resume())
             self.engines_paused_by_trainer = False
+        self.release_switches("paused")
         await self.gate.open("paused")
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict[int, Any]:
@@ -361,10 +369,15 @@ class RolloutService:
             stage seconds, engines updated and any that failed (taken out of service).
         """
         folder = str(check_weight_dir(path, self.config.model))
-        version = self._next_version(version)
+        requested = version
+        self._next_version(requested)  # a bad version is refused before anything pauses
+        self._check_can_update()
         if drain_timeout_s is None:
             drain_timeout_s = self.config.sync_drain_timeout_s
         async with self.sync.paused(drain_timeout_s) as window:
+            # Chosen under the update lock: concurrent updates each get their own version.
+            version = self._next_version(requested)
+            self._check_can_update()
             results = await self.for_each_engine(
                 lambda c: c.update_weights_from_path(folder, version), tolerate=True
             )
@@ -381,24 +394,40 @@ class RolloutService:
         weight-transfer routes); end with :meth:`finish_weight_update`."""
         if self._external_update is not None:
             raise InputError("a weight update is already open", hint="finish it first")
-        manager = self.sync.paused(self.config.sync_drain_timeout_s)
-        window = await manager.__aenter__()
+        self._check_can_update()
+        self._external_update = _OPENING  # taken before any wait: a retried begin is refused
+        try:
+            manager = self.sync.paused(self.config.sync_drain_timeout_s)
+            window = await manager.__aenter__()
+        except BaseException:
+            self._external_update = None
+            raise
         self._external_update = (manager, window)
         return {"from_version": window.from_version, "engines": window.engines}
 
+    def check_next_version(self, version: int | None) -> int:
+        """The version an update to ``version`` would stamp (None: the next); InputError
+        if it would not be above the current one."""
+        return self._next_version(version)
+
     async def finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
         """Stamp the new version, drop caches, resume (see :meth:`begin_weight_update`)."""
-        if self._external_update is None:
+        if not self.weight_update_open:
             raise InputError("no weight update is open", hint="call begin_weight_update first")
+        # Checked while the window is still open: a trainer refused here may finish again.
+        version = self._next_version(version)
         manager, window = self._external_update
         self._external_update = None
         try:
-            version = self._next_version(version)
-            await self.for_each_engine(lambda c: c.set_weight_version(version))
-            await self.for_each_engine(lambda c: c.reset_prefix_cache())
+            # Stamps the version and drops the prefix cache and the connector's stored KV
+            # (computed under the old weights); an engine that fails holds other weights.
+            results = await self.for_each_engine(
+                lambda c: c.set_weight_version(version), tolerate=True
+            )
+            failed = self._retire_failed(results, "weight update")
             self.router.forget_caches()
             self.weight_version = version
-            window.detail.update(external=True)
+            window.detail.update(external=True, failed=failed)
         finally:
             await manager.__aexit__(None, None, None)
         if self.metrics is not None:
@@ -407,16 +436,31 @@ class RolloutService:
 
     async def cancel_weight_update(self) -> None:
         """Close an open update window without a new version (the push failed)."""
-        if self._external_update is None:
+        if not self.weight_update_open:
             return
         manager, window = self._external_update
         self._external_update = None
         window.detail.update(external=True, cancelled=True)
-        await manager.__aexit__(None, None, None)
+        try:
+            # Some weights may have arrived: no KV cached under the old ones is reused.
+            await self.for_each_engine(lambda c: c.reset_prefix_cache(), tolerate=True)
+            self.router.forget_caches()
+        finally:
+            await manager.__aexit__(None, None, None)
 
     @property
     def weight_update_open(self) -> bool:
-        return self._external_update is not None
+        """A window from :meth:`begin_weight_update` is open (and not still opening)."""
+        return isinstance(self._external_update, tuple)
+
+    def _check_can_update(self) -> None:
+        if self.sleeping:
+            raise InputError(
+                "the engines are asleep: their weights are not in memory",
+                hint="wake_up first, then update the weights",
+            )
+        if not self.live_engines():
+            raise RuntimeError("no live engine to update")
 
     async def collective_rpc(
         self,
@@ -448,7 +492,13 @@ class RolloutService:
         return version
 
     def _retire_failed(self, results: dict[int, Any], what: str) -> dict[int, str]:
-        """Take engines whose update failed out of service: they hold other weights."""
+        """Take engines whose update failed out of service: they hold other weights. When
+        every engine refused the request itself (an InputError), nothing changed: that
+        error is raised and no engine leaves."""
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        refused = [e for e in errors if isinstance(e, InputError)]
+        if refused and len(refused) == len(results):
+            raise refused[0]
         failed = {eid: repr(r) for eid, r in results.items() if isinstance(r, BaseException)}
         for engine_id, error in failed.items():
             logger.error("engine %d failed the %s and leaves service: %s", engine_id, what, error)

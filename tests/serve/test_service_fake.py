@@ -238,3 +238,65 @@ def test_bad_requests_fail_before_dispatch(tmp_path):
     assert "bogus" in messages[2] and "prompt is empty" in messages[3]
     assert "[0, 512)" in messages[4] and "routing" in messages[5]
     assert status["in_flight"] == 0
+
+
+def test_concurrent_updates_each_get_their_own_version_and_refusals_retire_nobody(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            w = str(weights_folder(tmp_path, "w"))
+            both = await asyncio.gather(
+                svc.update_weights_from_path(w), svc.update_weights_from_path(w)
+            )
+            # Two explicit versions race: the first under the lock wins, the other is
+            # refused without taking any engine out of service.
+            outcomes = await asyncio.gather(
+                svc.update_weights_from_path(w, 9),
+                svc.update_weights_from_path(w, 5),
+                return_exceptions=True,
+            )
+            return both, outcomes, svc.weight_version, svc.live_engines(), fakes
+
+    both, outcomes, version, live, fakes = run(go())
+    assert sorted(s["version"] for s in both) == [1, 2]
+    assert outcomes[0]["version"] == 9 and isinstance(outcomes[1], InputError)
+    assert version == 9 and live == [0, 1, 2]
+    assert all(f.version == 9 for f in fakes)
+
+
+def test_a_refused_finish_leaves_the_window_open_and_a_second_begin_is_refused(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, _):
+            first = asyncio.ensure_future(svc.begin_weight_update())
+            await asyncio.sleep(0)  # the first begin is still waiting to open
+            with pytest.raises(InputError, match="already open"):
+                await asyncio.wait_for(svc.begin_weight_update(), 5)  # not waiting for ever
+            await first
+            with pytest.raises(InputError, match="not above"):
+                await svc.finish_weight_update(0)
+            still_open = svc.weight_update_open and not svc.gate.is_open
+            summary = await svc.finish_weight_update(3)
+            after = await svc.generate("x", PROMPT, {"max_tokens": 2})
+            return still_open, summary, after
+
+    still_open, summary, after = run(go())
+    assert still_open and summary["version"] == 3
+    assert single_version(after) == 3
+
+
+def test_a_trainers_pause_holds_role_switches_and_an_update_waits_for_wake_up(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.pause("keep")
+            with pytest.raises(ConfigError, match="held"):
+                svc.start_switch(2, "prefill")
+            refused = svc.actuator.switch(2, "prefill")  # the controller's path
+            paused = [f.paused for f in fakes]
+            await svc.resume()
+            await svc.sleep(1)
+            with pytest.raises(InputError, match="asleep"):
+                await svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
+            await svc.wake_up()
+            return refused, paused
+
+    refused, paused = run(go())
+    assert refused is False and paused == [True, True, True]

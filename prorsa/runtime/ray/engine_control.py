@@ -118,8 +118,14 @@ class EngineControl:
         }
 
     async def set_weight_version(self, version: int) -> None:
-        """Stamp a version without loading weights (a trainer that pushed them itself)."""
-        await self._engine().update_weight_version(str(version))
+        """Stamp a version without loading weights (a trainer pushed them itself), and
+        drop the prefix cache and the connector's state and stored KV, as
+        :meth:`update_weights_from_path` does: they were computed with the old weights."""
+        engine = self._engine()
+        await engine.update_weight_version(str(version))
+        await engine.reset_prefix_cache(reset_connector=True)
+        if self.connector == "example" and self.config.kv_storage_dir:
+            clear_folder(self.config.kv_storage_dir)
         self.weight_version = version
 
     async def collective_rpc(
