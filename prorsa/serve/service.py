@@ -378,15 +378,20 @@ class RolloutService:
             # Chosen under the update lock: concurrent updates each get their own version.
             version = self._next_version(requested)
             self._check_can_update()
-            results = await self.for_each_engine(
-                lambda c: c.update_weights_from_path(folder, version), tolerate=True
+            reloads = asyncio.ensure_future(
+                self.for_each_engine(
+                    lambda c: c.update_weights_from_path(folder, version), tolerate=True
+                )
             )
+            results, cancelled = await _uncancelled(reloads)
             failed = self._retire_failed(results, "weight update")
             self.router.forget_caches()
             self.weight_version = version
             window.detail.update(path=folder, failed=failed, reload_s=_reload_times(results))
         if self.metrics is not None:
             self.metrics.observe_sync(window.summary)
+        if cancelled:
+            raise asyncio.CancelledError
         return window.summary
 
     async def begin_weight_update(self) -> dict[str, Any]:
@@ -635,6 +640,20 @@ def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InputError(f"{key} must be an integer engine id", field=key)
     return {k: v for k, v in routing.items() if v is not None}
+
+
+async def _uncancelled(task: asyncio.Future) -> tuple[Any, bool]:
+    """``task``'s result, waited for even if the caller is cancelled meanwhile (and
+    whether it was): engines reloading weights must finish, and be recorded, before
+    they resume and serving reopens."""
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(task), cancelled
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            cancelled = True
 
 
 def _reload_times(results: dict[int, Any]) -> dict[int, float]:

@@ -300,3 +300,29 @@ def test_a_trainers_pause_holds_role_switches_and_an_update_waits_for_wake_up(tm
 
     refused, paused = run(go())
     assert refused is False and paused == [True, True, True]
+
+
+def test_an_update_cancelled_mid_reload_finishes_the_reload_before_serving_again(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            for fake in fakes:
+                reload = fake.update_weights_from_path
+
+                async def slow(path, version, reload=reload):
+                    await asyncio.sleep(0.2)
+                    return await reload(path, version)
+
+                fake.update_weights_from_path = slow
+            update = asyncio.ensure_future(
+                svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
+            )
+            await asyncio.sleep(0.1)  # the engines are reloading
+            update.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await update
+            after = await svc.generate("c", PROMPT, {"max_tokens": 2})
+            return svc.weight_version, after, fakes
+
+    version, after, fakes = run(go())
+    assert version == 1 and single_version(after) == 1
+    assert all(f.version == 1 and not f.paused and not f.violations for f in fakes)
