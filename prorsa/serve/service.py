@@ -82,6 +82,7 @@ class RolloutService:
         self.sync = WeightSync(self)
         self.weight_version = 0
         self.engines_paused_by_trainer = False
+        self._resumes = 0  # resume() calls: a `wait` pause undone while it drained ends there
         self.sleeping = False
         self.router: Any = None
         self.sessions: Sessions | None = None
@@ -307,8 +308,12 @@ class RolloutService:
         # the trainer holds the engines paused (it may be pushing weights meanwhile).
         self.hold_switches("paused")
         await self.wait_for_switches()
-        if mode == "wait":
+        if mode == "wait" and not self.engines_paused_by_trainer:
+            # (engines the trainer already paused hold their turns frozen: none drains)
+            resumes = self._resumes
             await self.gate.drained(None)
+            if self._resumes != resumes:
+                return  # resumed while the turns drained: this pause is already undone
         async with self.sync.lock:  # not in the middle of a weight update
             self.engines_paused_by_trainer = True
             if not self.sleeping:
@@ -316,6 +321,7 @@ class RolloutService:
 
     async def resume(self) -> None:
         """Undo :meth:`pause` (engines asleep stay asleep until :meth:`wake_up`)."""
+        self._resumes += 1
         async with self.sync.lock:
             if self.engines_paused_by_trainer and not self.sleeping:
                 await self.for_each_engine(lambda c: c.resume())

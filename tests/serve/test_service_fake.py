@@ -326,3 +326,30 @@ def test_an_update_cancelled_mid_reload_finishes_the_reload_before_serving_again
     version, after, fakes = run(go())
     assert version == 1 and single_version(after) == 1
     assert all(f.version == 1 and not f.paused and not f.violations for f in fakes)
+
+
+def test_pause_wait_after_keep_returns_and_a_resume_during_a_wait_drain_wins(tmp_path):
+    async def go():
+        async with fake_service(tmp_path, step_s=0.005) as (svc, fakes):
+            frozen = asyncio.ensure_future(svc.generate("k", PROMPT, {"max_tokens": 60}))
+            await asyncio.sleep(0.05)
+            await svc.pause("keep")
+            # The frozen turn cannot drain: `wait` must not wait for it.
+            await asyncio.wait_for(svc.pause("wait"), 2)
+            await svc.resume()
+            first = await frozen
+            # A resume while a `wait` pause drains undoes it: nothing stays paused.
+            long = asyncio.ensure_future(svc.generate("w", PROMPT, {"max_tokens": 60}))
+            await asyncio.sleep(0.05)
+            pausing = asyncio.ensure_future(svc.pause("wait"))
+            await asyncio.sleep(0.02)
+            await svc.resume()
+            await asyncio.wait_for(pausing, 5)
+            await long
+            after = await asyncio.wait_for(svc.generate("a", PROMPT, {"max_tokens": 2}), 5)
+            return first, [f.paused for f in fakes], svc.gate.is_open, after
+
+    first, paused, gate_open, after = run(go())
+    assert first.output_token_ids == tokens_for(PROMPT, 60, 0)
+    assert paused == [False, False, False] and gate_open
+    assert after.output_token_ids == tokens_for(PROMPT, 2, 0)
