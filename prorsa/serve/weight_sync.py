@@ -78,8 +78,11 @@ class WeightSync:
             try:
                 await self.quiesce(window, drain_timeout_s)
                 yield window
+            except BaseException as exc:
+                window.detail.setdefault("error", f"{type(exc).__name__}: {exc}")
+                raise
             finally:
-                window.summary = await self.release(window)
+                await self.release(window)
 
     async def quiesce(self, window: SyncWindow, drain_timeout_s: float) -> None:
         """Steps 1-5; the engines are paused and empty on return."""
@@ -112,28 +115,33 @@ class WeightSync:
         window.engines = sorted(svc.live_engines())
 
     async def release(self, window: SyncWindow) -> dict[str, Any]:
-        """Step 7; returns the sync's summary (also the ``weight_sync`` end event's detail)."""
+        """Step 7; returns the sync's summary (also the ``weight_sync`` end event's detail,
+        recorded whatever happened, with an ``error`` when the update or the resume
+        failed)."""
         svc = self.service
         try:
             if not svc.engines_paused_by_trainer and not svc.sleeping:
                 await svc.for_each_engine(lambda c: c.resume())
+        except BaseException as exc:
+            window.detail.setdefault("error", f"resume failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
             svc.barrier.open()
             svc.release_switches("weight_sync")
             await svc.gate.open("weight_sync")
             self.window = None
-        summary = {
-            "from_version": window.from_version,
-            "version": svc.weight_version,
-            "drained": window.drained,
-            "aborted_turns": window.aborted_turns,
-            "engines": window.engines,
-            "stages_s": window.stages_s,
-            "total_s": round(time.perf_counter() - window.started, 6),
-            **window.detail,
-        }
-        svc.emit(WEIGHT_SYNC, stage="end", **summary)
-        return summary
+            window.summary = {
+                "from_version": window.from_version,
+                "version": svc.weight_version,
+                "drained": window.drained,
+                "aborted_turns": window.aborted_turns,
+                "engines": window.engines,
+                "stages_s": window.stages_s,
+                "total_s": round(time.perf_counter() - window.started, 6),
+                **window.detail,
+            }
+            svc.emit(WEIGHT_SYNC, stage="end", **window.summary)
+        return window.summary
 
     async def _wait_engines_empty(self) -> None:
         """Until no engine holds a request (aborted legs leave within a step or two)."""

@@ -7,6 +7,7 @@ while they hold a request, so "nothing served by mixed weights" is checked direc
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -353,3 +354,27 @@ def test_pause_wait_after_keep_returns_and_a_resume_during_a_wait_drain_wins(tmp
     assert first.output_token_ids == tokens_for(PROMPT, 60, 0)
     assert paused == [False, False, False] and gate_open
     assert after.output_token_ids == tokens_for(PROMPT, 2, 0)
+
+
+def test_a_failed_update_records_its_end_with_the_error_and_serving_reopens(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+
+            async def broken(path, version):
+                raise RuntimeError("disk full")
+
+            for fake in fakes:
+                fake.update_weights_from_path = broken
+            with pytest.raises(RuntimeError, match="every engine"):
+                await svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
+            table = svc.router.telemetry.log.to_table()
+            return table, svc.gate.is_open, svc.weight_version
+
+    table, gate_open, version = run(go())
+    ends = [
+        json.loads(d)
+        for k, d in zip(table["kind"].to_pylist(), table["detail"].to_pylist(), strict=True)
+        if k == "weight_sync" and json.loads(d)["stage"] == "end"
+    ]
+    assert len(ends) == 1 and "disk full" in ends[0]["error"] and ends[0]["version"] == 0
+    assert gate_open and version == 0
