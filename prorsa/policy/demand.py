@@ -8,9 +8,12 @@ KV and keep batches at a target size (only the KV while prefill is the bound sta
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,24 +36,31 @@ class Load:
     decode_slots: int
 
 
+T = TypeVar("T")
+
+
+def _kept_for_last_observation(
+    compute: Callable[[ClusterObservation], T],
+) -> Callable[[ClusterObservation], T]:
+    """``compute(obs)``, kept for the last observation asked about: one decision reads
+    such a result several times, each a pass over every slot (512 in large clusters)."""
+    last: tuple[ClusterObservation, T] | None = None
+
+    @functools.wraps(compute)
+    def kept(obs: ClusterObservation) -> T:
+        nonlocal last
+        cached = last  # read once: another thread may replace it meanwhile
+        if cached is None or cached[0] is not obs:
+            cached = last = (obs, compute(obs))
+        return cached[1]
+
+    return kept
+
+
+@_kept_for_last_observation
 def current_load(obs: ClusterObservation) -> Load:
     """Backlog, live decode sequences and KV, and the slots per role (switching slots
-    counted toward their target).
-
-    Kept for the last observation asked about: one decision reads it several times, each
-    a pass over every slot (512 at a time in large clusters).
-    """
-    global _last_load
-    cached = _last_load  # read once: another thread may replace it meanwhile
-    if cached is None or cached[0] is not obs:
-        cached = _last_load = (obs, _load(obs))
-    return cached[1]
-
-
-_last_load: tuple[ClusterObservation, Load] | None = None
-
-
-def _load(obs: ClusterObservation) -> Load:
+    counted toward their target)."""
     # Prefill waiting anywhere: on prefill slots, and on colocated or decode slots that
     # prefill locally.
     backlog = sum(s.queued_prefill_tokens for s in obs.slots)
@@ -218,23 +228,16 @@ def split_slots(total: int, prefill_need: float, decode_need: float) -> int:
 
 
 def decode_slots_moved_first(obs: ClusterObservation, slots: int) -> list[SlotView]:
-    """The ``slots`` decode-side slots the controller would move first: the least loaded.
-
-    The order is kept for the last observation asked about (the drain and the rebuild
-    estimates of one decision both read it).
-    """
-    global _last_order
-    cached = _last_order  # read once: another thread may replace it meanwhile
-    if cached is None or cached[0] is not obs:
-        order = sorted(
-            (s for s in obs.slots if s.role in ("decode", "colocated")),
-            key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
-        )
-        cached = _last_order = (obs, order)
-    return cached[1][: max(slots, 0)]
+    """The ``slots`` decode-side slots the controller would move first: the least loaded."""
+    return _decode_side_by_load(obs)[: max(slots, 0)]
 
 
-_last_order: tuple[ClusterObservation, list[SlotView]] | None = None
+@_kept_for_last_observation
+def _decode_side_by_load(obs: ClusterObservation) -> list[SlotView]:
+    return sorted(
+        (s for s in obs.slots if s.role in ("decode", "colocated")),
+        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
+    )
 
 
 def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:

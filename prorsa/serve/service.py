@@ -506,8 +506,7 @@ class RolloutService:
         """Take engines whose update failed out of service: they hold other weights. When
         every engine refused the request itself (an InputError), nothing changed: that
         error is raised and no engine leaves."""
-        errors = [r for r in results.values() if isinstance(r, BaseException)]
-        refused = [e for e in errors if isinstance(e, InputError)]
+        refused = [r for r in results.values() if isinstance(r, InputError)]
         if refused and len(refused) == len(results):
             raise refused[0]
         failed = {eid: repr(r) for eid, r in results.items() if isinstance(r, BaseException)}

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from prorsa.errors import InputError
-from prorsa.telemetry.importers.base import TraceBuilder, TraceFormat, Turn
+from prorsa.telemetry.importers.base import ONE_TURN_KINDS, TraceBuilder, TraceFormat, Turn
 from prorsa.telemetry.importers.fields import (
     EARLIEST_PLAUSIBLE,
     EARLIEST_PLAUSIBLE_S,
@@ -38,16 +38,9 @@ from prorsa.telemetry.importers.fields import (
     parse_iso,
 )
 from prorsa.telemetry.importers.timing import SELF_HOSTED_ENGINE
-from prorsa.telemetry.schema import PLAIN_KIND_SCHEMA, EventKind, detail_json
+from prorsa.telemetry.schema import PLAIN_KIND_SCHEMA, detail_json
 
 RATES = SELF_HOSTED_ENGINE
-_START, _END = EventKind.TRAJ_START.value, EventKind.TRAJ_END.value
-_Q, _PS, _PE = (
-    EventKind.PREFILL_QUEUED.value,
-    EventKind.PREFILL_START.value,
-    EventKind.PREFILL_END.value,
-)
-_DS, _DE = EventKind.DECODE_START.value, EventKind.DECODE_END.value
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
@@ -122,8 +115,6 @@ def _read_file(path: Path, out: TraceBuilder) -> None:
 # What a well-formed line holds: a naive ISO time (taken as UTC) and two counts.
 _ISO_NAIVE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d{1,9})?$"
 _COUNT = r"^\d{1,10}$"
-# Events of a one-turn trajectory, in the order TraceBuilder.add_trajectory writes them.
-_KINDS = (_START, _Q, _PS, _PE, _DS, _DE, _END)
 
 
 def _read_whole(path: Path, out: TraceBuilder) -> bool:
@@ -208,8 +199,8 @@ def _line_breaks(raw: bytes) -> int:
 
 
 def _events(run_id, ids, task, arrival, decode_start, decode_end, ctx, gen):
-    """The seven events of each one-turn trajectory as a table (see :data:`_KINDS`)."""
-    n, per = len(ids), len(_KINDS)
+    """The seven events of each one-turn trajectory as a table (``ONE_TURN_KINDS``)."""
+    n, per = len(ids), len(ONE_TURN_KINDS)
     zero = np.zeros(n, np.int64)
     time = np.stack(
         [arrival, arrival, arrival, decode_start, decode_start, decode_end, decode_end], 1
@@ -226,7 +217,7 @@ def _events(run_id, ids, task, arrival, decode_start, decode_end, ctx, gen):
         "group_id": pa.repeat(pa.scalar(""), rows),
         "task": pa.repeat(pa.scalar(task), rows),
         "turn": pa.array(np.zeros(rows, np.int32)),
-        "kind": pa.array(_KINDS).take(position),
+        "kind": pa.array(ONE_TURN_KINDS).take(position),
         "engine_id": pa.array(np.full(rows, -1, np.int32)),
         "context_tokens": pa.array(context.ravel()),
         "new_tokens": pa.array(new.ravel()),
@@ -274,7 +265,7 @@ def _task(path: Path) -> str:
 
 _TOKENS_DERIVED = detail_json(derived=["cached_tokens"])
 _GENERATION_DERIVED = detail_json(derived=["prefill_s", "decode_s"])
-_DETAILS = ("", "", _TOKENS_DERIVED, "", "", _GENERATION_DERIVED, "")  # as _KINDS
+_DETAILS = ("", "", _TOKENS_DERIVED, "", "", _GENERATION_DERIVED, "")  # as ONE_TURN_KINDS
 
 FORMAT = TraceFormat(
     name="azure",

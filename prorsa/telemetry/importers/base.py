@@ -31,6 +31,8 @@ _DS, _DE = EventKind.DECODE_START.value, EventKind.DECODE_END.value
 _TS, _TE = EventKind.TOOL_START.value, EventKind.TOOL_END.value
 _START, _END = EventKind.TRAJ_START.value, EventKind.TRAJ_END.value
 _NO_TOKENS = (0, 0, 0, 0)
+#: The events :meth:`TraceBuilder.add_trajectory` writes for a one-turn trajectory, in order.
+ONE_TURN_KINDS = (_START, _Q, _PS, _PE, _DS, _DE, _END)
 
 
 class Turn(NamedTuple):
