@@ -46,6 +46,9 @@ def serve_cmd(
     drain_timeout_s: float = _opt(5.0, "drain_timeout_s", "--drain-timeout-s"),
     local_prefill_threshold: int = _opt(0, "local_prefill_threshold", "--local-prefill-threshold"),
     sync_drain_timeout_s: float = _opt(60.0, "sync_drain_timeout_s", "--sync-drain-timeout-s"),
+    engine_control_timeout_s: float = _opt(
+        30.0, "engine_control_timeout_s", "--engine-control-timeout-s"
+    ),
     session_idle_s: float = _opt(900.0, "session_idle_s", "--session-idle-s"),
     stream_legs: bool = _opt(False, "stream_legs", "--stream-legs/--no-stream-legs"),
     telemetry_dir: Path | None = _opt(None, "telemetry_dir", "--telemetry-dir"),
@@ -81,6 +84,7 @@ def serve_cmd(
         drain_timeout_s=drain_timeout_s,
         local_prefill_threshold=local_prefill_threshold,
         sync_drain_timeout_s=sync_drain_timeout_s,
+        engine_control_timeout_s=engine_control_timeout_s,
         session_idle_s=session_idle_s,
         stream_legs=stream_legs,
         telemetry_dir=str(telemetry_dir) if telemetry_dir else None,

@@ -6,12 +6,17 @@ router re-routes legs on its own (after an abort, a failure, a switch), so the s
 cannot simply stop calling it; instead every engine client the router holds is wrapped in
 a :class:`BarrierClient`, and a new leg waits at the :class:`DispatchBarrier` until the
 update is over. Everything except starting a leg passes straight through.
+
+The barrier also counts the legs already past it, per engine: a Ray call is on its way
+before the engine registers the request, so an engine's own list of requests can be empty
+while a leg is still about to arrive there.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 
@@ -22,6 +27,7 @@ class DispatchBarrier:
         self._open = asyncio.Event()
         self._open.set()
         self.held = 0
+        self.passed: Counter[int] = Counter()  # legs past the barrier and not back, per engine
 
     @property
     def is_open(self) -> bool:
@@ -41,6 +47,11 @@ class DispatchBarrier:
             await self._open.wait()
         finally:
             self.held -= 1
+
+    def legs_past(self, engine_ids: Iterable[int]) -> dict[int, int]:
+        """Legs that passed the barrier and have not returned, on these engines (only
+        engines with any)."""
+        return {e: self.passed[e] for e in engine_ids if self.passed[e]}
 
 
 class BarrierClient:
@@ -63,15 +74,23 @@ class BarrierClient:
 
     async def generate_stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         await self.barrier.wait()
-        if not self.stream_legs:
-            yield await self.inner.generate(*args, **kwargs)
-            return
-        async for item in self.inner.generate_stream(*args, **kwargs):
-            yield item
+        self.barrier.passed[self.engine_id] += 1
+        try:
+            if not self.stream_legs:
+                yield await self.inner.generate(*args, **kwargs)
+                return
+            async for item in self.inner.generate_stream(*args, **kwargs):
+                yield item
+        finally:
+            self.barrier.passed[self.engine_id] -= 1
 
     async def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         await self.barrier.wait()
-        return await self.inner.generate(*args, **kwargs)
+        self.barrier.passed[self.engine_id] += 1
+        try:
+            return await self.inner.generate(*args, **kwargs)
+        finally:
+            self.barrier.passed[self.engine_id] -= 1
 
     def __getattr__(self, name: str) -> Any:
         # Control calls (abort, pause, weights, health, ...) are never held back.

@@ -56,6 +56,14 @@ class ServeConfig:
             "later ones are aborted and served again under the new weights."
         ),
     )
+    engine_control_timeout_s: float = field(
+        default=30.0,
+        **_help(
+            "Longest wait for an engine to answer pause, resume, abort or its request list "
+            "(weight updates and the trainer's pause/resume); one that does not answer in "
+            "time leaves service so the others go on."
+        ),
+    )
     session_idle_s: float = field(
         default=900.0,
         **_help("End a session (traj_end) after this long without a turn or finish_session."),
@@ -104,7 +112,12 @@ class ServeConfig:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.connector not in CONNECTORS:
             raise ConfigError(f"unknown connector {self.connector!r}", hint=f"one of {CONNECTORS}")
-        positive = ("interval_s", "session_idle_s", "monitor_interval_s")
+        positive = (
+            "interval_s",
+            "session_idle_s",
+            "monitor_interval_s",
+            "engine_control_timeout_s",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from prorsa.errors import ConfigError, InputError
@@ -317,14 +317,16 @@ class RolloutService:
         async with self.sync.lock:  # not in the middle of a weight update
             self.engines_paused_by_trainer = True
             if not self.sleeping:
-                await self.for_each_engine(lambda c: c.pause("keep" if mode == "wait" else mode))
+                await self.control_engines(
+                    lambda c: c.pause("keep" if mode == "wait" else mode), "pause"
+                )
 
     async def resume(self) -> None:
         """Undo :meth:`pause` (engines asleep stay asleep until :meth:`wake_up`)."""
         self._resumes += 1
         async with self.sync.lock:
             if self.engines_paused_by_trainer and not self.sleeping:
-                await self.for_each_engine(lambda c: c.resume())
+                await self.control_engines(lambda c: c.resume(), "resume")
             self.engines_paused_by_trainer = False
         self.release_switches("paused")
         await self.gate.open("paused")
@@ -347,7 +349,7 @@ class RolloutService:
                 return False
             self.sleeping = False
             if self.engines_paused_by_trainer:  # the trainer's pause outlives the sleep
-                await self.for_each_engine(lambda c: c.pause("keep"))
+                await self.control_engines(lambda c: c.pause("keep"), "pause")
         self.release_switches("sleeping")
         await self.gate.open("sleeping")
         return True
@@ -552,16 +554,24 @@ class RolloutService:
         return self.router.pools.get(engine_id).client
 
     async def for_each_engine(
-        self, call: Callable[[Any], Awaitable[Any]], *, tolerate: bool = False
+        self,
+        call: Callable[[Any], Awaitable[Any]],
+        *,
+        tolerate: bool = False,
+        timeout_s: float | None = None,
+        engine_ids: Iterable[int] | None = None,
     ) -> dict[int, Any]:
-        """``call(client)`` on every live engine at once; results by engine id.
+        """``call(client)`` on every live engine (or on ``engine_ids``) at once; results
+        by engine id.
 
         With ``tolerate`` an engine's exception is returned in its place; otherwise the
-        first one is raised (after every call has finished).
+        first one is raised (after every call has finished). With ``timeout_s`` an engine
+        that has not answered by then gets a ``TimeoutError``.
         """
-        ids = self.live_engines()
+        ids = self.live_engines() if engine_ids is None else list(engine_ids)
         answers = await asyncio.gather(
-            *(call(self.client(eid)) for eid in ids), return_exceptions=True
+            *(_bounded(call(self.client(eid)), eid, timeout_s) for eid in ids),
+            return_exceptions=True,
         )
         results = dict(zip(ids, answers, strict=True))
         if not tolerate:
@@ -570,10 +580,32 @@ class RolloutService:
                     raise answer
         return results
 
+    async def control_engines(
+        self,
+        call: Callable[[Any], Awaitable[Any]],
+        what: str,
+        engine_ids: Iterable[int] | None = None,
+    ) -> dict[int, Any]:
+        """A quick control call (pause, resume, abort, request list) on every live engine,
+        each bounded by ``engine_control_timeout_s``; answers of the engines that gave one.
+
+        An engine that fails or does not answer in time leaves service (its requests and
+        weights can no longer be vouched for), so one stuck engine cannot hold the others
+        paused; ``RuntimeError`` when no engine answered.
+        """
+        results = await self.for_each_engine(
+            call,
+            tolerate=True,
+            timeout_s=self.config.engine_control_timeout_s,
+            engine_ids=engine_ids,
+        )
+        failed = self._retire_failed(results, what)
+        return {eid: answer for eid, answer in results.items() if eid not in failed}
+
     async def engine_requests(self) -> dict[int, list[str]]:
         """Requests each live engine holds now (only engines holding any)."""
-        held = await self.for_each_engine(lambda c: c.in_flight(), tolerate=True)
-        return {eid: ids for eid, ids in held.items() if isinstance(ids, list) and ids}
+        held = await self.control_engines(lambda c: c.in_flight(), "request list")
+        return {eid: ids for eid, ids in held.items() if ids}
 
     def emit(self, kind: int, engine_id: int = -1, **detail: Any) -> None:
         """Record a cluster event (e.g. ``weight_sync``) in the run's telemetry."""
@@ -645,6 +677,15 @@ def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InputError(f"{key} must be an integer engine id", field=key)
     return {k: v for k, v in routing.items() if v is not None}
+
+
+async def _bounded(call: Awaitable[Any], engine_id: int, timeout_s: float | None) -> Any:
+    if timeout_s is None:
+        return await call
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"engine {engine_id} did not answer within {timeout_s} s") from None
 
 
 async def _uncancelled(task: asyncio.Future) -> tuple[Any, bool]:

@@ -12,15 +12,18 @@ protocol here (:meth:`WeightSync.quiesce`, then the update, then :meth:`WeightSy
 4. close the dispatch barrier: no leg can enter an engine any more; if turns are still
    in flight, abort their legs — the router serves each again, from a fresh prefill, once
    the barrier opens (nothing is lost);
-5. wait until no engine holds a request, then pause them all;
+5. pause every engine and wait until none holds a request and no leg already past the
+   barrier is still on its way to one;
 6. (the caller) load the weights on every engine whatever its role, stamp the version,
    drop prefix caches and connector state, forget the router's cache residency;
 7. resume the engines (unless the trainer paused them), open the barrier, allow
    switches, open admission, and record ``weight_sync`` events (start and end).
 
-Two engine-side guards close the remaining gaps: requests are salted by weight version
-in the prefix cache, and a decode leg refuses KV handed off under other weights (see
-``EngineServer.generate_stream``).
+An engine that does not answer a pause, resume, abort or request list within
+``engine_control_timeout_s`` leaves service, so one stuck engine cannot hold the update
+(and every other engine) paused. Two engine-side guards close the remaining gaps:
+requests are salted by weight version in the prefix cache, and a decode leg refuses KV
+handed off under other weights (see ``EngineServer.generate_stream``).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class WeightSync:
         with _timed(window, "switches"):
             await svc.wait_for_switches()
         if svc.engines_paused_by_trainer and not svc.sleeping:
-            await svc.for_each_engine(lambda c: c.resume())  # let frozen turns finish
+            await svc.control_engines(lambda c: c.resume(), "resume")  # let frozen turns finish
         with _timed(window, "drain"):
             window.drained = svc.sleeping and svc.gate.in_flight == 0
             if not svc.sleeping:
@@ -101,7 +104,7 @@ class WeightSync:
         svc.barrier.close()
         with _timed(window, "pause"):
             if window.drained:
-                await svc.for_each_engine(lambda c: c.pause("keep"))
+                await svc.control_engines(lambda c: c.pause("keep"), "pause")
             else:
                 window.aborted_turns = svc.gate.in_flight
                 logger.warning(
@@ -110,7 +113,7 @@ class WeightSync:
                     window.aborted_turns,
                     drain_timeout_s,
                 )
-                await svc.for_each_engine(lambda c: c.pause("abort"))
+                await svc.control_engines(lambda c: c.pause("abort"), "pause")
             await self._wait_engines_empty()
         window.engines = sorted(svc.live_engines())
 
@@ -121,7 +124,7 @@ class WeightSync:
         svc = self.service
         try:
             if not svc.engines_paused_by_trainer and not svc.sleeping:
-                await svc.for_each_engine(lambda c: c.resume())
+                await svc.control_engines(lambda c: c.resume(), "resume")
         except BaseException as exc:
             window.detail.setdefault("error", f"resume failed: {type(exc).__name__}: {exc}")
             raise
@@ -144,17 +147,25 @@ class WeightSync:
         return window.summary
 
     async def _wait_engines_empty(self) -> None:
-        """Until no engine holds a request (aborted legs leave within a step or two)."""
+        """Until no engine holds a request and no leg is on its way to one (aborted legs
+        leave within a step or two; a leg past the barrier reaches its engine's list only
+        when the call arrives there)."""
         svc = self.service
         deadline = time.monotonic() + ENGINE_IDLE_TIMEOUT_S
         while True:
             busy = await svc.engine_requests()
-            if not busy:
+            arriving = svc.barrier.legs_past(svc.live_engines())
+            if not busy and not arriving:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"engines still hold requests after abort: {busy}")
-            for engine_id, request_ids in busy.items():
-                await svc.client(engine_id).abort(request_ids)
+                raise TimeoutError(
+                    f"engines still hold requests after abort: {busy}; legs on their way: "
+                    f"{arriving}"
+                )
+            if busy:
+                await svc.control_engines(
+                    lambda c, held=busy: c.abort(held[c.engine_id]), "abort", engine_ids=busy
+                )
             await asyncio.sleep(0.01)
 
 

@@ -43,6 +43,13 @@ class WeightedFakeEngine:
         self.stale_refused = 0
         self.rpc_calls: list[str] = []
         self.failing_rpcs: set[str] = set()
+        self.transit_s = 0.0  # a call's time on its way before the engine registers it
+        self.reload_s = 0.0
+        self.hanging: set[str] = set()  # control calls that never answer (a stuck engine)
+
+    async def _answer(self, call: str) -> None:
+        if call in self.hanging:
+            await asyncio.Event().wait()
 
     # ------------------------------------------------------------------ serving
     async def generate_stream(
@@ -56,6 +63,8 @@ class WeightedFakeEngine:
     ) -> AsyncIterator[dict[str, Any]]:
         if not prompt_token_ids:
             raise InputError("prompt is empty", field="prompt_token_ids")
+        if self.transit_s:
+            await asyncio.sleep(self.transit_s)
         kv = dict(kv_transfer_params or {})
         stale = kv.pop(KV_WEIGHT_VERSION_KEY, None)
         if stale is not None and stale != self.version:
@@ -123,9 +132,11 @@ class WeightedFakeEngine:
 
     # ------------------------------------------------------------------ control
     async def abort(self, request_ids: list[str]) -> None:
+        await self._answer("abort")
         self.aborted.update(r for r in request_ids if r in self.requests)
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        await self._answer("pause")
         if mode == "abort":
             self.aborted.update(self.requests)
         elif mode == "wait":
@@ -134,6 +145,7 @@ class WeightedFakeEngine:
         self.paused = True
 
     async def resume(self) -> None:
+        await self._answer("resume")
         self.paused = False
 
     async def is_paused(self) -> bool:
@@ -146,6 +158,7 @@ class WeightedFakeEngine:
         return None
 
     async def in_flight(self) -> list[str]:
+        await self._answer("in_flight")
         return sorted(self.requests)
 
     async def update_weights_from_path(self, path: str, version: int) -> dict[str, Any]:
@@ -153,6 +166,10 @@ class WeightedFakeEngine:
             self.violations.append(f"weights changed while holding {sorted(self.requests)}")
         if not self.paused:
             self.violations.append("weights changed while not paused")
+        if self.reload_s:
+            await asyncio.sleep(self.reload_s)
+            if self.requests:
+                self.violations.append(f"requests arrived mid-reload: {sorted(self.requests)}")
         self.version = version
         self.updates.append((path, version))
         return {"engine_id": self.engine_id, "weight_version": version, "reload_s": 0.0}

@@ -378,3 +378,52 @@ def test_a_failed_update_records_its_end_with_the_error_and_serving_reopens(tmp_
     ]
     assert len(ends) == 1 and "disk full" in ends[0]["error"] and ends[0]["version"] == 0
     assert gate_open and version == 0
+
+
+def test_legs_still_on_their_way_to_an_engine_are_not_let_in_mid_update(tmp_path):
+    """A leg past the dispatch barrier reaches its engine's request list only when its call
+    arrives; the update must wait for it (and abort it) rather than reload under it."""
+
+    async def go():
+        async with fake_service(tmp_path, sync_drain_timeout_s=0.0) as (svc, fakes):
+            for fake in fakes:
+                fake.transit_s, fake.reload_s = 0.2, 0.3
+            turns = [
+                asyncio.ensure_future(svc.generate(f"t{i}", [*PROMPT, i], {"max_tokens": 5}))
+                for i in range(3)
+            ]
+            await asyncio.sleep(0.05)  # every leg is past the barrier, none has arrived
+            assert not await svc.engine_requests() and svc.barrier.legs_past(range(3))
+            summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w1")))
+            for fake in fakes:
+                fake.transit_s = 0.0
+            return summary, await asyncio.gather(*turns), fakes
+
+    summary, results, fakes = run(go())
+    assert not summary["drained"] and summary["version"] == 1
+    assert [single_version(r) for r in results] == [1, 1, 1]  # none lost, none mixed
+    assert all(r.output_token_ids == tokens_for([*PROMPT, i], 5, 1) for i, r in enumerate(results))
+    assert [f.violations for f in fakes] == [[], [], []]
+
+
+@pytest.mark.parametrize("stuck_call", ["pause", "resume", "in_flight"])
+def test_an_engine_that_stops_answering_leaves_service_and_the_update_goes_on(tmp_path, stuck_call):
+    async def go():
+        async with fake_service(tmp_path, engine_control_timeout_s=0.2) as (svc, fakes):
+            fakes[2].hanging.add(stuck_call)
+            summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w1")))
+            after = await svc.generate("s", PROMPT, {"max_tokens": 3})
+            await svc.pause("keep")  # the trainer's pause and resume do not wait for it
+            await svc.resume()
+            again = await svc.generate("s2", PROMPT, {"max_tokens": 3})
+            return summary, after, again, svc.live_engines(), svc.gate.is_open, fakes
+
+    summary, after, again, live, gate_open, fakes = run(go())
+    assert summary["version"] == 1 and gate_open
+    if stuck_call == "resume":  # paused and reloaded with the rest; lost on the way out
+        assert summary["engines"] == [0, 1, 2] and fakes[2].version == 1
+    else:
+        assert summary["engines"] == [0, 1] and fakes[2].version == 0
+    assert live == [0, 1] and [f.version for f in fakes[:2]] == [1, 1]
+    assert single_version(after) == single_version(again) == 1
+    assert 2 not in (after.decode_engine_id, again.decode_engine_id)
