@@ -7,17 +7,20 @@ cannot simply stop calling it; instead every engine client the router holds is w
 a :class:`BarrierClient`, and a new leg waits at the :class:`DispatchBarrier` until the
 update is over. Everything except starting a leg passes straight through.
 
-The barrier also counts the legs already past it, per engine: a Ray call is on its way
+The barrier also keeps the legs already past it, per engine: a Ray call is on its way
 before the engine registers the request, so an engine's own list of requests can be empty
-while a leg is still about to arrive there.
+while a leg is still about to arrive there. And when an engine leaves service while it
+stops answering (no Ray error will ever come), :meth:`DispatchBarrier.drop_engine` ends
+its legs with :class:`EngineUnavailable`, so the router serves those turns elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
+
+from prorsa.runtime.ray.client import EngineUnavailable
 
 
 class DispatchBarrier:
@@ -27,7 +30,8 @@ class DispatchBarrier:
         self._open = asyncio.Event()
         self._open.set()
         self.held = 0
-        self.passed: Counter[int] = Counter()  # legs past the barrier and not back, per engine
+        self.legs: dict[int, set[asyncio.Task]] = {}  # past the barrier, not back; per engine
+        self.dropped: dict[asyncio.Task, str] = {}  # legs ended by drop_engine, and why
 
     @property
     def is_open(self) -> bool:
@@ -51,7 +55,44 @@ class DispatchBarrier:
     def legs_past(self, engine_ids: Iterable[int]) -> dict[int, int]:
         """Legs that passed the barrier and have not returned, on these engines (only
         engines with any)."""
-        return {e: self.passed[e] for e in engine_ids if self.passed[e]}
+        return {e: len(self.legs[e]) for e in engine_ids if self.legs.get(e)}
+
+    def drop_engine(self, engine_id: int, reason: str) -> int:
+        """End every leg on ``engine_id`` with :class:`EngineUnavailable` (the engine left
+        service); returns how many. Each leg's task is interrupted where it waits for the
+        engine, nowhere else."""
+        tasks = self.legs.get(engine_id, ())
+        for task in tasks:
+            self.dropped[task] = reason
+            task.cancel()
+        return len(tasks)
+
+    def leg(self, engine_id: int) -> _Leg:
+        """Context of one leg on ``engine_id`` (entered after :meth:`wait`)."""
+        return _Leg(self, engine_id)
+
+
+class _Leg:
+    """Registers the running task as a leg on its engine; turns a cancellation by
+    :meth:`DispatchBarrier.drop_engine` into :class:`EngineUnavailable`."""
+
+    __slots__ = ("barrier", "engine_id", "task")
+
+    def __init__(self, barrier: DispatchBarrier, engine_id: int) -> None:
+        self.barrier, self.engine_id = barrier, engine_id
+
+    def __enter__(self) -> None:
+        self.task = asyncio.current_task()
+        self.barrier.legs.setdefault(self.engine_id, set()).add(self.task)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.barrier.legs[self.engine_id].discard(self.task)
+        reason = self.barrier.dropped.pop(self.task, None)
+        if reason is None or exc_type is not asyncio.CancelledError:
+            return
+        # A cancellation of the caller's own (the turn was cancelled too) goes on.
+        if self.task.uncancel() == 0:
+            raise EngineUnavailable(self.engine_id, f"left service: {reason}") from None
 
 
 class BarrierClient:
@@ -74,23 +115,17 @@ class BarrierClient:
 
     async def generate_stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         await self.barrier.wait()
-        self.barrier.passed[self.engine_id] += 1
-        try:
+        with self.barrier.leg(self.engine_id):
             if not self.stream_legs:
                 yield await self.inner.generate(*args, **kwargs)
                 return
             async for item in self.inner.generate_stream(*args, **kwargs):
                 yield item
-        finally:
-            self.barrier.passed[self.engine_id] -= 1
 
     async def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         await self.barrier.wait()
-        self.barrier.passed[self.engine_id] += 1
-        try:
+        with self.barrier.leg(self.engine_id):
             return await self.inner.generate(*args, **kwargs)
-        finally:
-            self.barrier.passed[self.engine_id] -= 1
 
     def __getattr__(self, name: str) -> Any:
         # Control calls (abort, pause, weights, health, ...) are never held back.

@@ -159,6 +159,8 @@ class RolloutService:
                 engine.client, self.barrier, stream_legs=config.stream_legs
             )
             pools.set_role(engine.engine_id, parse_role(roles[engine.engine_id]), at=0.0)
+        # An engine that leaves service may never answer its legs: they are served again.
+        pools.on_engine_lost(lambda e: self.barrier.drop_engine(e.engine_id, e.lost_cause))
         if config.telemetry_dir:
             from prorsa.telemetry import Recorder
 

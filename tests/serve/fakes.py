@@ -65,6 +65,7 @@ class WeightedFakeEngine:
             raise InputError("prompt is empty", field="prompt_token_ids")
         if self.transit_s:
             await asyncio.sleep(self.transit_s)
+        await self._answer("generate")
         kv = dict(kv_transfer_params or {})
         stale = kv.pop(KV_WEIGHT_VERSION_KEY, None)
         if stale is not None and stale != self.version:

@@ -427,3 +427,35 @@ def test_an_engine_that_stops_answering_leaves_service_and_the_update_goes_on(tm
     assert live == [0, 1] and [f.version for f in fakes[:2]] == [1, 1]
     assert single_version(after) == single_version(again) == 1
     assert 2 not in (after.decode_engine_id, again.decode_engine_id)
+
+
+def test_turns_inside_an_engine_that_stops_answering_are_served_elsewhere(tmp_path):
+    """An engine stuck without dying never fails its calls: once it leaves service (here
+    in a weight update's pause) its legs end and the router serves them on another."""
+
+    async def go():
+        async with fake_service(
+            tmp_path, sync_drain_timeout_s=0.0, engine_control_timeout_s=0.2
+        ) as (svc, fakes):
+            fakes[2].hanging.update({"generate", "pause", "abort", "in_flight", "resume"})
+            turns = [
+                asyncio.ensure_future(svc.generate(f"t{i}", [*PROMPT, i], {"max_tokens": 5}))
+                for i in range(6)
+            ]
+            await asyncio.sleep(0.1)
+            stuck = svc.barrier.legs_past([2]).get(2, 0)
+            summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w1")))
+            results = await asyncio.wait_for(asyncio.gather(*turns), 10)
+            return stuck, summary, results, svc.live_engines()
+
+    stuck, summary, results, live = run(go())
+    assert stuck > 0  # some decode legs went to the stuck engine
+    assert summary["engines"] == [0, 1] and live == [0, 1]
+    # The turns on the live engines finished before the update; the stuck ones after it.
+    versions = [single_version(r) for r in results]
+    assert versions.count(1) == stuck == sum(r.retries for r in results)
+    assert all(r.decode_engine_id == 1 for r in results)
+    assert all(
+        r.output_token_ids == tokens_for([*PROMPT, i], 5, versions[i])
+        for i, r in enumerate(results)
+    )
