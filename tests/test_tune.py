@@ -204,6 +204,9 @@ base = Cell.of(scenario="swe", mode="sync", policy="static", seed=0, num_slots=8
 tune(TuneConfig(policy="static", base=base, trials=3, seeds=1, storage={storage!r},
                 study_name="killed", heartbeat_s=1))
 """
+    # The schema first: this test polls the file while the child starts, and two processes
+    # creating an empty Optuna database at once can both insert its version row.
+    optuna.storages.RDBStorage(storage)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 120
