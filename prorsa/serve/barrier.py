@@ -31,7 +31,8 @@ class DispatchBarrier:
         self._open.set()
         self.held = 0
         self.legs: dict[int, set[asyncio.Task]] = {}  # past the barrier, not back; per engine
-        self.dropped: dict[asyncio.Task, str] = {}  # legs ended by drop_engine, and why
+        self.dropped: dict[tuple[asyncio.Task, int], str] = {}  # ended by drop_engine, and why
+        self.lost: dict[int, str] = {}  # engines out of service, and why: no leg enters them
 
     @property
     def is_open(self) -> bool:
@@ -59,11 +60,13 @@ class DispatchBarrier:
 
     def drop_engine(self, engine_id: int, reason: str) -> int:
         """End every leg on ``engine_id`` with :class:`EngineUnavailable` (the engine left
-        service); returns how many. Each leg's task is interrupted where it waits for the
-        engine, nowhere else."""
+        service), and every later one, including legs that were planned for it and wait at
+        the barrier; returns how many were running. Each leg's task is interrupted where
+        it waits for the engine, nowhere else."""
+        self.lost[engine_id] = reason
         tasks = self.legs.get(engine_id, ())
         for task in tasks:
-            self.dropped[task] = reason
+            self.dropped[task, engine_id] = reason
             task.cancel()
         return len(tasks)
 
@@ -82,12 +85,15 @@ class _Leg:
         self.barrier, self.engine_id = barrier, engine_id
 
     def __enter__(self) -> None:
+        lost = self.barrier.lost.get(self.engine_id)
+        if lost is not None:  # planned before the engine left, then held at the barrier
+            raise EngineUnavailable(self.engine_id, f"left service: {lost}")
         self.task = asyncio.current_task()
         self.barrier.legs.setdefault(self.engine_id, set()).add(self.task)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.barrier.legs[self.engine_id].discard(self.task)
-        reason = self.barrier.dropped.pop(self.task, None)
+        reason = self.barrier.dropped.pop((self.task, self.engine_id), None)
         if reason is None or exc_type is not asyncio.CancelledError:
             return
         # A cancellation of the caller's own (the turn was cancelled too) goes on.

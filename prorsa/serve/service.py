@@ -170,6 +170,7 @@ class RolloutService:
             RouterConfig(
                 local_prefill_threshold_tokens=config.local_prefill_threshold,
                 drain_timeout_s=config.drain_timeout_s,
+                control_timeout_s=config.engine_control_timeout_s,
             ),
             recorder=self.recorder,
             run_id=config.run_id,
@@ -437,7 +438,9 @@ class RolloutService:
             # Stamps the version and drops the prefix cache and the connector's stored KV
             # (computed under the old weights); an engine that fails holds other weights.
             results = await self.for_each_engine(
-                lambda c: c.set_weight_version(version), tolerate=True
+                lambda c: c.set_weight_version(version),
+                tolerate=True,
+                timeout_s=self.config.engine_control_timeout_s,
             )
             failed = self._retire_failed(results, "weight update")
             self.router.forget_caches()
@@ -458,7 +461,7 @@ class RolloutService:
         window.detail.update(external=True, cancelled=True)
         try:
             # Some weights may have arrived: no KV cached under the old ones is reused.
-            await self.for_each_engine(lambda c: c.reset_prefix_cache(), tolerate=True)
+            await self.control_engines(lambda c: c.reset_prefix_cache(), "cache reset")
             self.router.forget_caches()
         finally:
             await manager.__aexit__(None, None, None)
@@ -593,7 +596,9 @@ class RolloutService:
 
         An engine that fails or does not answer in time leaves service (its requests and
         weights can no longer be vouched for), so one stuck engine cannot hold the others
-        paused; ``RuntimeError`` when no engine answered.
+        paused. When no live engine answered, none leaves and ``RuntimeError`` is raised:
+        a fault that wide more likely lies outside the engines (a stalled host, Ray), and
+        retiring them all would end the service for good.
         """
         results = await self.for_each_engine(
             call,
@@ -601,7 +606,12 @@ class RolloutService:
             timeout_s=self.config.engine_control_timeout_s,
             engine_ids=engine_ids,
         )
-        failed = self._retire_failed(results, what)
+        failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
+        if failed and failed.keys() >= set(self.live_engines()):
+            raise RuntimeError(f"no engine answered the {what}: {failed}")
+        for engine_id, error in failed.items():
+            logger.error("engine %d failed the %s and leaves service: %r", engine_id, what, error)
+            self.router.pools.mark_dead(engine_id, cause=f"{what} failed: {error!r}")
         return {eid: answer for eid, answer in results.items() if eid not in failed}
 
     async def engine_requests(self) -> dict[int, list[str]]:

@@ -55,7 +55,8 @@ class SyncWindow:
     from_version: int
     drained: bool = True
     aborted_turns: int = 0
-    engines: list[int] = field(default_factory=list)
+    engines: list[int] = field(default_factory=list)  # paused and empty for the update
+    serving: list[int] = field(default_factory=list)  # live when the update began
     stages_s: dict[str, float] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)  # the caller's, for the end event
     summary: dict[str, Any] = field(default_factory=dict)  # filled on release
@@ -75,7 +76,9 @@ class WeightSync:
         (whatever happens inside); one at a time."""
         async with self.lock:
             window = SyncWindow(
-                started=time.perf_counter(), from_version=self.service.weight_version
+                started=time.perf_counter(),
+                from_version=self.service.weight_version,
+                serving=self.service.live_engines(),
             )
             self.window = window
             try:
@@ -139,6 +142,8 @@ class WeightSync:
                 "drained": window.drained,
                 "aborted_turns": window.aborted_turns,
                 "engines": window.engines,
+                # Any that left during the update: failed a call, stopped answering, died.
+                "left_service": sorted(set(window.serving) - set(svc.live_engines())),
                 "stages_s": window.stages_s,
                 "total_s": round(time.perf_counter() - window.started, 6),
                 **window.detail,

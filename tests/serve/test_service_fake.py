@@ -413,29 +413,78 @@ def test_an_engine_that_stops_answering_leaves_service_and_the_update_goes_on(tm
             fakes[2].hanging.add(stuck_call)
             summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w1")))
             after = await svc.generate("s", PROMPT, {"max_tokens": 3})
-            await svc.pause("keep")  # the trainer's pause and resume do not wait for it
-            await svc.resume()
-            again = await svc.generate("s2", PROMPT, {"max_tokens": 3})
-            return summary, after, again, svc.live_engines(), svc.gate.is_open, fakes
+            return summary, after, svc.live_engines(), svc.gate.is_open, fakes
 
-    summary, after, again, live, gate_open, fakes = run(go())
-    assert summary["version"] == 1 and gate_open
+    summary, after, live, gate_open, fakes = run(go())
+    assert summary["version"] == 1 and gate_open and summary["left_service"] == [2]
     if stuck_call == "resume":  # paused and reloaded with the rest; lost on the way out
         assert summary["engines"] == [0, 1, 2] and fakes[2].version == 1
     else:
         assert summary["engines"] == [0, 1] and fakes[2].version == 0
     assert live == [0, 1] and [f.version for f in fakes[:2]] == [1, 1]
-    assert single_version(after) == single_version(again) == 1
-    assert 2 not in (after.decode_engine_id, again.decode_engine_id)
+    assert single_version(after) == 1 and after.decode_engine_id == 1
 
 
-def test_turns_inside_an_engine_that_stops_answering_are_served_elsewhere(tmp_path):
+def test_a_trainers_pause_and_resume_do_not_wait_for_a_stuck_engine(tmp_path):
+    async def go():
+        async with fake_service(tmp_path, engine_control_timeout_s=0.2) as (svc, fakes):
+            first = await svc.generate("s", PROMPT, {"max_tokens": 3})
+            fakes[2].hanging.add("pause")
+            await asyncio.wait_for(svc.pause("keep"), 2)
+            paused = [f.paused for f in fakes]
+            fakes[1].hanging.add("resume")
+            await asyncio.wait_for(svc.resume(), 2)
+            # Both stuck engines gone: engine 0 serves alone (colocated, as the policy
+            # re-plans), and the next turn is served.
+            return first, paused, svc.live_engines(), svc.gate.is_open
+
+    first, paused, live, gate_open = run(go())
+    assert first.output_token_ids == tokens_for(PROMPT, 3, 0)
+    assert paused == [True, True, False] and live == [0] and gate_open
+
+
+def test_control_calls_retire_the_engines_that_fail_unless_none_answers(tmp_path):
+    async def go():
+        async with fake_service(tmp_path, engine_control_timeout_s=0.2) as (svc, fakes):
+            fakes[2].hanging.add("abort")
+            # Asked of the busy engines only: the one that does not answer leaves.
+            some = await svc.control_engines(lambda c: c.abort([]), "abort", engine_ids=[1, 2])
+            left = svc.live_engines()
+            for fake in fakes:
+                fake.hanging.add("in_flight")
+            with pytest.raises(RuntimeError, match="no engine answered the request list"):
+                await svc.control_engines(lambda c: c.in_flight(), "request list")
+            return some, left, svc.live_engines()
+
+    some, left, after = run(go())
+    assert some == {1: None} and left == [0, 1]
+    assert after == [0, 1]  # nobody answered: nobody is retired
+
+
+def test_a_role_switch_on_an_engine_that_stops_answering_fails_and_retires_it(tmp_path):
+    async def go():
+        async with fake_service(tmp_path, engine_control_timeout_s=0.2) as (svc, fakes):
+            fakes[2].hanging.add("pause")
+            summary = await asyncio.wait_for(svc.switch_role(2, "prefill"), 5)
+            after = await svc.generate("s", PROMPT, {"max_tokens": 3})
+            return summary, svc.live_engines(), after
+
+    summary, live, after = run(go())
+    assert "no answer to the switch's pause" in summary["error"] and live == [0, 1]
+    assert after.output_token_ids == tokens_for(PROMPT, 3, 0)
+
+
+@pytest.mark.parametrize("stream_legs", [False, True])
+def test_turns_inside_an_engine_that_stops_answering_are_served_elsewhere(tmp_path, stream_legs):
     """An engine stuck without dying never fails its calls: once it leaves service (here
     in a weight update's pause) its legs end and the router serves them on another."""
 
     async def go():
         async with fake_service(
-            tmp_path, sync_drain_timeout_s=0.0, engine_control_timeout_s=0.2
+            tmp_path,
+            sync_drain_timeout_s=0.0,
+            engine_control_timeout_s=0.2,
+            stream_legs=stream_legs,
         ) as (svc, fakes):
             fakes[2].hanging.update({"generate", "pause", "abort", "in_flight", "resume"})
             turns = [

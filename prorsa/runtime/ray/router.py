@@ -22,6 +22,7 @@ re-routed. Every stage is recorded through the cluster model's telemetry emitter
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -578,20 +579,21 @@ class PDRouter:
         )
         result: dict[str, Any] = {}
         fired = False
+        stream = engine.client.generate_stream(
+            request_id, prompt, request.max_tokens, request.temperature, kv_params,
+            **request.sampling(),
+        )  # fmt: skip
         try:
-            async for item in engine.client.generate_stream(
-                request_id,
-                prompt,
-                request.max_tokens,
-                request.temperature,
-                kv_params,
-                **request.sampling(),
-            ):
-                if item.get("event") == "first_token":
-                    fired = True
-                    on_first_token(self.now(), int(item.get("num_cached_tokens") or 0))
-                else:
-                    result = item
+            # Closed here, not by the garbage collector, if the loop ends early: the
+            # stream's own cleanup (the engine client's, the service's leg accounting)
+            # runs now, in this task.
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    if item.get("event") == "first_token":
+                        fired = True
+                        on_first_token(self.now(), int(item.get("num_cached_tokens") or 0))
+                    else:
+                        result = item
         finally:
             self.pools.release(lease)
         self._check_aborted(result, lease)

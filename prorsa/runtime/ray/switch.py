@@ -20,9 +20,10 @@ event's detail also carries each stage's wall time.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from prorsa.errors import ConfigError
@@ -206,20 +207,22 @@ class RoleSwitcher:
                     lease.evicted = True
                     evicted.append(lease.request_id)
                 if evicted:
-                    await engine.client.abort(evicted)
+                    await self._answered(engine, "abort", engine.client.abort(evicted))
                 await pools.wait_until(lambda: engine.idle, self.config.abort_grace_s)
         switch.mark_drained(self.clock())
         self.telemetry.switch_event(switch.drained_s, switch, "drained", engine.engine_id)
         with _Stage(stages, "pause"):
-            await engine.client.pause("abort")
+            await self._answered(engine, "pause", engine.client.pause("abort"))
         reset = None
         if self.config.reset_prefix_cache_on_switch:
             with _Stage(stages, "reset"):
-                reset = await engine.client.reset_prefix_cache()
+                reset = await self._answered(
+                    engine, "cache reset", engine.client.reset_prefix_cache()
+                )
             if self.on_cache_reset is not None:
                 self.on_cache_reset(engine.engine_id)
         with _Stage(stages, "resume"):
-            await engine.client.resume()
+            await self._answered(engine, "resume", engine.client.resume())
         return {
             "drained": drained,
             "aborted": len(evicted),
@@ -227,6 +230,19 @@ class RoleSwitcher:
             "kv_pending_left": len(engine.kv_pending),
             "prefix_cache_reset": reset,
         }
+
+    async def _answered(self, engine: EngineState, what: str, call: Awaitable[Any]) -> Any:
+        """``call``'s answer; an engine that gives none within ``control_timeout_s`` is
+        unavailable (the switch fails and the engine leaves service, its legs re-served):
+        a stuck engine would otherwise hold every update and pause that waits for
+        switches."""
+        timeout_s = self.config.control_timeout_s
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except TimeoutError:
+            raise EngineUnavailable(
+                engine.engine_id, f"no answer to the switch's {what} within {timeout_s} s"
+            ) from None
 
 
 class _Stage:

@@ -42,6 +42,13 @@ class RouterConfig:
     abort_grace_s: float = field(
         default=10.0, metadata={"help": "Wait for aborted legs to leave a switching engine."}
     )
+    control_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Longest wait for an engine to answer a switch's abort, pause, cache "
+            "reset or resume; one that does not is taken out of service."
+        },
+    )
     reset_prefix_cache_on_switch: bool = field(
         default=True, metadata={"help": "Drop an engine's prefix cache when its role changes."}
     )
@@ -53,6 +60,8 @@ class RouterConfig:
             raise ConfigError("max_retries and max_reroutes must be >= 0")
         if min(self.route_timeout_s, self.drain_timeout_s, self.abort_grace_s) < 0:
             raise ConfigError("timeouts must be >= 0")
+        if self.control_timeout_s <= 0:
+            raise ConfigError("control_timeout_s must be > 0")
 
 
 @dataclass
