@@ -20,6 +20,12 @@ from typing import Any
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.runtime.ray.config import EngineConfig, engine_environment, kv_transfer_config
+from prorsa.runtime.ray.control_group import (
+    CONTROL_CONCURRENCY,
+    CONTROL_GROUP,
+    LoopBound,
+    with_control_group,
+)
 from prorsa.runtime.ray.engine_control import EngineControl
 from prorsa.runtime.ray.load import EngineLoad, load_logger_factory
 from prorsa.runtime.ray.sampling import OutputCollector, request_errors, sampling_params
@@ -86,7 +92,15 @@ def side_channel_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     raise ConfigError(f"no {count} free side-channel ports in {low}-{high - 1} on {host}")
 
 
-class EngineServer(EngineControl):
+#: Methods that run in the actor's control concurrency group: never behind requests.
+CONTROL_METHODS: tuple[str, ...] = (
+    "abort", "pause", "resume", "is_paused", "in_flight", "reset_prefix_cache",
+    "set_weight_version", "update_weights_from_path", "collective_rpc", "sleep",
+    "wake_up", "is_sleeping", "health", "load", "release_kv",
+)  # fmt: skip
+
+
+class EngineServer(EngineControl, LoopBound):
     """Host one vLLM engine; the body of the Ray actor.
 
     Args:
@@ -119,6 +133,7 @@ class EngineServer(EngineControl):
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
         """Build the engine (idempotent). Returns :meth:`health`."""
+        self.bind_main_loop()  # the engine lives on this loop; control calls hop to it
         if self._llm is None:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.platforms import current_platform
@@ -434,8 +449,17 @@ def _child_pids() -> list[int]:
     return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
-def engine_actor_class(num_cpus: float = 1, num_gpus: float = 0) -> Any:
-    """``EngineServer`` as a Ray actor class with the given resources."""
+def engine_actor_class(
+    num_cpus: float = 1, num_gpus: float = 0, max_concurrency: int = 1000
+) -> Any:
+    """``EngineServer`` as a Ray actor class with the given resources: up to
+    ``max_concurrency`` requests at once, and :data:`CONTROL_METHODS` in a concurrency
+    group of their own (see :mod:`prorsa.runtime.ray.control_group`)."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000)(EngineServer)
+    return ray.remote(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_concurrency=max_concurrency,
+        concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY},
+    )(with_control_group(EngineServer, CONTROL_METHODS))
