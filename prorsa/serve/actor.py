@@ -9,10 +9,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from prorsa.runtime.ray.control_group import (
+    CONTROL_CONCURRENCY,
+    CONTROL_GROUP,
+    LoopBound,
+    with_control_group,
+)
 from prorsa.serve.config import ServeConfig
 
+#: Run in their own Ray concurrency group: turns waiting at a paused service's gate hold
+#: request slots, and a ``resume`` queued behind them would never run.
+CONTROL_METHODS: tuple[str, ...] = (
+    "end_session", "pause", "resume", "update_weights_from_path", "collective_rpc",
+    "sleep", "wake_up", "status", "shutdown",
+)  # fmt: skip
 
-class RolloutServiceActor:
+
+class RolloutServiceActor(LoopBound):
     """The actor body: :meth:`start` once, then the service's API by name."""
 
     def __init__(self, config: ServeConfig, fleet: Any = None) -> None:
@@ -21,6 +34,7 @@ class RolloutServiceActor:
         self.service = RolloutService(config, fleet=fleet)
 
     async def start(self) -> dict[str, Any]:
+        self.bind_main_loop()  # the service's gate and locks live on this loop
         await self.service.start()
         return self.service.status()
 
@@ -69,5 +83,7 @@ def rollout_service_actor(config: ServeConfig, *, fleet: Any = None, **ray_optio
     """
     import ray
 
-    cls = ray.remote(max_concurrency=1000, num_cpus=0)(RolloutServiceActor)
+    cls = ray.remote(
+        max_concurrency=1000, num_cpus=0, concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY}
+    )(with_control_group(RolloutServiceActor, CONTROL_METHODS))
     return cls.options(**ray_options).remote(config, fleet)

@@ -317,6 +317,23 @@ def test_decode_refuses_kv_computed_under_other_weights(fleet):
     assert refused["finish_reason"] == "abort" and refused["output_token_ids"] == []
 
 
+def test_an_abort_that_overtakes_its_request_still_aborts_it(fleet, reference):
+    """Control calls run in their own Ray concurrency group, so an abort can reach the
+    engine before the leg it names; the leg is refused when it arrives."""
+    client = fleet.clients[COLOCATED]
+    prompt = tokens(20, 17)
+
+    async def run():
+        await client.abort(["early-1"])
+        refused = await client.generate("early-1", prompt, 8, 0.0, ignore_eos=True)
+        again = await client.generate("early-2", prompt, 8, 0.0, ignore_eos=True)
+        return refused, again, await client.in_flight()
+
+    refused, again, in_flight = asyncio.run(run())
+    assert refused["finish_reason"] == "abort" and refused["output_token_ids"] == []
+    assert again["output_token_ids"] == reference(prompt, 8) and in_flight == []
+
+
 def test_sleep_stops_generation_until_wake_up(fleet, reference):
     client = fleet.clients[COLOCATED]
     prompt = tokens(12, 17)

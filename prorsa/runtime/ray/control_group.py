@@ -11,11 +11,16 @@ thread, while the engine (vLLM's ``AsyncLLM``) and the actor's state live on the
 loop. A method moved to the control group hops back to the main loop
 (:meth:`LoopBound.on_main_loop`), so the group only gives the call a slot; the work runs
 where it always did.
+
+Ray gives no order between concurrency groups: a control call may overtake a request sent
+just before it (an ``abort`` can reach the engine before the leg it names; see
+``EngineServer.abort`` for how that is handled).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -46,11 +51,16 @@ def with_control_group(cls: type[LoopBound], methods: Iterable[str]) -> type:
     the main loop. Give the Ray actor ``concurrency_groups={CONTROL_GROUP: n}``."""
     import ray
 
-    namespace: dict[str, Any] = {
-        name: ray.method(concurrency_group=CONTROL_GROUP)(_hopping(getattr(cls, name)))
-        for name in methods
-    }
+    namespace: dict[str, Any] = {}
+    for name in methods:
+        method = getattr(cls, name)
+        if not inspect.iscoroutinefunction(method):
+            raise TypeError(f"{cls.__name__}.{name} must be a coroutine function to hop loops")
+        namespace[name] = ray.method(concurrency_group=CONTROL_GROUP)(_hopping(method))
     namespace["__doc__"] = cls.__doc__
+    # A name of its own: Ray keys actor classes by module and qualified name.
+    namespace["__qualname__"] = f"{cls.__qualname__}WithControlGroup"
+    namespace["__module__"] = cls.__module__
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -62,4 +72,5 @@ def _hopping(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[A
     # has no concurrency group, and the call would queue behind requests again.
     on_main_loop.__name__ = method.__name__
     on_main_loop.__doc__ = method.__doc__
+    on_main_loop.__signature__ = inspect.signature(method)  # Ray checks arguments on call
     return on_main_loop

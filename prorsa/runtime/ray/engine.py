@@ -2,8 +2,9 @@
 
 The class below is plain Python; :func:`engine_actor_class` wraps it with ``ray.remote`` so
 that the module imports without Ray, and tests can drive it in-process too. All public
-methods are coroutines: Ray runs them concurrently on the actor's event loop, so one engine
-serves many requests at once.
+methods are coroutines run on the actor's event loop, so one engine serves many requests at
+once; control methods (:data:`CONTROL_METHODS`) take their Ray slot from a group of their
+own and hop to that loop (:mod:`prorsa.runtime.ray.control_group`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 #: Key a prefill leg adds to the ``kv_transfer_params`` it returns: the weight version that
 #: computed the KV. A decode leg whose engine has other weights refuses to pull it.
 KV_WEIGHT_VERSION_KEY = "prorsa_weight_version"
+
+#: Ids aborted before their request arrived that an engine remembers (the oldest go first).
+ABORTED_EARLY_KEPT = 4096
 
 #: ``kv_transfer_params`` for a prefill leg whose KV a remote decode engine will pull.
 PREFILL_FOR_REMOTE_DECODE: dict[str, Any] = {
@@ -96,7 +100,7 @@ def side_channel_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 CONTROL_METHODS: tuple[str, ...] = (
     "abort", "pause", "resume", "is_paused", "in_flight", "reset_prefix_cache",
     "set_weight_version", "update_weights_from_path", "collective_rpc", "sleep",
-    "wake_up", "is_sleeping", "health", "load", "release_kv",
+    "wake_up", "is_sleeping", "health", "load", "release_kv", "shutdown",
 )  # fmt: skip
 
 
@@ -122,6 +126,9 @@ class EngineServer(EngineControl, LoopBound):
         os.environ.update(engine_environment(config, self.side_channel_port, self.on_cpu))
         self._llm: Any = None
         self._in_flight: dict[str, float] = {}
+        # Aborted before their leg arrived (an abort may overtake the request it names:
+        # Ray orders nothing across concurrency groups); the leg is refused on arrival.
+        self._aborted_early: dict[str, None] = {}
         self._paused = False
         self._sleeping = False
         self._load = EngineLoad()
@@ -226,7 +233,13 @@ class EngineServer(EngineControl, LoopBound):
         return bool(await self._engine().reset_prefix_cache())
 
     async def abort(self, request_ids: list[str]) -> None:
-        """Abort requests; their ``generate`` calls return with finish_reason ``abort``."""
+        """Abort requests; their ``generate`` calls return with finish_reason ``abort``,
+        also when the abort arrives before the request does."""
+        for request_id in request_ids:
+            if request_id not in self._in_flight:
+                self._aborted_early[request_id] = None
+        while len(self._aborted_early) > ABORTED_EARLY_KEPT:  # oldest first
+            del self._aborted_early[next(iter(self._aborted_early))]
         await self._engine().abort(list(request_ids))
 
     async def release_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
@@ -302,6 +315,14 @@ class EngineServer(EngineControl, LoopBound):
         if request_id in self._in_flight:
             raise InputError(f"request id {request_id!r} is already in flight", field="request_id")
         kv_params = dict(kv_transfer_params) if kv_transfer_params else None
+        if request_id in self._aborted_early:  # its abort overtook it
+            del self._aborted_early[request_id]
+            if kv_params and kv_params.get("do_remote_prefill"):
+                # A decode leg: free the KV its prefill engine holds for it.
+                kv_params.pop(KV_WEIGHT_VERSION_KEY, None)
+                await self._release_stale_kv(request_id, kv_params)
+            yield {"event": "done", **self._aborted(request_id, prompt_token_ids)}
+            return
         kv_version = kv_params.pop(KV_WEIGHT_VERSION_KEY, None) if kv_params else None
         if kv_version is not None and kv_version != self.weight_version:
             # The prompt's KV was computed with other weights: never decode from it. The
