@@ -336,7 +336,14 @@ class RolloutService:
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict[int, Any]:
         """Put every engine to sleep (see ``EngineServer.sleep`` for what is freed where);
-        new turns wait until :meth:`wake_up`; no role switch starts meanwhile."""
+        new turns wait until :meth:`wake_up`; no role switch starts meanwhile.
+
+        ``mode`` treats turns in flight as :meth:`pause` does; on engines the trainer
+        paused with ``keep``, ``wait`` keeps them frozen instead (they cannot drain: the
+        engines would never fall asleep), and they go on after wake-up and resume.
+        """
+        if mode == "wait" and self.engines_paused_by_trainer:
+            mode = "keep"
         await self.gate.close("sleeping")
         self.hold_switches("sleeping")
         await self.wait_for_switches()

@@ -187,6 +187,9 @@ class WeightedFakeEngine:
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:
         if mode == "abort":
             self.aborted.update(self.requests)
+        elif mode == "wait":  # as vLLM: until the requests in flight finish
+            while self.requests:
+                await asyncio.sleep(0.001)
         self.sleeping = True
         return {"engine_id": self.engine_id, "level": level, "freed": []}
 

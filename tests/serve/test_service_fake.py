@@ -200,6 +200,27 @@ def test_sleep_holds_turns_and_switches_until_wake_up(tmp_path):
     assert asleep and awake and len(result.output_token_ids) == 2
 
 
+def test_a_wait_sleep_on_engines_the_trainer_paused_keeps_their_turns_frozen(tmp_path):
+    """Frozen turns cannot drain, so a ``wait`` sleep after a ``keep`` pause would never
+    fall asleep; the turns go on after wake-up and resume instead."""
+
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            turn = asyncio.ensure_future(
+                svc.generate("f", PROMPT, {"max_tokens": 60, "ignore_eos": True})
+            )
+            await asyncio.sleep(0.03)
+            await svc.pause("keep")
+            await asyncio.wait_for(svc.sleep(1, "wait"), 2)
+            frozen = not turn.done() and all(f.sleeping for f in fakes)
+            await svc.wake_up()
+            await svc.resume()
+            return frozen, await asyncio.wait_for(turn, 5)
+
+    frozen, result = run(go())
+    assert frozen and result.output_token_ids == tokens_for(PROMPT, 60, 0)
+
+
 def test_external_weight_update_window(tmp_path):
     async def go():
         async with fake_service(tmp_path) as (svc, fakes):
