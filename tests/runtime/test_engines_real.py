@@ -263,11 +263,11 @@ def test_pause_modes(fleet, reference):
         await client.resume()
         return paused_done, await turn
 
-    frozen_done, kept = asyncio.run(run("keep"))
-    waited_done, waited = asyncio.run(run("wait"))
     # Long enough to be surely in flight when paused (120 tokens can finish in 0.3 s).
+    frozen_done, kept = asyncio.run(run("keep", max_tokens=400))
+    waited_done, waited = asyncio.run(run("wait"))
     _, aborted = asyncio.run(run("abort", max_tokens=900))
-    assert not frozen_done and kept["output_token_ids"] == reference(prompt, 120)
+    assert not frozen_done and kept["output_token_ids"] == reference(prompt, 400)
     assert waited_done and waited["output_token_ids"] == reference(prompt, 120)
     assert aborted["finish_reason"] == "abort" and len(aborted["output_token_ids"]) < 900
     with pytest.raises(InputError, match="pause mode"):
