@@ -524,12 +524,16 @@ class RolloutService:
         if refused and len(refused) == len(results):
             raise refused[0]
         failed = {eid: repr(r) for eid, r in results.items() if isinstance(r, BaseException)}
-        for engine_id, error in failed.items():
-            logger.error("engine %d failed the %s and leaves service: %s", engine_id, what, error)
-            self.router.pools.mark_dead(engine_id, cause=f"{what} failed: {error}")
+        self._retire(failed, what)
         if failed and len(failed) == len(results):
             raise RuntimeError(f"{what} failed on every engine: {failed}")
         return failed
+
+    def _retire(self, failed: dict[int, str], what: str) -> None:
+        """Take the engines that failed ``what`` (id -> error) out of service."""
+        for engine_id, error in failed.items():
+            logger.error("engine %d failed the %s and leaves service: %s", engine_id, what, error)
+            self.router.pools.mark_dead(engine_id, cause=f"{what} failed: {error}")
 
     # ------------------------------------------------------------------ role switches
     def hold_switches(self, reason: str) -> None:
@@ -616,9 +620,7 @@ class RolloutService:
         failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
         if failed and failed.keys() >= set(self.live_engines()):
             raise RuntimeError(f"no engine answered the {what}: {failed}")
-        for engine_id, error in failed.items():
-            logger.error("engine %d failed the %s and leaves service: %r", engine_id, what, error)
-            self.router.pools.mark_dead(engine_id, cause=f"{what} failed: {error!r}")
+        self._retire({eid: repr(error) for eid, error in failed.items()}, what)
         return {eid: answer for eid, answer in results.items() if eid not in failed}
 
     async def engine_requests(self) -> dict[int, list[str]]:
