@@ -29,6 +29,7 @@ from typing import Any
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.policy.types import WorkloadShape
+from prorsa.runtime.ray.client import answered_within
 from prorsa.runtime.ray.engine_control import PAUSE_MODES
 from prorsa.runtime.ray.weights import check_weight_dir
 from prorsa.serve.barrier import BarrierClient, DispatchBarrier
@@ -576,17 +577,18 @@ class RolloutService:
         tolerate: bool = False,
         timeout_s: float | None = None,
         engine_ids: Iterable[int] | None = None,
+        what: str = "the call",
     ) -> dict[int, Any]:
         """``call(client)`` on every live engine (or on ``engine_ids``) at once; results
         by engine id.
 
         With ``tolerate`` an engine's exception is returned in its place; otherwise the
         first one is raised (after every call has finished). With ``timeout_s`` an engine
-        that has not answered by then gets a ``TimeoutError``.
+        that has not answered by then gets an ``EngineUnavailable`` naming ``what``.
         """
         ids = self.live_engines() if engine_ids is None else list(engine_ids)
         answers = await asyncio.gather(
-            *(_bounded(call(self.client(eid)), eid, timeout_s) for eid in ids),
+            *(answered_within(call(self.client(eid)), eid, what, timeout_s) for eid in ids),
             return_exceptions=True,
         )
         results = dict(zip(ids, answers, strict=True))
@@ -616,6 +618,7 @@ class RolloutService:
             tolerate=True,
             timeout_s=self.config.engine_control_timeout_s,
             engine_ids=engine_ids,
+            what=f"the {what}",
         )
         failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
         if failed and failed.keys() >= set(self.live_engines()):
@@ -698,15 +701,6 @@ def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InputError(f"{key} must be an integer engine id", field=key)
     return {k: v for k, v in routing.items() if v is not None}
-
-
-async def _bounded(call: Awaitable[Any], engine_id: int, timeout_s: float | None) -> Any:
-    if timeout_s is None:
-        return await call
-    try:
-        return await asyncio.wait_for(call, timeout_s)
-    except TimeoutError:
-        raise TimeoutError(f"engine {engine_id} did not answer within {timeout_s} s") from None
 
 
 async def _uncancelled(task: asyncio.Future) -> tuple[Any, bool]:

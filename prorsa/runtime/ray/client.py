@@ -9,9 +9,10 @@ handling are tested against in-process fakes; :class:`RayEngineClient` adapts an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from prorsa.errors import ProrsaError
 
@@ -23,6 +24,24 @@ class EngineUnavailable(RuntimeError):
         super().__init__(f"engine {engine_id} unavailable: {reason}")
         self.engine_id = engine_id
         self.reason = reason
+
+
+T = TypeVar("T")
+
+
+async def answered_within(
+    call: Awaitable[T], engine_id: int, what: str, timeout_s: float | None
+) -> T:
+    """``call``'s answer; an engine that gives none within ``timeout_s`` (``None``: no
+    bound) is :class:`EngineUnavailable`. Control calls are bounded so that one stuck
+    engine cannot hold a weight update, a pause or a switch for ever: the caller then
+    takes it out of service."""
+    if timeout_s is None:
+        return await call
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except TimeoutError:
+        raise EngineUnavailable(engine_id, f"no answer to {what} within {timeout_s} s") from None
 
 
 @runtime_checkable

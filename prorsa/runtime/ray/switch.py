@@ -20,7 +20,6 @@ event's detail also carries each stage's wall time.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -34,7 +33,7 @@ from prorsa.runtime.cluster.switching import (
     strands_decode,
 )
 from prorsa.runtime.cluster.telemetry import ClusterTelemetry
-from prorsa.runtime.ray.client import EngineUnavailable
+from prorsa.runtime.ray.client import EngineUnavailable, answered_within
 from prorsa.runtime.ray.pools import EngineState, Role, RolePools, parse_role
 
 if TYPE_CHECKING:
@@ -195,6 +194,13 @@ class RoleSwitcher:
         stages: dict[str, float],
     ) -> dict[str, Any]:
         pools = self.pools
+
+        def answered(what: str, call: Awaitable[Any]) -> Awaitable[Any]:
+            # A stuck engine fails the switch and leaves service (its legs re-served).
+            return answered_within(
+                call, engine.engine_id, f"the switch's {what}", self.config.control_timeout_s
+            )
+
         switch.begin_moving_work()
         with _Stage(stages, "drain"):
             drained = await pools.wait_until(lambda: engine.idle, drain_timeout_s)
@@ -207,22 +213,20 @@ class RoleSwitcher:
                     lease.evicted = True
                     evicted.append(lease.request_id)
                 if evicted:
-                    await self._answered(engine, "abort", engine.client.abort(evicted))
+                    await answered("abort", engine.client.abort(evicted))
                 await pools.wait_until(lambda: engine.idle, self.config.abort_grace_s)
         switch.mark_drained(self.clock())
         self.telemetry.switch_event(switch.drained_s, switch, "drained", engine.engine_id)
         with _Stage(stages, "pause"):
-            await self._answered(engine, "pause", engine.client.pause("abort"))
+            await answered("pause", engine.client.pause("abort"))
         reset = None
         if self.config.reset_prefix_cache_on_switch:
             with _Stage(stages, "reset"):
-                reset = await self._answered(
-                    engine, "cache reset", engine.client.reset_prefix_cache()
-                )
+                reset = await answered("cache reset", engine.client.reset_prefix_cache())
             if self.on_cache_reset is not None:
                 self.on_cache_reset(engine.engine_id)
         with _Stage(stages, "resume"):
-            await self._answered(engine, "resume", engine.client.resume())
+            await answered("resume", engine.client.resume())
         return {
             "drained": drained,
             "aborted": len(evicted),
@@ -230,19 +234,6 @@ class RoleSwitcher:
             "kv_pending_left": len(engine.kv_pending),
             "prefix_cache_reset": reset,
         }
-
-    async def _answered(self, engine: EngineState, what: str, call: Awaitable[Any]) -> Any:
-        """``call``'s answer; an engine that gives none within ``control_timeout_s`` is
-        unavailable (the switch fails and the engine leaves service, its legs re-served):
-        a stuck engine would otherwise hold every update and pause that waits for
-        switches."""
-        timeout_s = self.config.control_timeout_s
-        try:
-            return await asyncio.wait_for(call, timeout_s)
-        except TimeoutError:
-            raise EngineUnavailable(
-                engine.engine_id, f"no answer to the switch's {what} within {timeout_s} s"
-            ) from None
 
 
 class _Stage:
