@@ -1,55 +1,83 @@
-"""Entry point of the ``prorsa`` command. Each command group lives in its own module."""
+"""Entry point of the ``prorsa`` command. Each command group lives in its own module.
+
+A command's module is imported only when that command runs: the modules behind
+``simulate`` or ``serve`` pull in pandas, torch or Ray, and ``prorsa traces import``
+should not wait for them. ``--help`` and unknown commands build the whole app.
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from typing import Any
+
 import typer
 
-from prorsa.cli import forecast as forecast_cli
-from prorsa.cli import models as models_cli
-from prorsa.cli import profile as profile_cli
-from prorsa.cli import rl as rl_cli
-from prorsa.cli import traces as traces_cli
-from prorsa.cli import workload as workload_cli
 from prorsa.cli.common import set_debug
-from prorsa.cli.compare import compare_cmd, policies_cmd
-from prorsa.cli.demo import demo_cmd
-from prorsa.cli.explore import explore_cmd
-from prorsa.cli.rollout import rollout_cmd
-from prorsa.cli.serve import serve_cmd
-from prorsa.cli.simulate import simulate_cmd
-from prorsa.cli.tune import tune_cmd
 
-app = typer.Typer(
-    name="prorsa",
-    help="Forecast-driven prefill/decode allocation for agentic RL rollout.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-)
+#: Command groups: name -> (module with an ``app``, help line).
+GROUPS: dict[str, tuple[str, str]] = {
+    "traces": ("prorsa.cli.traces", "Import and summarise real agent traces."),
+    "profile": ("prorsa.cli.profile", "List, inspect and refit engine cost profiles."),
+    "workload": ("prorsa.cli.workload", "Fit, inspect and sample task profiles."),
+    "forecast": ("prorsa.cli.forecast", "Train and backtest demand forecasters."),
+    "models": ("prorsa.cli.models", "Make small local models for tests and demos."),
+    "rl": ("prorsa.cli.rl", "Train the learned (PPO) allocation policy."),
+}
+#: Single commands: name -> (module, function).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("prorsa.cli.simulate", "simulate_cmd"),
+    "rollout": ("prorsa.cli.rollout", "rollout_cmd"),
+    "serve": ("prorsa.cli.serve", "serve_cmd"),
+    "compare": ("prorsa.cli.compare", "compare_cmd"),
+    "demo": ("prorsa.cli.demo", "demo_cmd"),
+    "policies": ("prorsa.cli.compare", "policies_cmd"),
+    "tune": ("prorsa.cli.tune", "tune_cmd"),
+    "explore": ("prorsa.cli.explore", "explore_cmd"),
+}
 
 
-@app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks.")) -> None:
     set_debug(debug)
 
 
-app.add_typer(traces_cli.app, name="traces", help="Import and summarise real agent traces.")
-app.add_typer(profile_cli.app, name="profile", help="List, inspect and refit engine cost profiles.")
-app.add_typer(workload_cli.app, name="workload", help="Fit, inspect and sample task profiles.")
-app.add_typer(forecast_cli.app, name="forecast", help="Train and backtest demand forecasters.")
-app.add_typer(models_cli.app, name="models", help="Make small local models for tests and demos.")
-app.add_typer(rl_cli.app, name="rl", help="Train the learned (PPO) allocation policy.")
-app.command("simulate")(simulate_cmd)
-app.command("rollout")(rollout_cmd)
-app.command("serve")(serve_cmd)
-app.command("compare")(compare_cmd)
-app.command("demo")(demo_cmd)
-app.command("policies")(policies_cmd)
-app.command("tune")(tune_cmd)
-app.command("explore")(explore_cmd)
+def build_app(only: str | None = None) -> typer.Typer:
+    """The ``prorsa`` app with every command, or with only the command named ``only``."""
+    app = typer.Typer(
+        name="prorsa",
+        help="Forecast-driven prefill/decode allocation for agentic RL rollout.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+    )
+    app.callback()(_root)
+    for name, (module, help_line) in GROUPS.items():
+        if only in (None, name):
+            app.add_typer(importlib.import_module(module).app, name=name, help=help_line)
+    for name, (module, function) in COMMANDS.items():
+        if only in (None, name):
+            app.command(name)(getattr(importlib.import_module(module), function))
+    return app
+
+
+def command_named(argv: list[str]) -> str | None:
+    """The command ``argv`` runs, if it names a known one (the root takes only flags)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in GROUPS or arg in COMMANDS else None
+    return None
+
+
+def __getattr__(name: str) -> Any:
+    # ``from prorsa.cli.main import app``: the whole app, built on first use.
+    if name == "app":
+        app = build_app()
+        globals()["app"] = app
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main() -> None:
-    app()
+    build_app(command_named(sys.argv[1:]))()
 
 
 if __name__ == "__main__":
