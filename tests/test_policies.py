@@ -205,33 +205,51 @@ def test_prefill_bound_needs_a_backlog_no_split_could_clear():
     assert not sizing.prefill_bound(cluster, colocated, 5.0)
 
 
-def test_mpc_dp_matches_brute_force():
-    import itertools
+def _mpc_path_cost(path, lengths, need_p, need_d, *, n, start, blocked, switch_cost_s):
+    """MPC's model, written out interval by interval: a move blocks its slots for
+    ``blocked(prev, x)`` seconds from its interval's start, into later intervals too,
+    and no other move may start before they are through (``inf``: such a path)."""
+    starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
+    total, prev, until, gained = 0.0, start, 0.0, (0, 0)
+    for k, x in enumerate(path):
+        if x != prev:
+            if starts[k] < until:
+                return np.inf
+            until = starts[k] + blocked(prev, x)
+            gained = (max(x - prev, 0), max(prev - x, 0))
+            total += switch_cost_s * abs(x - prev)
+        lost = min(max(until - starts[k], 0.0), lengths[k]) / lengths[k]
+        eff_p = x - lost * gained[0]
+        eff_d = (n - x) - lost * gained[1]
+        total += n * max(max(need_p[k] / eff_p, need_d[k] / eff_d) - 1, 0) * lengths[k]
+        prev = x
+    return total
 
-    import numpy as np
 
+@pytest.mark.parametrize("drains", [None, [0.0, 0.5, 9.0, 9.0, 30.0]])
+def test_mpc_dp_matches_brute_force(drains):
+    # Switch latency 2 s; moves to decode drain for drain_s (1 s), moves of m decode
+    # slots to prefill for drains[m] when given.
     policy = make_policy("mpc", drain_s=1.0, switch_cost_s=0.5)
     policy.reset(spec(6))
+
+    def blocked(prev, x):
+        return 2.0 + (drains[x - prev] if drains is not None and x > prev else 1.0)
+
     rng = np.random.default_rng(0)
-    for _ in range(5):
-        lengths = np.array([1.0, 1.0, 3.0, 5.0])
-        need_p = rng.uniform(0, 5, 4)
-        need_d = rng.uniform(0, 5, 4)
-        plan = policy.plan(2, lengths, need_p, need_d)
+    lengths = np.array([1.0, 1.0, 3.0, 5.0, 20.0])
+    for _ in range(8):
+        need_p = rng.uniform(0, 5, 5)
+        need_d = rng.uniform(0, 5, 5)
+        drain_arg = None if drains is None else np.asarray(drains)
+        plan = policy.plan(2, lengths, need_p, need_d, decode_drains=drain_arg)
 
-        def cost(path, lengths=lengths, need_p=need_p, need_d=need_d):
-            total, prev = 0.0, 2
-            for k, x in enumerate(path):
-                lost = min(2.0 + 1.0, lengths[k]) / lengths[k]
-                eff_p = x - lost * max(x - prev, 0)
-                eff_d = (6 - x) - lost * max(prev - x, 0)
-                short = 6 * max(max(need_p[k] / eff_p, need_d[k] / eff_d) - 1, 0)
-                beyond = abs(x - prev) * max(3.0 - lengths[k], 0)  # blocked past the interval
-                total += short * lengths[k] + beyond + 0.5 * abs(x - prev)
-                prev = x
-            return total
+        def cost(path, need_p=need_p, need_d=need_d):
+            return _mpc_path_cost(
+                path, lengths, need_p, need_d, n=6, start=2, blocked=blocked, switch_cost_s=0.5
+            )
 
-        best = min(itertools.product(range(1, 6), repeat=4), key=cost)
+        best = min(itertools.product(range(1, 6), repeat=5), key=cost)
         assert cost(plan) == pytest.approx(cost(best))
 
 
@@ -383,6 +401,51 @@ def test_predictive_moves_draining_slots_to_prefill_under_a_backlog_no_split_cle
         chosen[backlog] = policy.decide(obs, fc).gpus
     assert chosen[0] == {"prefill": 1, "decode": 3}
     assert chosen[10_000_000]["prefill"] > 1
+
+
+def test_decode_drains_price_every_move_size_as_decode_drain_s_does():
+    from prorsa.policy.demand import decode_drain_s, decode_drains_s
+    from prorsa.policy.types import WorkloadShape
+
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = observation(10.0, roles, decoding=140)
+    obs = replace(
+        obs,
+        slots=[
+            replace(slot, running_sequences=n)
+            for slot, n in zip(obs.slots, [0, 10, 40, 90], strict=True)
+        ],
+        workload=WorkloadShape(10, 1000, 300, 400, 2.0, 9000),
+    )
+    drains = decode_drains_s(obs, spec(4), 5)
+    assert list(drains) == [decode_drain_s(obs, spec(4), m) for m in range(6)]
+    assert drains[1] < drains[2] < drains[3] == drains[5]  # only three decode slots
+    assert not decode_drains_s(obs, replace(spec(4), switch_mode="migrate"), 3).any()
+
+
+@pytest.mark.parametrize("backlog", [0, 10_000_000])
+def test_mpc_prices_the_drain_of_the_decode_slots_it_moves(backlog):
+    # Prefill wants a second slot for 10 s. Decode slots that drain within a few seconds
+    # are worth moving; ones whose sequences run for the 60 s drain timeout would reach
+    # prefill after the burst (235B mixed sync 16/GPU, half context growth: MPC and the
+    # oracle, priced at a 2 s drain, ran at 0.90x colocation there) - unless a backlog no
+    # split clears keeps prefill short long after the drain.
+    from prorsa.policy.types import WorkloadShape
+
+    roles = ["prefill", "decode", "decode", "decode"]
+    per_s = 2.0 * 20_000 * 0.8
+    chosen = {}
+    for output_tokens in (40.0, 4_000.0):
+        shape = WorkloadShape(10, 1000, 300, output_tokens, 2.0, 9000)
+        obs = replace(observation(30.0, roles, decoding=150, prefill_queue=backlog), workload=shape)
+        policy = make_policy("mpc", start="split")
+        policy.reset(replace(spec(4), dp_attention_ranks=8))
+        fc = _burst_forecast(30.0, [per_s * min(h, 10.0) for h in HORIZONS], 150.0)
+        chosen[output_tokens] = policy.decide(obs, fc).gpus["prefill"]
+    if backlog:
+        assert chosen[40.0] > 1 and chosen[4_000.0] > 1
+    else:
+        assert chosen == {40.0: 2, 4_000.0: 1}
 
 
 def test_best_static_search_finds_the_minimum():

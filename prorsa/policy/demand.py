@@ -267,17 +267,28 @@ def decode_drain_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> fl
     prefill for a burst drained for the full 60 s timeout; priced at the 2 s relabel, the
     move looked to pay back over a 30 s window it never served (0.93x colocation).
     """
+    return float(decode_drains_s(obs, spec, slots)[-1])
+
+
+def decode_drains_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> np.ndarray:
+    """:func:`decode_drain_s` for every count at once: entry ``m`` (``0..slots``) is the
+    drain of the ``m`` slots moved first, for planners that weigh moves of every size."""
+    drains = np.zeros(max(slots, 0) + 1)
     if slots <= 0 or spec.switch_mode != "drain" or obs.workload is None:
-        return 0.0
+        return drains
     per_slot = spec.decode_tokens_per_s_per_gpu * spec.slot_gpus
     output = obs.workload.output_tokens_per_turn
     longest = 0.0
-    for slot in decode_slots_moved_first(obs, slots):
+    moved = decode_slots_moved_first(obs, slots)
+    for m, slot in enumerate(moved, start=1):
         n = slot.running_sequences
         if n > 0:
             harmonic = sum(1.0 / k for k in range(1, n + 1))
             longest = max(longest, output * harmonic * n / max(per_slot, 1e-9))
-    return min(longest, spec.drain_timeout_s)
+        drains[m] = min(longest, spec.drain_timeout_s)
+    # Fewer decode slots than asked for: moving more moves no one else.
+    drains[len(moved) + 1 :] = drains[len(moved)]
+    return drains
 
 
 def busier_utilisation(prefill: int, slots: int, need_p: float, need_d: float) -> float:

@@ -13,10 +13,13 @@ from prorsa.policy.demand import (
     choose_mode,
     current_load,
     decode_demand,
+    decode_drains_s,
     decode_slot_rebuild_s,
     kv_capacity_per_slot,
 )
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+
+_HELD = -2  # a plan state carried over unchanged from the interval before
 
 
 @POLICIES.register("mpc")
@@ -31,17 +34,22 @@ class MPCPolicy(ModeChoosingPolicy):
     interval's cost is the slot-seconds of demand left unserved: the cluster moves at its
     busier side's pace, ``u = max(w_p * r_p / x_eff, w_d * r_d / (N - x)_eff)``, so the
     interval costs ``N * max(u - 1, 0)`` times its length, where slots that switch in this interval
-    serve nothing for ``switch_latency + drain_s`` (the reshard latency when prefill and
-    decode run different layouts; what outlasts the interval is charged as lost
-    slot-seconds);
+    serve nothing for the switch latency (the reshard latency when prefill and decode run
+    different layouts) plus their drain: for decode slots moving to prefill, the time
+    their running sequences take to end (:func:`prorsa.policy.demand.decode_drains_s`),
+    else ``drain_s``; a switch that outlasts its interval idles its slots in the next
+    ones too, and the plan starts no other move before it is through;
     each switched slot also costs ``switch_cost_s``, and each decode slot moved to prefill
     the prefill slot-seconds needed to rebuild the contexts it caches. The stage cost
-    depends only on ``(x_prev, x)``, so dynamic programming over ``x`` finds the exact
-    optimum of this model; the first interval's allocation is applied and the plan is redone
-    next tick.
+    depends only on ``(x_prev, x)`` and when the last switch ends, so dynamic programming
+    over ``x`` and that interval finds the exact optimum of this model; the first
+    interval's allocation is applied and the plan is redone next tick.
 
     Args:
-        drain_s: expected time a switching slot spends draining its old work.
+        drain_s: expected time a switching slot spends draining its old work, where the
+            observation cannot tell: prefill slots moving to decode, decode slots when
+            switches migrate or the workload's shape is unknown, and decode slots under a
+            backlog no split clears (their drain then delays the saving, not shrinks it).
         switch_cost_s: extra penalty per switched slot (slot-seconds), beyond lost service.
         prefill_weight / decode_weight: relative cost of a short slot-second per side.
         max_step: at most this many slots change in one interval (0: unlimited).
@@ -152,43 +160,102 @@ class MPCPolicy(ModeChoosingPolicy):
         need_p: np.ndarray,
         need_d: np.ndarray,
         rebuild_s_per_slot: float = 0.0,
+        decode_drains: np.ndarray | None = None,
     ) -> list[int]:
-        """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan."""
+        """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan.
+
+        Slots that switch serve nothing until their switch ends, in whichever later
+        intervals that falls, and the plan makes no other move before then (the
+        controller does not move switching slots either). Each state is the split and
+        the first interval free to move again. ``decode_drains[m]`` is the drain of
+        ``m`` decode slots moved to prefill at once (``m`` in ``0..N-2``); without it
+        every switching slot drains for ``drain_s``.
+        """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
-        # A slot moving between prefill and decode reshards when the two layouts differ.
-        blocked = self.cluster_.switch_latency_between("decode", "prefill") + self.drain_s
         moved = np.abs(xs[None, :] - xs[:, None])  # [prev, next]
-        allowed = moved <= (self.max_step or n)
-        cost = np.full(len(xs), np.inf)
-        cost[current - 1] = 0.0
-        choice: list[np.ndarray] = []
-        for k, length in enumerate(lengths):
-            # Slots entering a role serve nothing for `blocked` seconds of this interval.
-            lost = np.minimum(blocked, length) / length
-            gained_p = np.maximum(xs[None, :] - xs[:, None], 0)
-            gained_d = np.maximum(xs[:, None] - xs[None, :], 0)
+        gained_p = np.maximum(xs[None, :] - xs[:, None], 0)
+        gained_d = np.maximum(xs[:, None] - xs[None, :], 0)
+        # A slot moving between prefill and decode reshards when the two layouts differ.
+        blocked = self.cluster_.switch_latency_between("decode", "prefill") + np.where(
+            gained_p > 0,
+            self.drain_s if decode_drains is None else np.asarray(decode_drains)[moved],
+            self.drain_s,
+        )
+        blocked = np.where(moved > 0, blocked, 0.0)
+        stages = len(lengths)
+        starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
+
+        def short(k: int, lost: np.ndarray | float) -> np.ndarray:
+            """Slots short in interval ``k`` when the slots entering a role serve nothing
+            for a ``lost`` share of it; the cluster moves at its busier side's pace (see
+            demand.split_shortage)."""
             eff_p = xs[None, :] - lost * gained_p
             eff_d = (n - xs[None, :]) - lost * gained_d
-            # The cluster moves at its busier side's pace (see demand.split_shortage).
             busier = np.maximum(
                 self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
             )
-            short = n * np.maximum(busier - 1.0, 0.0)
-            # A switch that outlasts the interval keeps its slots out of the next ones
-            # too: those slot-seconds are charged here, where the switch starts.
-            beyond = moved * max(blocked - length, 0.0)
-            stage = (
-                short * length + beyond + self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
-            )
-            total = np.where(allowed, cost[:, None] + stage, np.inf)
-            best_prev = np.argmin(total, axis=0)
-            cost = total[best_prev, np.arange(len(xs))]
-            choice.append(best_prev)
-        path = [int(np.argmin(cost))]
-        for back in reversed(choice[1:]):
-            path.append(int(back[path[-1]]))
+            return n * np.maximum(busier - 1.0, 0.0)
+
+        allowed = moved <= (self.max_step or n)
+        # cost[u, x]: least cost of reaching split x with moves barred before interval u.
+        cost = np.full((stages + 1, len(xs)), np.inf)
+        cost[0, current - 1] = 0.0
+        history: list[tuple[np.ndarray, np.ndarray]] = []  # (cost before k, where from)
+        for k in range(stages):
+            # A move (or a stay) at k books every interval its switch reaches: the
+            # split is held there, the switching slots idle for their overlap with it.
+            booked = np.zeros(blocked.shape)
+            free_from = np.full(blocked.shape, k + 1)
+            for j in range(k, stages):
+                overlap = np.clip(blocked - (starts[j] - starts[k]), 0.0, lengths[j])
+                reached = (overlap > 0) | (j == k)
+                if not reached.any():
+                    break
+                booked += np.where(reached, short(j, overlap / lengths[j]) * lengths[j], 0.0)
+                free_from = np.where(reached, j + 1, free_from)
+            booked += self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
+            free = cost[: k + 1].min(axis=0)  # states free to move at k
+            total = np.where(allowed, free[:, None] + booked, np.inf)
+            nxt = np.full_like(cost, np.inf)
+            came_from = np.full(cost.shape, -1)
+            for u in np.unique(free_from):
+                at_u = np.where(free_from == u, total, np.inf)
+                best = np.argmin(at_u, axis=0)
+                nxt[u] = at_u[best, np.arange(len(xs))]
+                came_from[u] = best
+            # States still switching stay put; their interval is already booked.
+            held = cost[k + 1 :] < nxt[k + 1 :]
+            nxt[k + 1 :] = np.where(held, cost[k + 1 :], nxt[k + 1 :])
+            came_from[k + 1 :] = np.where(held, _HELD, came_from[k + 1 :])
+            history.append((cost, came_from))
+            cost = nxt
+        u, x = (int(i) for i in np.unravel_index(int(np.argmin(cost)), cost.shape))
+        path = []
+        for k in range(stages - 1, -1, -1):
+            path.append(x)
+            before, came_from = history[k]
+            if came_from[u, x] != _HELD:
+                x = int(came_from[u, x])
+                u = int(np.argmin(before[: k + 1, x]))
         return [int(xs[i]) for i in reversed(path)]
+
+    def decode_drains(self, obs: ClusterObservation, horizon_s: float) -> np.ndarray | None:
+        """Drain of ``m`` decode slots moved to prefill, for ``m`` in ``0..N-2``; ``None``
+        where the observation cannot tell (``drain_s`` then prices every move)."""
+        spec = self.cluster_
+        if spec.switch_mode != "drain" or obs.workload is None:
+            return None
+        drains = decode_drains_s(obs, spec, spec.num_slots - 2)
+        load = current_load(obs)
+        latency = spec.switch_latency_between("decode", "prefill")
+        for drain in np.unique(drains):
+            # Under a backlog no split clears even once the move is done, the prefill
+            # it adds stays short after it: the drain delays the saving, not shrinks it
+            # (as for predictive; see PredictivePolicy.decide).
+            if self.sizing_.prefill_bound(spec, load, horizon_s + latency + drain):
+                drains[drains == drain] = self.drain_s
+        return drains
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         slots = self.cluster_.num_slots
@@ -221,7 +288,8 @@ class MPCPolicy(ModeChoosingPolicy):
             return changed
         current = min(max(current, 1), slots - 1)
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1)
-        self.last_plan_ = self.plan(current, lengths, need_p, need_d, rebuild)
+        drains = self.decode_drains(obs, float(lengths.sum()))
+        self.last_plan_ = self.plan(current, lengths, need_p, need_d, rebuild, drains)
         target = self.last_plan_[0]
         return self.split(target, f"mpc: plan {self.last_plan_}")
 
