@@ -64,6 +64,14 @@ class ServeConfig:
             "time leaves service so the others go on."
         ),
     )
+    engine_stall_timeout_s: float = field(
+        default=120.0,
+        **_help(
+            "An engine that holds requests, is not paused or asleep, and neither steps nor "
+            "answers for this long leaves service and its turns go on elsewhere (a hung GPU "
+            "or collective fails no call); 0 turns this off."
+        ),
+    )
     session_idle_s: float = field(
         default=900.0,
         **_help("End a session (traj_end) after this long without a turn or finish_session."),
@@ -121,7 +129,12 @@ class ServeConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
-        for name in ("min_dwell_s", "drain_timeout_s", "sync_drain_timeout_s"):
+        for name in (
+            "min_dwell_s",
+            "drain_timeout_s",
+            "sync_drain_timeout_s",
+            "engine_stall_timeout_s",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         if self.workload_scenario is not None:

@@ -177,7 +177,11 @@ class RolloutService:
             run_id=config.run_id,
         )
         self.sessions = Sessions(self.router, self.router.now, config.session_idle_s)
-        self.monitor = LoadMonitor(pools, interval_s=config.monitor_interval_s)
+        self.monitor = LoadMonitor(
+            pools,
+            interval_s=config.monitor_interval_s,
+            stall_timeout_s=config.engine_stall_timeout_s or None,
+        )
         self.monitor.start()
         await self.monitor.poll_once()
         self.actuator = RayActuator(

@@ -259,15 +259,21 @@ def test_pause_modes(fleet, reference):
         await asyncio.sleep(0.3)
         await client.pause(mode)
         paused_done = turn.done()
+        loads = [await client.load()]
         await asyncio.sleep(0.3)
+        loads.append(await client.load())
         await client.resume()
-        return paused_done, await turn
+        return paused_done, await turn, loads
 
     # Long enough to be surely in flight when paused (120 tokens can finish in 0.3 s).
-    frozen_done, kept = asyncio.run(run("keep", max_tokens=400))
-    waited_done, waited = asyncio.run(run("wait"))
-    _, aborted = asyncio.run(run("abort", max_tokens=900))
+    frozen_done, kept, loads = asyncio.run(run("keep", max_tokens=400))
+    waited_done, waited, _ = asyncio.run(run("wait"))
+    _, aborted, _ = asyncio.run(run("abort", max_tokens=900))
     assert not frozen_done and kept["output_token_ids"] == reference(prompt, 400)
+    # A frozen request does not step, and the engine says why (the load monitor must
+    # not take it for stuck).
+    assert all(load["paused"] and load["in_flight"] == 1 for load in loads)
+    assert loads[0]["steps"] == loads[1]["steps"]
     assert waited_done and waited["output_token_ids"] == reference(prompt, 120)
     assert aborted["finish_reason"] == "abort" and len(aborted["output_token_ids"]) < 900
     with pytest.raises(InputError, match="pause mode"):

@@ -46,6 +46,8 @@ class WeightedFakeEngine:
         self.transit_s = 0.0  # a call's time on its way before the engine registers it
         self.reload_s = 0.0
         self.hanging: set[str] = set()  # control calls that never answer (a stuck engine)
+        self.stalled = False  # steps no more, answering all the while (a hung GPU)
+        self.steps = 0
 
     async def _answer(self, call: str) -> None:
         if call in self.hanging:
@@ -78,13 +80,16 @@ class WeightedFakeEngine:
         finish = "length"
         try:
             for i in range(max_tokens):
-                while (self.paused or self.sleeping) and request_id not in self.aborted:
+                while (
+                    self.paused or self.sleeping or self.stalled
+                ) and request_id not in self.aborted:
                     await asyncio.sleep(0.001)
                 if request_id in self.aborted:
                     finish = "abort"
                     break
                 out.append(tokens_for(prompt_token_ids, max_tokens, self.version)[i])
                 stamps.append(self.version)
+                self.steps += 1
                 if i == 0 and max_tokens > 1:
                     yield {"event": "first_token", "first_token_s": 0.0, "num_cached_tokens": 0}
                 await asyncio.sleep(self.step_s)
@@ -201,7 +206,16 @@ class WeightedFakeEngine:
         return {"engine_id": self.engine_id, "ready": True}
 
     async def load(self) -> dict[str, Any]:
-        raise NotImplementedError  # the load monitor falls back to the router's estimate
+        # No KV numbers: the load monitor falls back to the router's estimate.
+        await self._answer("load")
+        return {
+            "engine_id": self.engine_id,
+            "in_flight": len(self.requests),
+            "paused": self.paused,
+            "sleeping": self.sleeping,
+            "steps": self.steps,
+            "kv_capacity_tokens": 0,
+        }
 
     async def shutdown(self) -> None:
         return None

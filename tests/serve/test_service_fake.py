@@ -529,3 +529,54 @@ def test_turns_inside_an_engine_that_stops_answering_are_served_elsewhere(tmp_pa
         r.output_token_ids == tokens_for([*PROMPT, i], 5, versions[i])
         for i, r in enumerate(results)
     )
+
+
+@pytest.mark.parametrize("how", ["stops stepping", "stops answering"])
+def test_turns_on_an_engine_stuck_without_failing_a_call_go_on_elsewhere(tmp_path, how):
+    """A hung GPU leaves the actor alive: nothing fails, and outside an update or a
+    pause nothing asked it a bounded question. The load monitor sees it hold requests
+    without stepping (or without answering) and takes it out of service."""
+
+    async def go():
+        async with fake_service(tmp_path, engine_stall_timeout_s=0.3, stream_legs=True) as (
+            svc,
+            fakes,
+        ):
+            if how == "stops stepping":
+                fakes[2].stalled = True
+            else:
+                fakes[2].hanging.update({"generate", "load"})
+            turns = [
+                asyncio.ensure_future(svc.generate(f"t{i}", [*PROMPT, i], {"max_tokens": 5}))
+                for i in range(6)
+            ]
+            results = await asyncio.wait_for(asyncio.gather(*turns), 10)
+            engine = svc.router.pools.get(2)
+            return results, svc.live_engines(), engine.lost_cause
+
+    results, live, cause = run(go())
+    assert live == [0, 1] and cause.startswith("stuck: ")
+    assert ("no engine step" if how == "stops stepping" else "no answer") in cause
+    assert sum(r.retries for r in results) > 0  # some turns had a leg on engine 2
+    assert all(r.decode_engine_id == 1 for r in results)
+    assert all(r.output_token_ids == tokens_for([*PROMPT, i], 5, 0) for i, r in enumerate(results))
+
+
+def test_engines_paused_with_their_turns_are_not_taken_for_stuck(tmp_path):
+    async def go():
+        async with fake_service(tmp_path, engine_stall_timeout_s=0.2) as (svc, fakes):
+            turns = [
+                asyncio.ensure_future(svc.generate(f"t{i}", [*PROMPT, i], {"max_tokens": 300}))
+                for i in range(4)
+            ]
+            await asyncio.sleep(0.1)
+            await svc.pause("keep")
+            held = sum(len(f.requests) for f in fakes)
+            await asyncio.sleep(0.6)  # three stall timeouts without a step
+            live = svc.live_engines()
+            await svc.resume()
+            return held, live, await asyncio.wait_for(asyncio.gather(*turns), 10)
+
+    held, live, results = run(go())
+    assert held > 0 and live == [0, 1, 2]
+    assert all(len(r.output_token_ids) == 300 and r.retries == 0 for r in results)

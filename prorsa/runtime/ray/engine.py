@@ -220,11 +220,14 @@ class EngineServer(EngineControl, LoopBound):
         """KV use and queue lengths from vLLM's scheduler at its last step.
 
         See :class:`~prorsa.runtime.ray.load.EngineLoad` for the fields; ``in_flight`` counts
-        this actor's open ``generate`` calls.
+        this actor's open ``generate`` calls; ``paused`` and ``sleeping`` say why an
+        engine holding requests may not step (see :class:`LoadMonitor`).
         """
         return {
             "engine_id": self.engine_id,
             "in_flight": len(self._in_flight),
+            "paused": self._paused,
+            "sleeping": self._sleeping,
             **self._load.snapshot(),
         }
 

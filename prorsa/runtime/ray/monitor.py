@@ -8,6 +8,13 @@ have not stepped yet fall back to the router's own accounting of the legs it has
 flight (``source == "router-estimate"``): prompt plus ``max_tokens`` per running decode
 leg, the context per prefill leg, which over-counts shared prefixes and blocks not yet
 filled.
+
+With ``stall_timeout_s`` the monitor also takes stuck engines out of service. A hung GPU
+or collective leaves the actor alive and answering while its engine never steps again,
+so no call fails and turns on it would wait for ever. An engine counts as stuck when it
+holds requests, is neither paused nor asleep, and either its step counter has not moved
+or it has not answered a poll, for ``stall_timeout_s``. Its legs are then served
+elsewhere (:meth:`RolePools.mark_dead` tells the listeners).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +50,24 @@ class LoadMonitor:
         pools: the engines to poll (dead ones are skipped).
         interval_s: time between polls.
         timeout_s: longest wait for one engine's answer.
+        stall_timeout_s: take an engine out of service once it has held requests this
+            long without stepping or answering (``None``: never; see the module
+            docstring).
     """
 
-    def __init__(self, pools: RolePools, interval_s: float = 0.25, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        pools: RolePools,
+        interval_s: float = 0.25,
+        timeout_s: float = 5.0,
+        stall_timeout_s: float | None = None,
+    ) -> None:
         self.pools = pools
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._stuck_since: dict[int, float] = {}  # engine -> since when it holds work unmoved
+        self._answered_s: dict[int, float] = {}  # engine -> when it last answered a poll
         self.latest: dict[int, dict[str, Any]] = {}
         self.peak_kv_usage: dict[int, float] = {}  # highest vLLM-reported share seen
         self.polls = 0
@@ -78,8 +98,11 @@ class LoadMonitor:
             *(asyncio.wait_for(e.client.load(), self.timeout_s) for e in engines),
             return_exceptions=True,
         )
+        now = time.monotonic()
         for engine, answer in zip(engines, answers, strict=True):
             if isinstance(answer, dict):
+                self._answered_s[engine.engine_id] = now
+                self._watch_steps(engine, answer, now)
                 self.latest[engine.engine_id] = answer
                 usage = float(answer.get("kv_usage") or 0.0)
                 peak = self.peak_kv_usage.get(engine.engine_id, 0.0)
@@ -90,9 +113,50 @@ class LoadMonitor:
                 # An idle engine's death shows here first; the router finds it only when
                 # it next sends work there.
                 self.pools.mark_dead(engine.engine_id, cause=f"load poll failed: {answer}")
-            elif not isinstance(answer, TimeoutError):
+            elif isinstance(answer, TimeoutError):
+                self._watch_silence(engine, now)
+            else:
                 logger.debug("load of engine %d: %r", engine.engine_id, answer)
         self.polls += 1
+
+    def _watch_steps(self, engine: EngineState, answer: dict[str, Any], now: float) -> None:
+        """Retire ``engine`` once it has held requests for ``stall_timeout_s`` without
+        stepping (the clock starts when it has work and restarts at every step)."""
+        eid = engine.engine_id
+        before = self.latest.get(eid) or {}
+        working = bool(answer.get("in_flight")) and not (
+            answer.get("paused") or answer.get("sleeping")
+        )
+        if self.stall_timeout_s is None or not working or "steps" not in answer:
+            self._stuck_since.pop(eid, None)
+            return
+        if eid not in self._stuck_since or answer["steps"] != before.get("steps"):
+            self._stuck_since[eid] = now
+            return
+        self._retire_if_stuck(
+            engine, now, f"no engine step with {answer['in_flight']} request(s) in flight"
+        )
+
+    def _watch_silence(self, engine: EngineState, now: float) -> None:
+        """Retire ``engine`` once it has not answered for ``stall_timeout_s`` while the
+        router has legs on it and its last answer did not say it was paused or asleep."""
+        eid = engine.engine_id
+        last = self.latest.get(eid) or {}
+        if self.stall_timeout_s is None:
+            return
+        if not engine.leases or last.get("paused") or last.get("sleeping"):
+            self._stuck_since.pop(eid, None)
+            return
+        # Silent since its last answer (or since it had work unmoved, if earlier).
+        self._stuck_since.setdefault(eid, self._answered_s.get(eid, now))
+        self._retire_if_stuck(engine, now, "no answer to load polls with legs on it")
+
+    def _retire_if_stuck(self, engine: EngineState, now: float, what: str) -> None:
+        assert self.stall_timeout_s is not None
+        stuck_s = now - self._stuck_since[engine.engine_id]
+        if stuck_s >= self.stall_timeout_s:
+            del self._stuck_since[engine.engine_id]
+            self.pools.mark_dead(engine.engine_id, cause=f"stuck: {what} for {stuck_s:.0f} s")
 
     async def _run(self) -> None:
         while True:
