@@ -47,6 +47,7 @@ class WeightedFakeEngine:
         self.reload_s = 0.0
         self.hanging: set[str] = set()  # control calls that never answer (a stuck engine)
         self.stalled = False  # steps no more, answering all the while (a hung GPU)
+        self.busy: list[str] = []  # long control calls it reports running
         self.steps = 0
 
     async def _answer(self, call: str) -> None:
@@ -213,6 +214,7 @@ class WeightedFakeEngine:
             "in_flight": len(self.requests),
             "paused": self.paused,
             "sleeping": self.sleeping,
+            "busy": self.busy,
             "steps": self.steps,
             "kv_capacity_tokens": 0,
         }

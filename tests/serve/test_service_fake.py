@@ -580,3 +580,43 @@ def test_engines_paused_with_their_turns_are_not_taken_for_stuck(tmp_path):
     held, live, results = run(go())
     assert held > 0 and live == [0, 1, 2]
     assert all(len(r.output_token_ids) == 300 and r.retries == 0 for r in results)
+
+
+def test_engines_in_a_long_control_call_or_all_stuck_at_once_stay_in_service(tmp_path):
+    """When every engine stops at once the fault more likely lies outside them, and a
+    worker RPC (a trainer's NCCL broadcast) may hold an engine's steps for minutes:
+    neither retires an engine. Once the RPC ends, an engine that still does not step
+    leaves."""
+
+    def launch(svc, tag):
+        return [
+            asyncio.ensure_future(svc.generate(f"{tag}{i}", [*PROMPT, i], {"max_tokens": 5}))
+            for i in range(6)
+        ]
+
+    async def go():
+        async with fake_service(tmp_path, engine_stall_timeout_s=0.2, policy="colocate") as (
+            svc,
+            fakes,
+        ):
+            for fake in fakes:  # every engine holds turns, none steps
+                fake.stalled = True
+            turns = launch(svc, "a")
+            await asyncio.sleep(0.6)
+            all_stuck = svc.live_engines()
+            for fake in fakes:
+                fake.stalled = False
+            first = await asyncio.wait_for(asyncio.gather(*turns), 10)
+            fakes[2].stalled, fakes[2].busy = True, ["collective_rpc"]
+            turns = launch(svc, "b")
+            await asyncio.sleep(0.6)
+            in_rpc = svc.live_engines()
+            fakes[2].busy = []
+            second = await asyncio.wait_for(asyncio.gather(*turns), 10)
+            return all_stuck, in_rpc, svc.live_engines(), first + second
+
+    all_stuck, in_rpc, after, results = run(go())
+    assert all_stuck == [0, 1, 2] and in_rpc == [0, 1, 2] and after == [0, 1]
+    assert all(
+        r.output_token_ids == tokens_for([*PROMPT, i % 6], 5, 0) for i, r in enumerate(results)
+    )

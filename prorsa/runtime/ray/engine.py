@@ -131,6 +131,7 @@ class EngineServer(EngineControl, LoopBound):
         self._aborted_early: dict[str, None] = {}
         self._paused = False
         self._sleeping = False
+        self._busy: list[str] = []
         self._load = EngineLoad()
         self.start_s: float | None = None
         # Weight version: 0 is the folder the engine started from; updates raise it.
@@ -220,14 +221,16 @@ class EngineServer(EngineControl, LoopBound):
         """KV use and queue lengths from vLLM's scheduler at its last step.
 
         See :class:`~prorsa.runtime.ray.load.EngineLoad` for the fields; ``in_flight`` counts
-        this actor's open ``generate`` calls; ``paused`` and ``sleeping`` say why an
-        engine holding requests may not step (see :class:`LoadMonitor`).
+        this actor's open ``generate`` calls; ``paused``, ``sleeping`` and ``busy`` (the
+        control calls running that may hold its steps) say why an engine holding
+        requests may not step (see :class:`~prorsa.runtime.ray.monitor.LoadMonitor`).
         """
         return {
             "engine_id": self.engine_id,
             "in_flight": len(self._in_flight),
             "paused": self._paused,
             "sleeping": self._sleeping,
+            "busy": sorted(set(self._busy)),
             **self._load.snapshot(),
         }
 

@@ -8,8 +8,10 @@ vLLM engine through ``self._engine()`` and keeps the actor's view of its state
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prorsa.errors import InputError
@@ -32,9 +34,20 @@ class EngineControl:
     weights_path: str
     _paused: bool
     _sleeping: bool
+    #: Control calls running now that may hold the engine's steps for long (a reload, a
+    #: worker RPC, sleep, wake-up): the load monitor must not take it for stuck.
+    _busy: list[str]
 
     def _engine(self) -> Any:  # provided by EngineServer
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _busy_with(self, call: str) -> Iterator[None]:
+        self._busy.append(call)
+        try:
+            yield
+        finally:
+            self._busy.remove(call)
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         """Stop scheduling; requests that arrive while paused queue until :meth:`resume`.
@@ -94,11 +107,13 @@ class EngineControl:
             await engine.pause_generation(mode="wait", clear_cache=False)
         started = time.perf_counter()
         try:
-            await engine.collective_rpc(
-                "reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True}
-            )
-            await engine.update_weight_version(str(version))
-            reset = await engine.reset_prefix_cache(reset_connector=True)
+            with self._busy_with("update_weights_from_path"):
+                await engine.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_path": folder, "is_checkpoint_format": True},
+                )
+                await engine.update_weight_version(str(version))
+                reset = await engine.reset_prefix_cache(reset_connector=True)
             if self.connector == "example" and self.config.kv_storage_dir:
                 clear_folder(self.config.kv_storage_dir)
         finally:
@@ -142,11 +157,12 @@ class EngineControl:
         """
         if not isinstance(method, str) or not method:
             raise InputError("collective_rpc needs a method name", field="method")
-        return list(
-            await self._engine().collective_rpc(
-                method, timeout=timeout_s, args=tuple(args), kwargs=dict(kwargs or {})
+        with self._busy_with("collective_rpc"):
+            return list(
+                await self._engine().collective_rpc(
+                    method, timeout=timeout_s, args=tuple(args), kwargs=dict(kwargs or {})
+                )
             )
-        )
 
     # ------------------------------------------------------------------ sleep
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:
@@ -164,7 +180,8 @@ class EngineControl:
         if mode not in PAUSE_MODES:
             raise InputError(f"unknown pause mode {mode!r}", field="mode")
         before = _rss_bytes()
-        await self._engine().sleep(level, mode)
+        with self._busy_with("sleep"):
+            await self._engine().sleep(level, mode)
         self._sleeping = self._paused = True
         freed = [] if self.on_cpu else (["kv_cache", "weights"] if level else [])
         return {
@@ -177,7 +194,8 @@ class EngineControl:
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Undo :meth:`sleep` (``tags``: ``weights`` / ``kv_cache`` for a partial wake on
         GPU). True once fully awake, when scheduling resumes."""
-        awake = bool(await self._engine().wake_up(list(tags) if tags else None))
+        with self._busy_with("wake_up"):
+            awake = bool(await self._engine().wake_up(list(tags) if tags else None))
         if awake:
             self._sleeping = self._paused = False
         return awake

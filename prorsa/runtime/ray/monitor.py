@@ -99,10 +99,11 @@ class LoadMonitor:
             return_exceptions=True,
         )
         now = time.monotonic()
+        stuck: dict[int, str] = {}
         for engine, answer in zip(engines, answers, strict=True):
             if isinstance(answer, dict):
                 self._answered_s[engine.engine_id] = now
-                self._watch_steps(engine, answer, now)
+                self._watch_steps(engine, answer, now, stuck)
                 self.latest[engine.engine_id] = answer
                 usage = float(answer.get("kv_usage") or 0.0)
                 peak = self.peak_kv_usage.get(engine.engine_id, 0.0)
@@ -114,49 +115,59 @@ class LoadMonitor:
                 # it next sends work there.
                 self.pools.mark_dead(engine.engine_id, cause=f"load poll failed: {answer}")
             elif isinstance(answer, TimeoutError):
-                self._watch_silence(engine, now)
+                self._watch_silence(engine, now, stuck)
             else:
                 logger.debug("load of engine %d: %r", engine.engine_id, answer)
+        self._retire_stuck(stuck)
         self.polls += 1
 
-    def _watch_steps(self, engine: EngineState, answer: dict[str, Any], now: float) -> None:
-        """Retire ``engine`` once it has held requests for ``stall_timeout_s`` without
-        stepping (the clock starts when it has work and restarts at every step)."""
+    def _retire_stuck(self, stuck: dict[int, str]) -> None:
+        if not stuck:
+            return
+        live = [e.engine_id for e in self.pools.engines() if e.alive]
+        if set(stuck) >= set(live):
+            # A fault that wide more likely lies outside the engines (a stalled host,
+            # Ray); retiring them all would end the service for good.
+            logger.warning("every live engine looks stuck, none retired: %s", stuck)
+            return
+        for eid, cause in stuck.items():
+            del self._stuck_since[eid]
+            self.pools.mark_dead(eid, cause=cause)
+
+    def _watch_steps(
+        self, engine: EngineState, answer: dict[str, Any], now: float, stuck: dict[int, str]
+    ) -> None:
+        """Find ``engine`` stuck once it has held requests for ``stall_timeout_s``
+        without stepping (the clock starts when it has work and restarts at every step)."""
         eid = engine.engine_id
         before = self.latest.get(eid) or {}
-        working = bool(answer.get("in_flight")) and not (
-            answer.get("paused") or answer.get("sleeping")
-        )
-        if self.stall_timeout_s is None or not working or "steps" not in answer:
+        if self.stall_timeout_s is None or not _working(answer) or "steps" not in answer:
             self._stuck_since.pop(eid, None)
             return
         if eid not in self._stuck_since or answer["steps"] != before.get("steps"):
             self._stuck_since[eid] = now
             return
-        self._retire_if_stuck(
-            engine, now, f"no engine step with {answer['in_flight']} request(s) in flight"
-        )
+        self._check(eid, now, f"no engine step with {answer['in_flight']} request(s)", stuck)
 
-    def _watch_silence(self, engine: EngineState, now: float) -> None:
-        """Retire ``engine`` once it has not answered for ``stall_timeout_s`` while the
-        router has legs on it and its last answer did not say it was paused or asleep."""
+    def _watch_silence(self, engine: EngineState, now: float, stuck: dict[int, str]) -> None:
+        """Find ``engine`` stuck once it has not answered for ``stall_timeout_s`` while
+        the router has legs on it and its last answer showed it working."""
         eid = engine.engine_id
-        last = self.latest.get(eid) or {}
         if self.stall_timeout_s is None:
             return
-        if not engine.leases or last.get("paused") or last.get("sleeping"):
+        last = self.latest.get(eid)
+        if not engine.leases or (last is not None and not _working(last, legs=True)):
             self._stuck_since.pop(eid, None)
             return
         # Silent since its last answer (or since it had work unmoved, if earlier).
         self._stuck_since.setdefault(eid, self._answered_s.get(eid, now))
-        self._retire_if_stuck(engine, now, "no answer to load polls with legs on it")
+        self._check(eid, now, "no answer to load polls with legs on it", stuck)
 
-    def _retire_if_stuck(self, engine: EngineState, now: float, what: str) -> None:
+    def _check(self, eid: int, now: float, what: str, stuck: dict[int, str]) -> None:
         assert self.stall_timeout_s is not None
-        stuck_s = now - self._stuck_since[engine.engine_id]
+        stuck_s = now - self._stuck_since[eid]
         if stuck_s >= self.stall_timeout_s:
-            del self._stuck_since[engine.engine_id]
-            self.pools.mark_dead(engine.engine_id, cause=f"stuck: {what} for {stuck_s:.0f} s")
+            stuck[eid] = f"stuck: {what} for {stuck_s:.0f} s"
 
     async def _run(self) -> None:
         while True:
@@ -188,3 +199,13 @@ def estimate(engine: EngineState, answer: dict[str, Any] | None = None) -> KvRea
         waiting=None,
         source="router-estimate",
     )
+
+
+def _working(answer: dict[str, Any], *, legs: bool = False) -> bool:
+    """Whether a ``load`` answer shows an engine that should be stepping: it holds
+    requests (or the router has ``legs`` on it) and is neither paused, asleep nor in a
+    long control call. Actors that do not report those states never count."""
+    if "paused" not in answer:
+        return False
+    busy = answer["paused"] or answer.get("sleeping") or answer.get("busy")
+    return not busy and (legs or bool(answer.get("in_flight")))
