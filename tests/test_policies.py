@@ -403,24 +403,42 @@ def test_predictive_moves_draining_slots_to_prefill_under_a_backlog_no_split_cle
     assert chosen[10_000_000]["prefill"] > 1
 
 
-def test_decode_drains_price_every_move_size_as_decode_drain_s_does():
-    from prorsa.policy.demand import decode_drain_s, decode_drains_s
+def _running(obs, sequences, output_tokens):
+    """``obs`` with these running sequences per slot and this mean output per turn."""
     from prorsa.policy.types import WorkloadShape
 
-    roles = ["prefill", "decode", "decode", "decode"]
-    obs = observation(10.0, roles, decoding=140)
-    obs = replace(
+    return replace(
         obs,
         slots=[
-            replace(slot, running_sequences=n)
-            for slot, n in zip(obs.slots, [0, 10, 40, 90], strict=True)
+            replace(slot, running_sequences=n) for slot, n in zip(obs.slots, sequences, strict=True)
         ],
-        workload=WorkloadShape(10, 1000, 300, 400, 2.0, 9000),
+        workload=WorkloadShape(10, 1000, 300, output_tokens, 2.0, 9000),
     )
+
+
+def test_decode_drains_price_every_move_size_as_decode_drain_s_does():
+    from prorsa.policy.demand import decode_drain_s, decode_drains_s
+
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = _running(observation(10.0, roles, decoding=140), [0, 10, 40, 90], 400)
     drains = decode_drains_s(obs, spec(4), 5)
     assert list(drains) == [decode_drain_s(obs, spec(4), m) for m in range(6)]
     assert drains[1] < drains[2] < drains[3] == drains[5]  # only three decode slots
     assert not decode_drains_s(obs, replace(spec(4), switch_mode="migrate"), 3).any()
+
+
+def test_mpc_caps_decode_drains_at_drain_s_under_a_backlog_no_split_clears():
+    roles = ["prefill", "decode", "decode", "decode"]
+    drains = {}
+    for backlog in (0, 10_000_000):
+        obs = observation(10.0, roles, decoding=140, prefill_queue=backlog)
+        obs = _running(obs, [0, 0, 40, 90], 4_000)
+        policy = make_policy("mpc", drain_s=2.0)
+        policy.reset(spec(4))
+        drains[backlog] = list(policy.decode_drains(obs, 30.0))
+    assert drains[0][0] == drains[0][1] == 0.0 and drains[0][2] > 2.0
+    # The idle slot still drains at once; the busy ones at most drain_s.
+    assert drains[10_000_000] == [0.0, 0.0, 2.0]
 
 
 @pytest.mark.parametrize("backlog", [0, 10_000_000])

@@ -48,8 +48,9 @@ class MPCPolicy(ModeChoosingPolicy):
     Args:
         drain_s: expected time a switching slot spends draining its old work, where the
             observation cannot tell: prefill slots moving to decode, decode slots when
-            switches migrate or the workload's shape is unknown, and decode slots under a
-            backlog no split clears (their drain then delays the saving, not shrinks it).
+            switches migrate or the workload's shape is unknown; it also caps the drain of
+            decode slots under a backlog no split clears (their drain then delays the
+            saving, not shrinks it).
         switch_cost_s: extra penalty per switched slot (slot-seconds), beyond lost service.
         prefill_weight / decode_weight: relative cost of a short slot-second per side.
         max_step: at most this many slots change in one interval (0: unlimited).
@@ -254,7 +255,7 @@ class MPCPolicy(ModeChoosingPolicy):
             # it adds stays short after it: the drain delays the saving, not shrinks it
             # (as for predictive; see PredictivePolicy.decide).
             if self.sizing_.prefill_bound(spec, load, horizon_s + latency + drain):
-                drains[drains == drain] = self.drain_s
+                drains[drains == drain] = min(drain, self.drain_s)
         return drains
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
