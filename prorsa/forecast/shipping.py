@@ -254,7 +254,10 @@ SHIP_TRACES = [
 SHIP_MODELS = ["lightgbm-trajectory", "lightgbm-aggregate", "gru"]
 SHIP_MODES = ["sync", "async"]
 #: Parameters the recipe sets (recorded in each manifest's params).
-SHIP_PARAMS: dict[str, dict] = {"gru": {"epochs": 15}}
+SHIP_PARAMS: dict[str, dict] = {
+    "gru": {"epochs": 15},
+    "lightgbm-trajectory": {"decode_offset": "blend"},
+}
 
 
 @dataclass(frozen=True)
