@@ -64,7 +64,7 @@ def test_a_control_call_is_not_queued_behind_requests_filling_every_slot(
 def test_the_engine_actor_runs_every_control_call_in_the_control_group():
     """A drift guard: each engine client call except the two request legs is a control
     method, and the built actor class puts exactly those in the control group."""
-    from prorsa.runtime.ray.client import RayEngineClient
+    from prorsa.runtime.ray.client import QUERIES, RayEngineClient
     from prorsa.runtime.ray.engine import CONTROL_METHODS, engine_actor_class
 
     calls = {
@@ -73,6 +73,7 @@ def test_the_engine_actor_runs_every_control_call_in_the_control_group():
         if not name.startswith("_") and callable(getattr(RayEngineClient, name))
     }
     assert calls - {"generate", "generate_stream"} == set(CONTROL_METHODS)
+    assert calls >= QUERIES  # the calls a client may cancel on the actor
     groups = engine_actor_class().__ray_metadata__.method_meta.concurrency_group_for_methods
     assert {name for name, group in groups.items() if group == CONTROL_GROUP} == set(
         CONTROL_METHODS
@@ -86,3 +87,48 @@ def test_only_coroutine_methods_can_hop():
 
     with pytest.raises(TypeError, match=r"Plain\.sync must be a coroutine function"):
         with_control_group(Plain, ["sync"])
+
+
+def test_a_query_the_client_stops_waiting_for_is_cancelled_on_the_actor(ray_session):
+    """Load polls of a hung engine time out; each is cancelled on the actor too, so they
+    do not pile up and hold every control slot (then no resume or abort gets in)."""
+    import ray
+
+    from prorsa.runtime.ray.client import RayEngineClient
+
+    class Hung(LoopBound):
+        def __init__(self) -> None:
+            self.cancelled = 0
+
+        async def start(self) -> None:
+            self.bind_main_loop()
+
+        async def load(self) -> dict:
+            try:
+                await asyncio.Event().wait()  # never answers
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            return {}
+
+        async def health(self) -> dict:
+            return {"cancelled": self.cancelled}
+
+    cls = with_control_group(Hung, ["load", "health"])
+    actor = ray.remote(num_cpus=0, max_concurrency=4, concurrency_groups={CONTROL_GROUP: 2})(
+        cls
+    ).remote()
+    client = RayEngineClient(0, actor)
+
+    async def poll_three_times() -> dict:
+        for _ in range(3):  # more polls than control slots
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.load(), 0.5)
+        return await asyncio.wait_for(client.health(), 10)
+
+    try:
+        ray.get(actor.start.remote())
+        answer = asyncio.run(poll_three_times())
+        assert answer["cancelled"] >= 2  # the slots were freed (the last may be under way)
+    finally:
+        ray.kill(actor)

@@ -28,6 +28,10 @@ class EngineUnavailable(RuntimeError):
 
 T = TypeVar("T")
 
+#: Engine calls that change nothing, so a caller may cancel them on the actor when it
+#: stops waiting (cancelling a pause or a weight load half-way could leave it anywhere).
+QUERIES = frozenset({"load", "in_flight", "health", "is_paused", "is_sleeping"})
+
 
 async def answered_within(
     call: Awaitable[T], engine_id: int, what: str, timeout_s: float | None
@@ -217,7 +221,16 @@ class RayEngineClient:
         await self._call("shutdown")
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return await self._wait(getattr(self.actor, method).remote(*args))
+        ref = getattr(self.actor, method).remote(*args)
+        if method not in QUERIES:
+            return await self._wait(ref)
+        try:
+            return await self._wait(ref)
+        except asyncio.CancelledError:
+            # A caller that gave up (a poll's timeout) frees the actor's slot too: a hung
+            # engine would otherwise pile up unanswered polls in its control group.
+            _cancel(ref)
+            raise
 
     async def _wait(self, ref: Any) -> Any:
         from ray.exceptions import RayActorError, RayTaskError
