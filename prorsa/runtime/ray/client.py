@@ -222,14 +222,13 @@ class RayEngineClient:
 
     async def _call(self, method: str, *args: Any) -> Any:
         ref = getattr(self.actor, method).remote(*args)
-        if method not in QUERIES:
-            return await self._wait(ref)
         try:
             return await self._wait(ref)
         except asyncio.CancelledError:
-            # A caller that gave up (a poll's timeout) frees the actor's slot too: a hung
-            # engine would otherwise pile up unanswered polls in its control group.
-            _cancel(ref)
+            if method in QUERIES:
+                # A caller that gave up (a poll's timeout) frees the actor's slot too: a
+                # hung engine would otherwise pile up unanswered polls in its control group.
+                _cancel(ref)
             raise
 
     async def _wait(self, ref: Any) -> Any:

@@ -151,7 +151,8 @@ class LoadMonitor:
 
     def _watch_silence(self, engine: EngineState, now: float, stuck: dict[int, str]) -> None:
         """Find ``engine`` stuck once it has not answered for ``stall_timeout_s`` while
-        the router has legs on it and its last answer showed it working."""
+        the router has legs on it, unless its last answer showed it held (paused, asleep
+        or busy)."""
         eid = engine.engine_id
         if self.stall_timeout_s is None:
             return
@@ -207,5 +208,5 @@ def _working(answer: dict[str, Any], *, legs: bool = False) -> bool:
     long control call. Actors that do not report those states never count."""
     if "paused" not in answer:
         return False
-    busy = answer["paused"] or answer.get("sleeping") or answer.get("busy")
-    return not busy and (legs or bool(answer.get("in_flight")))
+    held = answer["paused"] or answer.get("sleeping") or answer.get("busy")
+    return not held and (legs or bool(answer.get("in_flight")))
