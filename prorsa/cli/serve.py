@@ -52,6 +52,7 @@ def serve_cmd(
     engine_stall_timeout_s: float = _opt(
         120.0, "engine_stall_timeout_s", "--engine-stall-timeout-s"
     ),
+    kv_wait_timeout_s: float = _opt(60.0, "kv_wait_timeout_s", "--kv-wait-timeout-s"),
     session_idle_s: float = _opt(900.0, "session_idle_s", "--session-idle-s"),
     stream_legs: bool = _opt(False, "stream_legs", "--stream-legs/--no-stream-legs"),
     telemetry_dir: Path | None = _opt(None, "telemetry_dir", "--telemetry-dir"),
@@ -89,6 +90,7 @@ def serve_cmd(
         sync_drain_timeout_s=sync_drain_timeout_s,
         engine_control_timeout_s=engine_control_timeout_s,
         engine_stall_timeout_s=engine_stall_timeout_s,
+        kv_wait_timeout_s=kv_wait_timeout_s,
         session_idle_s=session_idle_s,
         stream_legs=stream_legs,
         telemetry_dir=str(telemetry_dir) if telemetry_dir else None,

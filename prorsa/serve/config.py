@@ -72,6 +72,15 @@ class ServeConfig:
             "or collective fails no call); 0 turns this off."
         ),
     )
+    kv_wait_timeout_s: float = field(
+        default=60.0,
+        **_help(
+            "A decode leg that waits this long for its prefill engine's KV is given up and "
+            "the turn prefilled on the decode engine (a hung peer or link fails no call); "
+            "the clock restarts while anything on that engine waits for admission or a "
+            "batch slot, or the engine is paused, asleep or busy; 0 turns this off."
+        ),
+    )
     session_idle_s: float = field(
         default=900.0,
         **_help("End a session (traj_end) after this long without a turn or finish_session."),
@@ -134,6 +143,7 @@ class ServeConfig:
             "drain_timeout_s",
             "sync_drain_timeout_s",
             "engine_stall_timeout_s",
+            "kv_wait_timeout_s",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from prorsa.serve.service import RolloutService, ServeTurnResult
@@ -98,6 +98,17 @@ class _StateCollector:
         yield _gauge("prorsa_paused", "1 while paused by the trainer.", int(status["paused"]))
         yield _gauge("prorsa_sleeping", "1 while the engines sleep.", int(status["sleeping"]))
         yield _gauge("prorsa_role_switches", "Role switches completed.", svc.switches_done)
+        router = svc.router
+        for name, doc, value in (
+            ("prorsa_turn_retries", "Turns served again after an engine failed.",
+             router.retries_total),
+            ("prorsa_turn_reroutes", "Turns served again after a leg was aborted.",
+             router.reroutes_total),
+            ("prorsa_kv_handoffs_lost",
+             "Decode legs that gave up waiting for their prefill engine's KV.",
+             router.kv_handoffs_lost_total),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
         engines = GaugeMetricFamily("prorsa_engines", "Engines per role.", labels=["role"])
         for role, count in status["engines_per_role"].items():
             engines.add_metric([role], count)

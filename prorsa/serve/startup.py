@@ -48,6 +48,7 @@ def start_fleet(config: ServeConfig, roles: list[str]) -> tuple[Any, bool]:
         kv_cache_gib=config.kv_cache_gib if config.kv_cache_gib or not on_cpu else 0.25,
         connector=config.connector,  # type: ignore[arg-type]
         kv_storage_dir=kv_dir,
+        kv_wait_timeout_s=config.kv_wait_timeout_s,
         seed=config.seed,
     )
     try:

@@ -25,6 +25,8 @@ def test_connector_choice_is_explicit():
         EngineConfig(model="m", connector="carrier-pigeon").validate()  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="kv_storage_dir"):
         EngineConfig(model="m", connector="example").validate()
+    with pytest.raises(ConfigError, match="kv_wait_timeout_s"):
+        EngineConfig(model="m", connector=None, kv_wait_timeout_s=-1).validate()
 
 
 def test_kv_transfer_config_per_connector():
@@ -33,6 +35,7 @@ def test_kv_transfer_config_per_connector():
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
     }
     assert (
         kv_transfer_config(EngineConfig(model="m", connector="nixl"), "cuda")["kv_buffer_device"]
@@ -42,6 +45,7 @@ def test_kv_transfer_config_per_connector():
         EngineConfig(model="m", connector="example", kv_storage_dir="/kv"), "cpu"
     )
     assert example["kv_connector_extra_config"] == {"shared_storage_path": "/kv"}
+    assert example["kv_load_failure_policy"] == "recompute"
     assert kv_transfer_config(EngineConfig(model="m", connector=None), "cpu") is None
 
 

@@ -309,6 +309,7 @@ def test_metrics_report_roles_versions_and_latencies(tmp_path):
     assert 'prorsa_turns_total{path="disaggregated"} 1.0' in lines
     assert "prorsa_time_to_first_token_seconds_count 1.0" in lines
     assert "prorsa_weight_syncs_total 1.0" in lines
+    assert {"prorsa_turn_retries_total 0.0", "prorsa_kv_handoffs_lost_total 0.0"} <= lines
     assert 'prorsa_http_requests_total{route="/inference/v1/generate",status="200"} 1.0' in lines
 
 

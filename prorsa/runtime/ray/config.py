@@ -68,6 +68,15 @@ class EngineConfig:
     side_channel_port: int | None = field(
         default=None, metadata={"help": "NIXL side-channel port; None picks a free one."}
     )
+    kv_wait_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "Give up a decode leg's wait for its prefill engine's KV after this many "
+            "seconds in which nothing else explains it (no request on this engine waits for "
+            "admission or a batch slot; not paused, asleep or busy); the router then "
+            "prefills the turn on this engine. 0: off."
+        },
+    )
     kv_cache_gib: float | None = field(
         default=None,
         metadata={
@@ -113,6 +122,8 @@ class EngineConfig:
             )
         if self.max_model_len <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_model_len and max_num_seqs must be > 0")
+        if not self.kv_wait_timeout_s >= 0:
+            raise ConfigError(f"kv_wait_timeout_s must be >= 0, got {self.kv_wait_timeout_s}")
         if self.resolved_connector() == "example" and not self.kv_storage_dir:
             raise ConfigError(
                 "the 'example' connector needs kv_storage_dir",
@@ -161,11 +172,14 @@ def kv_transfer_config(config: EngineConfig, device_type: str) -> dict[str, Any]
     connector = config.resolved_connector()
     if connector is None:
         return None
+    # A KV load that fails (its prefill engine died, a block could not be read) is
+    # recomputed on the decode engine; vLLM's default ends the request with "error".
+    common = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
     if connector == "nixl":
         buffer = config.kv_buffer_device or ("cpu" if device_type == "cpu" else device_type)
-        return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": buffer}
+        return {"kv_connector": "NixlConnector", "kv_buffer_device": buffer, **common}
     return {
         "kv_connector": "ExampleConnector",
-        "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": config.kv_storage_dir},
+        **common,
     }

@@ -28,6 +28,7 @@ from prorsa.runtime.ray.control_group import (
     with_control_group,
 )
 from prorsa.runtime.ray.engine_control import EngineControl
+from prorsa.runtime.ray.kv_watch import KVWaitWatch
 from prorsa.runtime.ray.load import EngineLoad, load_logger_factory
 from prorsa.runtime.ray.sampling import OutputCollector, request_errors, sampling_params
 
@@ -133,6 +134,11 @@ class EngineServer(EngineControl, LoopBound):
         self._sleeping = False
         self._busy: list[str] = []
         self._load = EngineLoad()
+        # Decode legs waiting for remote KV (kv_watch explains when a wait is given up).
+        timeout = config.kv_wait_timeout_s
+        self._kv_watch = KVWaitWatch(timeout) if timeout > 0 else None
+        self._kv_watcher: asyncio.Task | None = None
+        self._kv_given_up: set[str] = set()
         self.start_s: float | None = None
         # Weight version: 0 is the folder the engine started from; updates raise it.
         self.weight_version = 0
@@ -340,6 +346,8 @@ class EngineServer(EngineControl, LoopBound):
         collector = OutputCollector(params.logprobs, params.prompt_logprobs)
         started = time.perf_counter()
         self._in_flight[request_id] = started
+        if kv_params and kv_params.get("do_remote_prefill"):
+            self._watch_kv_wait(request_id)
         first_token_s = None
         final: Any = None
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
@@ -354,6 +362,7 @@ class EngineServer(EngineControl, LoopBound):
                 final = out
                 if collector.token_ids and first_token_s is None:
                     first_token_s = time.perf_counter() - started
+                    self._kv_wait_over(request_id)
                     if not out.finished:
                         yield {
                             "event": "first_token",
@@ -364,9 +373,14 @@ class EngineServer(EngineControl, LoopBound):
             raise InputError(str(exc), record=request_id) from None
         finally:
             self._in_flight.pop(request_id, None)
+            self._kv_wait_over(request_id)
+            given_up = request_id in self._kv_given_up
+            self._kv_given_up.discard(request_id)
         result = self._result(
             request_id, prompt_token_ids, collector.token_ids, final, started, first_token_s
         )
+        if given_up and result["finish_reason"] == "abort":  # not if it finished meanwhile
+            result["kv_wait_given_up"] = True
         if result["kv_transfer_params"] and kv_params and kv_params.get("do_remote_decode"):
             # Tag the handoff with the weights that computed it (checked by the decode leg).
             result["kv_transfer_params"] = {
@@ -374,6 +388,54 @@ class EngineServer(EngineControl, LoopBound):
                 KV_WEIGHT_VERSION_KEY: self.weight_version,
             }
         yield {"event": "done", **result, **collector.fields()}
+
+    def _watch_kv_wait(self, request_id: str) -> None:
+        if self._kv_watch is None:
+            return
+        self._kv_watch.add(request_id, time.monotonic())
+        if self._kv_watcher is None:
+            self._kv_watcher = asyncio.get_running_loop().create_task(self._watch_kv_waits())
+
+    def _kv_wait_over(self, request_id: str) -> None:
+        if self._kv_watch is not None:
+            self._kv_watch.done(request_id)
+
+    async def _watch_kv_waits(self) -> None:
+        """Abort decode legs whose wait for remote KV nothing explains (see kv_watch);
+        their results say ``kv_wait_given_up`` and the router prefills them here."""
+        watch = self._kv_watch
+        assert watch is not None
+        try:
+            while len(watch):
+                await asyncio.sleep(min(1.0, watch.timeout_s / 4))
+                now = time.monotonic()
+                if self._paused or self._sleeping or self._busy:
+                    watch.hold(now)
+                watch.hold(self._load.queued_s)
+                # No staleness rule: a parked request keeps the engine core stepping
+                # (and reporting), so silence means a step in progress, which never
+                # lasts anywhere near timeout_s; the stall watch handles engines that do.
+                late = watch.overdue(now)
+                for request_id in late:
+                    watch.done(request_id)
+                    self._kv_given_up.add(request_id)
+                    logger.warning(
+                        "engine %d: %s waited %.0f s for its KV with nothing queued; aborting it",
+                        self.engine_id, request_id, watch.timeout_s,
+                    )  # fmt: skip
+                if late:
+                    try:
+                        await self._engine().abort(late)
+                    except Exception as exc:  # the engine died: its legs fail on their own
+                        logger.warning(
+                            "engine %d: abort of %s failed: %s", self.engine_id, late, exc
+                        )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never silently: the next remote-KV leg starts a new watcher
+            logger.exception("engine %d: the KV wait watcher failed", self.engine_id)
+        finally:
+            self._kv_watcher = None
 
     async def _release_stale_kv(self, request_id: str, kv_params: dict[str, Any]) -> None:
         try:

@@ -29,6 +29,9 @@ class EngineLoad:
         prompt_tokens: prompt tokens computed so far (prefix-cache hits excluded).
         generation_tokens: tokens generated so far.
         updated_s: ``time.monotonic()`` of the last step (0 before the first).
+        queued_s: ``time.monotonic()`` of the last step at which a request waited for
+            anything but a remote KV load in progress (:func:`waits_for_more_than_kv`;
+            0: none yet).
     """
 
     kv_capacity_tokens: int = 0
@@ -39,6 +42,7 @@ class EngineLoad:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     updated_s: float = 0.0
+    queued_s: float = 0.0
 
     @property
     def kv_used_tokens(self) -> int:
@@ -50,6 +54,21 @@ class EngineLoad:
         out["kv_used_tokens"] = self.kv_used_tokens
         out["age_s"] = time.monotonic() - self.updated_s if self.updated_s else None
         return out
+
+
+def waits_for_more_than_kv(scheduler_stats: Any) -> bool:
+    """Whether a request waits for admission or a batch slot, not for a KV load.
+
+    ``num_waiting_reqs`` leaves out requests parked on a remote KV load; vLLM's KV-fetch
+    stages name those that wait to start their load and those whose KV arrived but that
+    still wait for a batch slot (the scheduler only looks at them when a slot frees).
+    """
+    stages = getattr(scheduler_stats, "num_kv_fetch_reqs_by_stage", None) or {}
+    return bool(
+        scheduler_stats.num_waiting_reqs
+        or stages.get("waiting_to_start")
+        or stages.get("completed_waiting")
+    )
 
 
 def load_logger_factory(load: EngineLoad) -> Callable[[Any, int], Any]:
@@ -73,6 +92,8 @@ def load_logger_factory(load: EngineLoad) -> Callable[[Any, int], Any]:
                 load.waiting = int(scheduler_stats.num_waiting_reqs)
                 load.steps += 1
                 load.updated_s = time.monotonic()
+                if waits_for_more_than_kv(scheduler_stats):
+                    load.queued_s = load.updated_s
             if iteration_stats is not None:
                 load.prompt_tokens += int(iteration_stats.num_prompt_tokens)
                 load.generation_tokens += int(iteration_stats.num_generation_tokens)

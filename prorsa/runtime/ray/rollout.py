@@ -462,6 +462,7 @@ async def _run(
         controller_ticks=len(controller.decisions) if controller else 0,
         router_retries=router.retries_total,
         router_reroutes=router.reroutes_total,
+        router_kv_handoffs_lost=router.kv_handoffs_lost_total,
         tool_calls=_count(t for o in outcomes for t in o.tools),
         tool_errors=sum(o.tool_errors for o in outcomes),
         tool_time_scale=config.tool_time_scale,

@@ -40,6 +40,8 @@ from prorsa.runtime.ray.pools import EngineState, Lease, Role, RolePools
 from prorsa.runtime.ray.switch import RoleSwitcher
 from prorsa.runtime.ray.turns import (
     MODES,
+    KVHandoffLost,
+    LegFailed,
     Rerouted,
     RouterConfig,
     RoutingError,
@@ -121,6 +123,7 @@ class PDRouter:
         self._switch_tasks: set[asyncio.Task] = set()
         self.retries_total = 0
         self.reroutes_total = 0
+        self.kv_handoffs_lost_total = 0  # decode legs that gave up waiting for their KV
         self.completed_trajectories = 0
 
     # ------------------------------------------------------------------ public API
@@ -254,11 +257,12 @@ class PDRouter:
             context_tokens=context,
             new_tokens=self._appended(request),
         )
-        retries = reroutes = 0
+        retries = reroutes = failed = 0
+        local_on: int | None = None  # prefill here: its KV handoff was lost
         while True:
-            plan = await self._plan(request)
+            plan = await self._plan(request, local_on)
             try:
-                result = await self._serve(plan, request, retries, reroutes)
+                result = await self._serve(plan, request, retries, reroutes, local_on)
             except EngineUnavailable as exc:
                 self._engine_failed(exc)
                 retries += 1
@@ -277,6 +281,18 @@ class PDRouter:
                 self.reroutes_total += 1
                 if reroutes > self.config.max_reroutes:
                     raise RoutingError(f"turn aborted {reroutes} times: {exc}") from exc
+                if isinstance(exc, LegFailed):
+                    failed += 1
+                    if failed > 1:  # an engine error that repeats is the request's own
+                        raise RoutingError(f"turn failed in the engine twice: {exc}") from exc
+                    logger.warning("serving %s turn %d again: %s", request.trajectory_id,
+                                   request.turn, exc)  # fmt: skip
+                local_on = exc.engine_id if isinstance(exc, KVHandoffLost) else None
+                if local_on is not None:
+                    self.kv_handoffs_lost_total += 1
+                    # Later turns pick their prefill engine afresh, not the one that hung.
+                    self._sticky.get(request.trajectory_id, {}).pop("prefill", None)
+                    logger.warning("%s; prefilling it on engine %d", exc, local_on)
                 continue
             result.retries, result.reroutes = retries, reroutes
             result.latency_s = self.now() - queued_at
@@ -314,16 +330,16 @@ class PDRouter:
             raise InputError("temperature must be >= 0", field="temperature", **where)
 
     # ------------------------------------------------------------------ planning
-    async def _plan(self, request: TurnRequest) -> _Plan:
+    async def _plan(self, request: TurnRequest, local_on: int | None = None) -> _Plan:
         for pinned in (request.engine_id, request.prefill_engine_id):
             if pinned is not None and not self.pools.get(pinned).alive:
                 raise RoutingError(f"pinned engine {pinned} is dead")
-        plan = self._choose(request)
+        plan = self._choose(request, local_on)
         if plan is None:
             ready = await self.pools.wait_until(
-                lambda: self._choose(request) is not None, self.config.route_timeout_s
+                lambda: self._choose(request, local_on) is not None, self.config.route_timeout_s
             )
-            plan = self._choose(request) if ready else None
+            plan = self._choose(request, local_on) if ready else None
             if plan is None:
                 raise RoutingError(
                     f"no engine can serve {request.mode} turn {request.turn} of "
@@ -335,8 +351,10 @@ class PDRouter:
             self._sticky.setdefault(request.trajectory_id, {})["prefill"] = plan.prefill.engine_id
         return plan
 
-    def _choose(self, request: TurnRequest) -> _Plan | None:
-        """The turn's path and engines by the cluster model's rules (None: nothing serves)."""
+    def _choose(self, request: TurnRequest, local_on: int | None = None) -> _Plan | None:
+        """The turn's path and engines by the cluster model's rules (None: nothing serves);
+        a turn whose KV handoff to engine ``local_on`` was lost is prefilled there if that
+        engine is still its decode side."""
         decode = self._decode_side(request)
         if decode is None:
             return None
@@ -357,7 +375,7 @@ class PDRouter:
             context,
             self.config.local_prefill_threshold_tokens,
         )
-        if local:
+        if local or decode.engine_id == local_on:
             path = "colocated" if decode.role is Role.COLOCATED else "local_prefill"
             return _Plan(path, decode, None, context - self._cached(request, decode))
         sticky = self._sticky_engine(traj, "prefill")
@@ -420,9 +438,18 @@ class PDRouter:
 
     # ------------------------------------------------------------------ serving
     async def _serve(
-        self, plan: _Plan, request: TurnRequest, retries: int, reroutes: int
+        self,
+        plan: _Plan,
+        request: TurnRequest,
+        retries: int,
+        reroutes: int,
+        kv_lost_on: int | None = None,
     ) -> TurnResult:
-        attempt = {"retry": retries or None, "reroute": reroutes or None}
+        attempt = {
+            "retry": retries or None,
+            "reroute": reroutes or None,
+            "kv_lost_on": kv_lost_on,  # the engine whose wait for KV was given up
+        }
         if plan.path == "disaggregated":
             return await self._serve_disaggregated(plan, request, attempt)
         return await self._serve_single(plan, request, attempt)
@@ -535,7 +562,7 @@ class PDRouter:
 
         try:
             result = await self._stream(decode, "d", request, kv_params, started, first_token)
-        except EngineUnavailable:
+        except (EngineUnavailable, KVHandoffLost):
             if kv_params:
                 self._release_stale_kv(prefill_id, kv_params)
             raise
@@ -642,9 +669,16 @@ class PDRouter:
 
     # ------------------------------------------------------------------ failures
     def _check_aborted(self, result: dict[str, Any], lease: Lease) -> None:
+        """Raise :class:`Rerouted` for a leg that ended without serving its turn."""
+        where = f"{lease.request_id} on engine {lease.engine_id}"
         if not result or result.get("finish_reason") == "abort":
-            why = "evicted by a role switch" if lease.evicted else "aborted by the engine"
-            raise Rerouted(f"{lease.request_id} on engine {lease.engine_id} {why}")
+            if lease.evicted:  # a switch's abort may also have ended a given-up wait
+                raise Rerouted(f"{where} evicted by a role switch")
+            if result.get("kv_wait_given_up"):
+                raise KVHandoffLost(f"{where} gave up waiting for its KV", lease.engine_id)
+            raise Rerouted(f"{where} aborted by the engine")
+        if result.get("finish_reason") == "error":  # vLLM failed the request itself
+            raise LegFailed(f"{where} failed in the engine")
 
     def _engine_failed(self, exc: EngineUnavailable) -> None:
         if self.pools.mark_dead(exc.engine_id, cause=f"request failed: {exc.reason}"):

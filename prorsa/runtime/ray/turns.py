@@ -19,6 +19,19 @@ class Rerouted(Exception):
     """A leg was aborted (a role switch evicted it); serve the turn again elsewhere."""
 
 
+class LegFailed(Rerouted):
+    """vLLM ended a leg with finish reason ``error``; the turn is served once more."""
+
+
+class KVHandoffLost(Rerouted):
+    """A decode leg gave up waiting for its prefill engine's KV; serve the turn again,
+    prefilled on that decode engine (``engine_id``) if it still decodes."""
+
+    def __init__(self, message: str, engine_id: int) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
+
+
 @dataclass
 class RouterConfig:
     """Router behaviour. ``help`` metadata doubles as CLI help text."""
