@@ -265,6 +265,8 @@ class EngineServer(EngineControl, LoopBound):
 
     async def shutdown(self) -> None:
         """Stop the engine and its EngineCore process (idempotent)."""
+        if self._kv_watcher is not None:
+            self._kv_watcher.cancel()
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
