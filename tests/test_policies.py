@@ -205,12 +205,17 @@ def test_prefill_bound_needs_a_backlog_no_split_could_clear():
     assert not sizing.prefill_bound(cluster, colocated, 5.0)
 
 
-def _mpc_path_cost(path, lengths, need_p, need_d, *, n, start, blocked, switch_cost_s):
+def _mpc_path_cost(
+    path, lengths, need_p, need_d, *, n, start, blocked, switch_cost_s, switching=None
+):
     """MPC's model, written out interval by interval: a move blocks its slots for
     ``blocked(prev, x)`` seconds from its interval's start, into later intervals too,
-    and no other move may start before they are through (``inf``: such a path)."""
+    and no other move may start before they are through (``inf``: such a path); a
+    switch under way (``(to prefill, to decode, seconds left)``) blocks from the start."""
     starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
     total, prev, until, gained = 0.0, start, 0.0, (0, 0)
+    if switching is not None:
+        until, gained = switching[2], switching[:2]
     for k, x in enumerate(path):
         if x != prev:
             if starts[k] < until:
@@ -226,8 +231,17 @@ def _mpc_path_cost(path, lengths, need_p, need_d, *, n, start, blocked, switch_c
     return total
 
 
-@pytest.mark.parametrize("drains", [None, [0.0, 0.5, 9.0, 9.0, 30.0]])
-def test_mpc_dp_matches_brute_force(drains):
+@pytest.mark.parametrize(
+    "drains, switching",
+    [
+        (None, None),
+        ([0.0, 0.5, 9.0, 9.0, 30.0], None),
+        (None, (1, 0, 2.5)),  # a slot still on its way to prefill for 2.5 s
+        ([0.0, 0.5, 9.0, 9.0, 30.0], (0, 2, 7.0)),
+        (None, (1, 0, 60.0)),  # past the horizon: nothing else may move
+    ],
+)
+def test_mpc_dp_matches_brute_force(drains, switching):
     # Switch latency 2 s; moves to decode drain for drain_s (1 s), moves of m decode
     # slots to prefill for drains[m] when given.
     policy = make_policy("mpc", drain_s=1.0, switch_cost_s=0.5)
@@ -242,15 +256,20 @@ def test_mpc_dp_matches_brute_force(drains):
         need_p = rng.uniform(0, 5, 5)
         need_d = rng.uniform(0, 5, 5)
         drain_arg = None if drains is None else np.asarray(drains)
-        plan = policy.plan(2, lengths, need_p, need_d, decode_drains=drain_arg)
+        plan = policy.plan(
+            2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching
+        )
 
         def cost(path, need_p=need_p, need_d=need_d):
             return _mpc_path_cost(
-                path, lengths, need_p, need_d, n=6, start=2, blocked=blocked, switch_cost_s=0.5
-            )
+                path, lengths, need_p, need_d, n=6, start=2, blocked=blocked,
+                switch_cost_s=0.5, switching=switching,
+            )  # fmt: skip
 
         best = min(itertools.product(range(1, 6), repeat=5), key=cost)
         assert cost(plan) == pytest.approx(cost(best))
+        if switching is not None and switching[2] > lengths.sum():
+            assert plan == [2] * 5
 
 
 @pytest.mark.parametrize("name", ["predictive", "mpc"])
@@ -766,3 +785,25 @@ def test_best_split_is_the_least_short_then_most_balanced_then_smallest_split():
         assert best_split(slots, need_p, need_d) == by_definition(slots, need_p, need_d)
     with pytest.raises(ValueError):
         best_split(1, 1.0, 1.0)
+
+
+def test_mpc_sees_a_switch_under_way_and_waits_for_it():
+    policy = make_policy("mpc")
+    policy.reset(replace(spec(8), colocated_prefill_factor=3.0))  # a split pays here
+    idle = observation(10.0, ROLES8)
+    assert policy.switching_now(idle) is None
+    # Slot 2 left decode for prefill at t=9 and still drains its sequences: it serves
+    # after drain_s (2 s, the workload's shape unknown) plus the 2 s latency.
+    draining = observation(10.0, ROLES8, since=9.0, switching={2: "prefill"})
+    assert policy.switching_now(draining) == (1, 0, 4.0)
+    # Drained (nothing running): what is left of the latency since it began.
+    drained = observation(10.0, ROLES8, decoding=0, since=9.0, switching={2: "prefill"})
+    assert policy.switching_now(drained) == (1, 0, 1.0)
+    # A prefill burst that wants more prefill slots: while the switch is under way (the
+    # first 3 intervals, 4 s) the plan holds the split, and only then moves.
+    burst = forecast(10.0, 150_000.0)
+    policy.decide(draining, burst)
+    plan = policy.last_plan_
+    assert plan[:3] == [3, 3, 3] and max(plan) > 3
+    policy.decide(observation(10.0, ["prefill"] * 3 + ["decode"] * 5), burst)
+    assert policy.last_plan_[0] > 3  # the same cluster with no switch under way moves now

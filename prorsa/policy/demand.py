@@ -19,7 +19,7 @@ import numpy as np
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec, colocated_now
-from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast, SlotView
+from prorsa.policy.types import SWITCHING, ClusterObservation, Forecast, SlotView, WorkloadShape
 
 
 @dataclass(frozen=True)
@@ -276,19 +276,26 @@ def decode_drains_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> n
     drains = np.zeros(max(slots, 0) + 1)
     if slots <= 0 or spec.switch_mode != "drain" or obs.workload is None:
         return drains
-    per_slot = spec.decode_tokens_per_s_per_gpu * spec.slot_gpus
-    output = obs.workload.output_tokens_per_turn
     longest = 0.0
     moved = decode_slots_moved_first(obs, slots)
     for m, slot in enumerate(moved, start=1):
-        n = slot.running_sequences
-        if n > 0:
-            harmonic = sum(1.0 / k for k in range(1, n + 1))
-            longest = max(longest, output * harmonic * n / max(per_slot, 1e-9))
-        drains[m] = min(longest, spec.drain_timeout_s)
+        longest = max(longest, slot_drain_s(slot, obs.workload, spec))
+        drains[m] = longest
     # Fewer decode slots than asked for: moving more moves no one else.
     drains[len(moved) + 1 :] = drains[len(moved)]
     return drains
+
+
+def slot_drain_s(slot: SlotView, workload: WorkloadShape, spec: ClusterSpec) -> float:
+    """Seconds until ``slot``'s longest running sequence ends (see :func:`decode_drain_s`),
+    capped at the drain timeout."""
+    n = slot.running_sequences
+    if n <= 0:
+        return 0.0
+    per_slot = spec.decode_tokens_per_s_per_gpu * spec.slot_gpus
+    harmonic = sum(1.0 / k for k in range(1, n + 1))
+    longest = workload.output_tokens_per_turn * harmonic * n / max(per_slot, 1e-9)
+    return min(longest, spec.drain_timeout_s)
 
 
 def busier_utilisation(prefill: int, slots: int, need_p: float, need_d: float) -> float:

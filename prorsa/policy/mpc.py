@@ -16,8 +16,9 @@ from prorsa.policy.demand import (
     decode_drains_s,
     decode_slot_rebuild_s,
     kv_capacity_per_slot,
+    slot_drain_s,
 )
-from prorsa.policy.types import Allocation, ClusterObservation, Forecast
+from prorsa.policy.types import SWITCHING, Allocation, ClusterObservation, Forecast
 
 _HELD = -2  # a plan state carried over unchanged from the interval before
 
@@ -162,6 +163,7 @@ class MPCPolicy(ModeChoosingPolicy):
         need_d: np.ndarray,
         rebuild_s_per_slot: float = 0.0,
         decode_drains: np.ndarray | None = None,
+        switching: tuple[int, int, float] | None = None,
     ) -> list[int]:
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan.
 
@@ -170,7 +172,9 @@ class MPCPolicy(ModeChoosingPolicy):
         controller does not move switching slots either). Each state is the split and
         the first interval free to move again. ``decode_drains[m]`` is the drain of
         ``m`` decode slots moved to prefill at once (``m`` in ``0..N-2``); without it
-        every switching slot drains for ``drain_s``.
+        every switching slot drains for ``drain_s``. ``switching`` is a switch already
+        under way, ``(slots heading to prefill, slots heading to decode, seconds until
+        they serve)``; ``current`` counts them in their new roles.
         """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
@@ -201,7 +205,9 @@ class MPCPolicy(ModeChoosingPolicy):
         allowed = moved <= (self.max_step or n)
         # cost[u, x]: least cost of reaching split x with moves barred before interval u.
         cost = np.full((stages + 1, len(xs)), np.inf)
-        cost[0, current - 1] = 0.0
+        free_at, booked_now = self._switch_under_way(current, lengths, starts, need_p, need_d,
+                                                     switching)  # fmt: skip
+        cost[free_at, current - 1] = booked_now
         history: list[tuple[np.ndarray, np.ndarray]] = []  # (cost before k, where from)
         for k in range(stages):
             # A move (or a stay) at k books every interval its switch reaches: the
@@ -240,6 +246,67 @@ class MPCPolicy(ModeChoosingPolicy):
                 x = int(came_from[u, x])
                 u = int(np.argmin(before[: k + 1, x]))
         return [int(xs[i]) for i in reversed(path)]
+
+    def _switch_under_way(
+        self,
+        current: int,
+        lengths: np.ndarray,
+        starts: np.ndarray,
+        need_p: np.ndarray,
+        need_d: np.ndarray,
+        switching: tuple[int, int, float] | None,
+    ) -> tuple[int, float]:
+        """The first interval free to move, and the shortage booked before it, while the
+        slots of a switch under way serve nothing (``(0, 0.0)`` without one)."""
+        if switching is None or switching[2] <= 0:
+            return 0, 0.0
+        to_prefill, to_decode, remaining_s = switching
+        n = self.cluster_.num_slots
+        free_at, booked = 0, 0.0
+        for j in range(len(lengths)):
+            overlap = min(max(remaining_s - starts[j], 0.0), lengths[j])
+            if overlap <= 0:
+                break
+            lost = overlap / lengths[j]
+            # A side left with no serving slot is short by all its demand: floored, so
+            # the start stays finite and the DP still ranks what follows.
+            eff_p = max(current - lost * to_prefill, 1e-6)
+            eff_d = max(n - current - lost * to_decode, 1e-6)
+            busier = max(
+                self.prefill_weight * need_p[j] / eff_p, self.decode_weight * need_d[j] / eff_d
+            )
+            booked += n * max(busier - 1.0, 0.0) * lengths[j]
+            free_at = j + 1
+        return free_at, booked
+
+    def switching_now(self, obs: ClusterObservation) -> tuple[int, int, float] | None:
+        """Slots switching now, heading to prefill and to decode, and the seconds until
+        the last of them serves (None: none switching).
+
+        A slot still draining serves after its drain (estimated as the controller's
+        estimate for a decode slot of its running sequences, else ``drain_s``) plus the
+        switch latency; a drained one after what is left of the latency, counted from
+        when it began switching (a lower bound: the drain's end is not observed).
+        """
+        spec = self.cluster_
+        moving = [s for s in obs.slots if s.role == SWITCHING]
+        if not moving:
+            return None
+        remaining = 0.0
+        for slot in moving:
+            target = slot.target_role or "decode"
+            source = "decode" if target == "prefill" else "prefill"
+            latency = spec.switch_latency_between(source, target)
+            if slot.running_sequences > 0 or slot.queued_prefill_tokens > 0:
+                drain = self.drain_s
+                if target == "prefill" and spec.switch_mode == "drain" and obs.workload:
+                    drain = slot_drain_s(slot, obs.workload, spec)
+                left = latency + drain
+            else:
+                left = latency - (obs.time_s - slot.since_s)
+            remaining = max(remaining, left)
+        to_prefill = sum(s.target_role == "prefill" for s in moving)
+        return to_prefill, len(moving) - to_prefill, max(remaining, 0.0)
 
     def decode_drains(self, obs: ClusterObservation, horizon_s: float) -> np.ndarray | None:
         """Drain of ``m`` decode slots moved to prefill, for ``m`` in ``0..N-2``; ``None``
@@ -290,7 +357,9 @@ class MPCPolicy(ModeChoosingPolicy):
         current = min(max(current, 1), slots - 1)
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1)
         drains = self.decode_drains(obs, float(lengths.sum()))
-        self.last_plan_ = self.plan(current, lengths, need_p, need_d, rebuild, drains)
+        self.last_plan_ = self.plan(
+            current, lengths, need_p, need_d, rebuild, drains, self.switching_now(obs)
+        )
         target = self.last_plan_[0]
         return self.split(target, f"mpc: plan {self.last_plan_}")
 
