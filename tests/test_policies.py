@@ -256,9 +256,7 @@ def test_mpc_dp_matches_brute_force(drains, switching):
         need_p = rng.uniform(0, 5, 5)
         need_d = rng.uniform(0, 5, 5)
         drain_arg = None if drains is None else np.asarray(drains)
-        plan = policy.plan(
-            2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching
-        )
+        plan = policy.plan(2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching)
 
         def cost(path, need_p=need_p, need_d=need_d):
             return _mpc_path_cost(
