@@ -3,6 +3,8 @@ with explicit switch cost and drain time, solved exactly by dynamic programming.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from prorsa.errors import ConfigError
@@ -190,37 +192,20 @@ class MPCPolicy(ModeChoosingPolicy):
         blocked = np.where(moved > 0, blocked, 0.0)
         stages = len(lengths)
         starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
-
-        def short(k: int, lost: np.ndarray | float) -> np.ndarray:
-            """Slots short in interval ``k`` when the slots entering a role serve nothing
-            for a ``lost`` share of it; the cluster moves at its busier side's pace (see
-            demand.split_shortage)."""
-            eff_p = xs[None, :] - lost * gained_p
-            eff_d = (n - xs[None, :]) - lost * gained_d
-            busier = np.maximum(
-                self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
-            )
-            return n * np.maximum(busier - 1.0, 0.0)
-
+        demand = (lengths, starts, need_p, need_d)
         allowed = moved <= (self.max_step or n)
         # cost[u, x]: least cost of reaching split x with moves barred before interval u.
         cost = np.full((stages + 1, len(xs)), np.inf)
-        free_at, booked_now = self._switch_under_way(current, lengths, starts, need_p, need_d,
-                                                     switching)  # fmt: skip
-        cost[free_at, current - 1] = booked_now
+        if switching is not None and switching[2] > 0:  # what a switch under way books
+            free_at, booked_now = self._book(
+                0, current, switching[0], switching[1], np.array(switching[2]), demand
+            )
+            cost[int(free_at), current - 1] = float(booked_now)
+        else:
+            cost[0, current - 1] = 0.0
         history: list[tuple[np.ndarray, np.ndarray]] = []  # (cost before k, where from)
         for k in range(stages):
-            # A move (or a stay) at k books every interval its switch reaches: the
-            # split is held there, the switching slots idle for their overlap with it.
-            booked = np.zeros(blocked.shape)
-            free_from = np.full(blocked.shape, k + 1)
-            for j in range(k, stages):
-                overlap = np.clip(blocked - (starts[j] - starts[k]), 0.0, lengths[j])
-                reached = (overlap > 0) | (j == k)
-                if not reached.any():
-                    break
-                booked += np.where(reached, short(j, overlap / lengths[j]) * lengths[j], 0.0)
-                free_from = np.where(reached, j + 1, free_from)
+            free_from, booked = self._book(k, xs[None, :], gained_p, gained_d, blocked, demand)
             booked += self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
             free = cost[: k + 1].min(axis=0)  # states free to move at k
             total = np.where(allowed, free[:, None] + booked, np.inf)
@@ -247,37 +232,42 @@ class MPCPolicy(ModeChoosingPolicy):
                 u = int(np.argmin(before[: k + 1, x]))
         return [int(xs[i]) for i in reversed(path)]
 
-    def _switch_under_way(
-        self,
-        current: int,
-        lengths: np.ndarray,
-        starts: np.ndarray,
-        need_p: np.ndarray,
-        need_d: np.ndarray,
-        switching: tuple[int, int, float] | None,
-    ) -> tuple[int, float]:
-        """The first interval free to move, and the shortage booked before it, while the
-        slots of a switch under way serve nothing (``(0, 0.0)`` without one)."""
-        if switching is None or switching[2] <= 0:
-            return 0, 0.0
-        to_prefill, to_decode, remaining_s = switching
+    def _short(
+        self, k: int, x: Any, gained_p: Any, gained_d: Any, lost: Any, demand: tuple
+    ) -> np.ndarray:
+        """Slots short in interval ``k`` at split ``x`` when the slots entering prefill
+        (``gained_p``) and decode (``gained_d``) serve nothing for a ``lost`` share of it;
+        the cluster moves at its busier side's pace (see demand.split_shortage)."""
         n = self.cluster_.num_slots
-        free_at, booked = 0, 0.0
-        for j in range(len(lengths)):
-            overlap = min(max(remaining_s - starts[j], 0.0), lengths[j])
-            if overlap <= 0:
+        _, _, need_p, need_d = demand
+        # Floored: a start whose every prefill (or decode) slot is still on its way in
+        # stays finite, so the plan still ranks what follows (moves never reach zero).
+        eff_p = np.maximum(x - lost * gained_p, 1e-6)
+        eff_d = np.maximum((n - x) - lost * gained_d, 1e-6)
+        busier = np.maximum(
+            self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
+        )
+        return n * np.maximum(busier - 1.0, 0.0)
+
+    def _book(
+        self, k: int, x: Any, gained_p: Any, gained_d: Any, blocked: np.ndarray, demand: tuple
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A move (or a stay) at interval ``k`` whose slots are blocked for ``blocked``
+        seconds books every interval the switch reaches: the split is held there, the
+        switching slots idle for their overlap with it. Returns the first interval free
+        to move again and the shortage booked, per move."""
+        lengths, starts, _, _ = demand
+        booked = np.zeros(blocked.shape)
+        free_from = np.full(blocked.shape, k + 1)
+        for j in range(k, len(lengths)):
+            overlap = np.clip(blocked - (starts[j] - starts[k]), 0.0, lengths[j])
+            reached = (overlap > 0) | (j == k)
+            if not reached.any():
                 break
-            lost = overlap / lengths[j]
-            # A side left with no serving slot is short by all its demand: floored, so
-            # the start stays finite and the DP still ranks what follows.
-            eff_p = max(current - lost * to_prefill, 1e-6)
-            eff_d = max(n - current - lost * to_decode, 1e-6)
-            busier = max(
-                self.prefill_weight * need_p[j] / eff_p, self.decode_weight * need_d[j] / eff_d
-            )
-            booked += n * max(busier - 1.0, 0.0) * lengths[j]
-            free_at = j + 1
-        return free_at, booked
+            short = self._short(j, x, gained_p, gained_d, overlap / lengths[j], demand)
+            booked += np.where(reached, short * lengths[j], 0.0)
+            free_from = np.where(reached, j + 1, free_from)
+        return free_from, booked
 
     def switching_now(self, obs: ClusterObservation) -> tuple[int, int, float] | None:
         """Slots switching now, heading to prefill and to decode, and the seconds until
