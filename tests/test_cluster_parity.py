@@ -200,3 +200,25 @@ def test_same_observation_every_field_filled(both):
             assert getattr(s, field.name) == getattr(r, field.name), field.name
     assert sum(s.cached_tokens for s in sim_quiet.slots) > 0  # filled on both sides
     assert ray_quiet.time_s > 0 and sim_quiet.time_s > 0
+
+
+def test_a_switching_slot_says_where_it_comes_from_and_when_it_drained():
+    # The simulator's side (the Ray side: tests/runtime/test_actuator_fake.py). Slot 1
+    # leaves prefill for decode at 14 s with nothing to drain; it serves 0.5 s later.
+    specs = workload()
+    config = ClusterConfig(
+        profile="test-tp1", num_slots=len(ROLES), switch_latency_s=0.5,
+        kv_capacity_tokens=KV_CAPACITY,
+    )  # fmt: skip
+    sim = Simulation(
+        config, Scripted(), ArrivalDriver(specs, ARRIVALS_S), profiles={1: profile(1)},
+        interval_s=1.0, min_dwell_s=0.0,
+    )  # fmt: skip
+    sim.start()
+    sim.advance(14.2)
+    slot = sim.actuator.observe().slots[1]
+    assert (slot.role, slot.target_role, slot.source_role) == ("switching", "decode", "prefill")
+    assert slot.drained_s == pytest.approx(14.0)
+    sim.advance(15.0)
+    slot = sim.actuator.observe().slots[1]
+    assert (slot.role, slot.source_role, slot.drained_s) == ("decode", None, None)

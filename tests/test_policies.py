@@ -794,9 +794,13 @@ def test_mpc_sees_a_switch_under_way_and_waits_for_it():
     # after drain_s (2 s, the workload's shape unknown) plus the 2 s latency.
     draining = observation(10.0, ROLES8, since=9.0, switching={2: "prefill"})
     assert policy.switching_now(draining) == (1, 0, 4.0)
-    # Drained (nothing running): what is left of the latency since it began.
-    drained = observation(10.0, ROLES8, decoding=0, since=9.0, switching={2: "prefill"})
-    assert policy.switching_now(drained) == (1, 0, 1.0)
+    # Drained at t=9.5: what is left of the latency from then.
+    slots = list(draining.slots)
+    slots[2] = replace(slots[2], source_role="decode", drained_s=9.5)
+    assert policy.switching_now(replace(draining, slots=tuple(slots))) == (1, 0, 1.5)
+    # 59 s into a 60 s drain timeout: at most 1 s of drain is left.
+    late = observation(68.0, ROLES8, since=9.0, switching={2: "prefill"})
+    assert policy.switching_now(late) == (1, 0, 3.0)
     # A prefill burst that wants more prefill slots: while the switch is under way (the
     # first 3 intervals, 4 s) the plan holds the split, and only then moves.
     burst = forecast(10.0, 150_000.0)

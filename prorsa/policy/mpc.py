@@ -3,7 +3,7 @@ with explicit switch cost and drain time, solved exactly by dynamic programming.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,9 +20,18 @@ from prorsa.policy.demand import (
     kv_capacity_per_slot,
     slot_drain_s,
 )
-from prorsa.policy.types import SWITCHING, Allocation, ClusterObservation, Forecast
+from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
 
 _HELD = -2  # a plan state carried over unchanged from the interval before
+
+
+class _Demand(NamedTuple):
+    """The plan's intervals (lengths, start times) and the slots each side needs in them."""
+
+    lengths: np.ndarray
+    starts: np.ndarray
+    need_p: np.ndarray
+    need_d: np.ndarray
 
 
 @POLICIES.register("mpc")
@@ -176,7 +185,8 @@ class MPCPolicy(ModeChoosingPolicy):
         ``m`` decode slots moved to prefill at once (``m`` in ``0..N-2``); without it
         every switching slot drains for ``drain_s``. ``switching`` is a switch already
         under way, ``(slots heading to prefill, slots heading to decode, seconds until
-        they serve)``; ``current`` counts them in their new roles.
+        they serve)``; ``current`` counts them in their new roles (see
+        :meth:`switching_now`).
         """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
@@ -192,17 +202,14 @@ class MPCPolicy(ModeChoosingPolicy):
         blocked = np.where(moved > 0, blocked, 0.0)
         stages = len(lengths)
         starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
-        demand = (lengths, starts, need_p, need_d)
+        demand = _Demand(lengths, starts, need_p, need_d)
         allowed = moved <= (self.max_step or n)
         # cost[u, x]: least cost of reaching split x with moves barred before interval u.
         cost = np.full((stages + 1, len(xs)), np.inf)
-        if switching is not None and switching[2] > 0:  # what a switch under way books
-            free_at, booked_now = self._book(
-                0, current, switching[0], switching[1], np.array(switching[2]), demand
-            )
-            cost[int(free_at), current - 1] = float(booked_now)
-        else:
-            cost[0, current - 1] = 0.0
+        # A switch under way bars moves until the first interval after it ends. What it
+        # leaves short before then is the same on every path, so it is not priced.
+        free_at = 0 if switching is None else int(np.searchsorted(starts, switching[2]))
+        cost[free_at, current - 1] = 0.0
         history: list[tuple[np.ndarray, np.ndarray]] = []  # (cost before k, where from)
         for k in range(stages):
             free_from, booked = self._book(k, xs[None, :], gained_p, gained_d, blocked, demand)
@@ -233,30 +240,41 @@ class MPCPolicy(ModeChoosingPolicy):
         return [int(xs[i]) for i in reversed(path)]
 
     def _short(
-        self, k: int, x: Any, gained_p: Any, gained_d: Any, lost: Any, demand: tuple
+        self,
+        k: int,
+        x: np.ndarray,
+        gained_p: np.ndarray,
+        gained_d: np.ndarray,
+        lost: np.ndarray,
+        demand: _Demand,
     ) -> np.ndarray:
         """Slots short in interval ``k`` at split ``x`` when the slots entering prefill
         (``gained_p``) and decode (``gained_d``) serve nothing for a ``lost`` share of it;
-        the cluster moves at its busier side's pace (see demand.split_shortage)."""
+        the cluster moves at its busier side's pace (see demand.split_shortage). A move
+        keeps at least its old slots serving on each side, so neither side reaches 0."""
         n = self.cluster_.num_slots
-        _, _, need_p, need_d = demand
-        # Floored: a start whose every prefill (or decode) slot is still on its way in
-        # stays finite, so the plan still ranks what follows (moves never reach zero).
-        eff_p = np.maximum(x - lost * gained_p, 1e-6)
-        eff_d = np.maximum((n - x) - lost * gained_d, 1e-6)
+        need_p, need_d = demand.need_p, demand.need_d
+        eff_p = x - lost * gained_p
+        eff_d = (n - x) - lost * gained_d
         busier = np.maximum(
             self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
         )
         return n * np.maximum(busier - 1.0, 0.0)
 
     def _book(
-        self, k: int, x: Any, gained_p: Any, gained_d: Any, blocked: np.ndarray, demand: tuple
+        self,
+        k: int,
+        x: np.ndarray,
+        gained_p: np.ndarray,
+        gained_d: np.ndarray,
+        blocked: np.ndarray,
+        demand: _Demand,
     ) -> tuple[np.ndarray, np.ndarray]:
         """A move (or a stay) at interval ``k`` whose slots are blocked for ``blocked``
         seconds books every interval the switch reaches: the split is held there, the
         switching slots idle for their overlap with it. Returns the first interval free
         to move again and the shortage booked, per move."""
-        lengths, starts, _, _ = demand
+        lengths, starts = demand.lengths, demand.starts
         booked = np.zeros(blocked.shape)
         free_from = np.full(blocked.shape, k + 1)
         for j in range(k, len(lengths)):
@@ -273,10 +291,13 @@ class MPCPolicy(ModeChoosingPolicy):
         """Slots switching now, heading to prefill and to decode, and the seconds until
         the last of them serves (None: none switching).
 
-        A slot still draining serves after its drain (estimated as the controller's
-        estimate for a decode slot of its running sequences, else ``drain_s``) plus the
-        switch latency; a drained one after what is left of the latency, counted from
-        when it began switching (a lower bound: the drain's end is not observed).
+        A drained slot serves once the switch latency has passed from its drain's end. A
+        slot still draining serves after the rest of its drain and then the latency: a
+        decode slot's drain is estimated as for a move (its longest running sequence),
+        any other's as ``drain_s``, each at most what is left of the drain timeout. (A
+        planned move under a backlog is priced at a capped drain instead, see
+        :meth:`decode_drains`: there the question is what the move saves, here only when
+        the slot serves.) Without the role a slot left, the dearest source is assumed.
         """
         spec = self.cluster_
         moving = [s for s in obs.slots if s.role == SWITCHING]
@@ -285,15 +306,16 @@ class MPCPolicy(ModeChoosingPolicy):
         remaining = 0.0
         for slot in moving:
             target = slot.target_role or "decode"
-            source = "decode" if target == "prefill" else "prefill"
-            latency = spec.switch_latency_between(source, target)
-            if slot.running_sequences > 0 or slot.queued_prefill_tokens > 0:
-                drain = self.drain_s
-                if target == "prefill" and spec.switch_mode == "drain" and obs.workload:
-                    drain = slot_drain_s(slot, obs.workload, spec)
-                left = latency + drain
+            sources = [slot.source_role] if slot.source_role else [r for r in ROLES if r != target]
+            latency = max(spec.switch_latency_between(source, target) for source in sources)
+            if slot.drained_s is not None:
+                left = latency - (obs.time_s - slot.drained_s)
             else:
-                left = latency - (obs.time_s - slot.since_s)
+                drain = self.drain_s
+                if slot.source_role == "decode" and spec.switch_mode == "drain" and obs.workload:
+                    drain = slot_drain_s(slot, obs.workload, spec)
+                timeout_left = spec.drain_timeout_s - (obs.time_s - slot.since_s)
+                left = latency + min(drain, max(timeout_left, 0.0))
             remaining = max(remaining, left)
         to_prefill = sum(s.target_role == "prefill" for s in moving)
         return to_prefill, len(moving) - to_prefill, max(remaining, 0.0)

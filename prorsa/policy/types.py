@@ -52,6 +52,10 @@ class SlotView:
     # Prefix-cache tokens the slot holds beyond in-use KV (contexts of trajectories between
     # turns); a role switch throws them away, so they price a switch.
     cached_tokens: int = 0
+    # A switching slot: the role it left, and when it finished draining (None while it
+    # drains); it serves once the switch latency has passed from then.
+    source_role: str | None = None
+    drained_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ def test_apply_switches_only_what_differs_and_never_interrupts():
     assert started == [1, 3] and again == []
     assert {s.slot_id: s.role for s in during.slots}[1] == "switching"
     assert {s.slot_id: s.target_role for s in during.slots}[1] == "prefill"
+    assert {s.slot_id: s.source_role for s in during.slots}[1] == "decode"
+    assert all(s.source_role is None and s.drained_s is None for s in after.slots)
     assert sorted(r["engine_id"] for r in results) == [1, 3]
     assert router.pools.roles() == {
         0: Role.PREFILL,

@@ -192,6 +192,8 @@ class RayActuator:
                     busy=not engine.idle,
                     since_s=engine.since_s,
                     cached_tokens=cached.get(engine.engine_id, 0),
+                    source_role=engine.switching_from.value if switching else None,
+                    drained_s=engine.switch.drained_s if engine.switch is not None else None,
                 )
             )
         self.kv_sources = sources

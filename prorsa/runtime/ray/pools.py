@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from prorsa.errors import ConfigError
 from prorsa.runtime.ray.client import EngineClient
@@ -68,6 +69,7 @@ class EngineState:
     alive: bool = True
     switching_from: Role | None = None
     switching_to: Role | None = None
+    switch: Any = None  # the RoleSwitch in progress (its stages and times)
     leases: dict[str, Lease] = field(default_factory=dict)
     # Prefill engines: handoffs whose KV the decode engine has not pulled yet.
     kv_pending: set[str] = field(default_factory=set)

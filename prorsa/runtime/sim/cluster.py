@@ -651,6 +651,8 @@ class SimCluster:
             busy=busy,
             since_s=slot.since_s,
             cached_tokens=cached,
+            source_role=slot.switch.from_role if slot.switch is not None else None,
+            drained_s=slot.switch.drained_s if slot.switch is not None else None,
         )
 
     def observe(
