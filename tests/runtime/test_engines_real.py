@@ -323,6 +323,28 @@ def test_decode_refuses_kv_computed_under_other_weights(fleet):
     assert refused["finish_reason"] == "abort" and refused["output_token_ids"] == []
 
 
+@pytest.mark.skipif(not nixl_available(), reason="needs the NIXL connector")
+def test_a_kv_load_from_an_unreachable_prefill_engine_is_recomputed(fleet, reference):
+    """vLLM's default ends such a request with finish reason "error" and no tokens; the
+    engines run with kv_load_failure_policy="recompute" (config.kv_transfer_config)."""
+    from prorsa.runtime.ray.engine import PREFILL_FOR_REMOTE_DECODE, free_port
+
+    prompt = tokens(64, 97)
+    prefill, decode = fleet.clients[0], fleet.clients[1]
+    first = asyncio.run(prefill.generate("gone-p", prompt, 1, 0.0, dict(PREFILL_FOR_REMOTE_DECODE)))
+    # The same handoff, from an engine the decode engine has never met, at a port where
+    # nothing listens: its handshake fails (vLLM gives it 5 s) and the load with it.
+    params = {
+        **first["kv_transfer_params"],
+        "remote_engine_id": "prorsa-test-gone",
+        "remote_port": free_port(),
+    }
+    result = asyncio.run(decode.generate("gone-d", prompt, 8, 0.0, params, ignore_eos=True))
+    assert result["finish_reason"] == "length"
+    assert result["output_token_ids"] == reference(prompt, 8)
+    asyncio.run(decode.release_kv("gone-p", first["kv_transfer_params"]))
+
+
 def test_an_abort_that_overtakes_its_request_still_aborts_it(fleet, reference):
     """Control calls run in their own Ray concurrency group, so an abort can reach the
     engine before the leg it names; the leg is refused when it arrives."""
