@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from prorsa.errors import ConfigError
+from prorsa.runtime.cluster.switching import RoleSwitch
 from prorsa.runtime.ray.client import EngineClient
 
 
@@ -67,9 +67,7 @@ class EngineState:
     vocab_size: int | None = None
     kv_capacity_tokens: int | None = None
     alive: bool = True
-    switching_from: Role | None = None
-    switching_to: Role | None = None
-    switch: Any = None  # the RoleSwitch in progress (its stages and times)
+    switch: RoleSwitch | None = None  # the switch in progress (roles, stages, times)
     leases: dict[str, Lease] = field(default_factory=dict)
     # Prefill engines: handoffs whose KV the decode engine has not pulled yet.
     kv_pending: set[str] = field(default_factory=set)
@@ -77,6 +75,16 @@ class EngineState:
     switches: int = 0
     owned: int = 0  # live trajectories whose decode side sticks here (routing)
     lost_cause: str | None = None  # why it was marked dead (telemetry), once it is
+
+    @property
+    def switching_from(self) -> Role | None:
+        """The role a switching engine left (None when not switching)."""
+        return Role(self.switch.from_role) if self.switch is not None else None
+
+    @property
+    def switching_to(self) -> Role | None:
+        """The role a switching engine heads to (None when not switching)."""
+        return Role(self.switch.to_role) if self.switch is not None else None
 
     @property
     def accepting(self) -> bool:

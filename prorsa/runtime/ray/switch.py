@@ -127,7 +127,6 @@ class RoleSwitcher:
         drain_timeout_s = (
             self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         )
-        engine.switching_from, engine.switching_to = old, target
         engine.switch = switch
         self.pools.set_role(engine_id, Role.SWITCHING, now)
         self.telemetry.switch_event(
@@ -174,7 +173,7 @@ class RoleSwitcher:
             self.pools.mark_dead(engine.engine_id, cause=f"role switch failed: {exc}")
         finally:
             final = parse_role(switch.to_role if error is None else switch.from_role)
-            engine.switching_from = engine.switching_to = engine.switch = None
+            engine.switch = None
             engine.switches += error is None
             self.completed += error is None
             now = self.clock()
