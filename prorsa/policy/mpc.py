@@ -3,8 +3,6 @@ with explicit switch cost and drain time, solved exactly by dynamic programming.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from prorsa.errors import ConfigError
@@ -23,15 +21,6 @@ from prorsa.policy.demand import (
 from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
 
 _HELD = -2  # a plan state carried over unchanged from the interval before
-
-
-class _Demand(NamedTuple):
-    """The plan's intervals (lengths, start times) and the slots each side needs in them."""
-
-    lengths: np.ndarray
-    starts: np.ndarray
-    need_p: np.ndarray
-    need_d: np.ndarray
 
 
 @POLICIES.register("mpc")
@@ -202,7 +191,18 @@ class MPCPolicy(ModeChoosingPolicy):
         blocked = np.where(moved > 0, blocked, 0.0)
         stages = len(lengths)
         starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
-        demand = _Demand(lengths, starts, need_p, need_d)
+
+        def short(k: int, lost: np.ndarray) -> np.ndarray:
+            """Slots short in interval ``k`` when the slots entering a role serve nothing
+            for a ``lost`` share of it; the cluster moves at its busier side's pace (see
+            demand.split_shortage). A move keeps its old slots serving on each side."""
+            eff_p = xs[None, :] - lost * gained_p
+            eff_d = (n - xs[None, :]) - lost * gained_d
+            busier = np.maximum(
+                self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
+            )
+            return n * np.maximum(busier - 1.0, 0.0)
+
         allowed = moved <= (self.max_step or n)
         # cost[u, x]: least cost of reaching split x with moves barred before interval u.
         cost = np.full((stages + 1, len(xs)), np.inf)
@@ -212,7 +212,17 @@ class MPCPolicy(ModeChoosingPolicy):
         cost[free_at, current - 1] = 0.0
         history: list[tuple[np.ndarray, np.ndarray]] = []  # (cost before k, where from)
         for k in range(stages):
-            free_from, booked = self._book(k, xs[None, :], gained_p, gained_d, blocked, demand)
+            # A move (or a stay) at k books every interval its switch reaches: the
+            # split is held there, the switching slots idle for their overlap with it.
+            booked = np.zeros(blocked.shape)
+            free_from = np.full(blocked.shape, k + 1)
+            for j in range(k, stages):
+                overlap = np.clip(blocked - (starts[j] - starts[k]), 0.0, lengths[j])
+                reached = (overlap > 0) | (j == k)
+                if not reached.any():
+                    break
+                booked += np.where(reached, short(j, overlap / lengths[j]) * lengths[j], 0.0)
+                free_from = np.where(reached, j + 1, free_from)
             booked += self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
             free = cost[: k + 1].min(axis=0)  # states free to move at k
             total = np.where(allowed, free[:, None] + booked, np.inf)
@@ -238,54 +248,6 @@ class MPCPolicy(ModeChoosingPolicy):
                 x = int(came_from[u, x])
                 u = int(np.argmin(before[: k + 1, x]))
         return [int(xs[i]) for i in reversed(path)]
-
-    def _short(
-        self,
-        k: int,
-        x: np.ndarray,
-        gained_p: np.ndarray,
-        gained_d: np.ndarray,
-        lost: np.ndarray,
-        demand: _Demand,
-    ) -> np.ndarray:
-        """Slots short in interval ``k`` at split ``x`` when the slots entering prefill
-        (``gained_p``) and decode (``gained_d``) serve nothing for a ``lost`` share of it;
-        the cluster moves at its busier side's pace (see demand.split_shortage). A move
-        keeps at least its old slots serving on each side, so neither side reaches 0."""
-        n = self.cluster_.num_slots
-        need_p, need_d = demand.need_p, demand.need_d
-        eff_p = x - lost * gained_p
-        eff_d = (n - x) - lost * gained_d
-        busier = np.maximum(
-            self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
-        )
-        return n * np.maximum(busier - 1.0, 0.0)
-
-    def _book(
-        self,
-        k: int,
-        x: np.ndarray,
-        gained_p: np.ndarray,
-        gained_d: np.ndarray,
-        blocked: np.ndarray,
-        demand: _Demand,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """A move (or a stay) at interval ``k`` whose slots are blocked for ``blocked``
-        seconds books every interval the switch reaches: the split is held there, the
-        switching slots idle for their overlap with it. Returns the first interval free
-        to move again and the shortage booked, per move."""
-        lengths, starts = demand.lengths, demand.starts
-        booked = np.zeros(blocked.shape)
-        free_from = np.full(blocked.shape, k + 1)
-        for j in range(k, len(lengths)):
-            overlap = np.clip(blocked - (starts[j] - starts[k]), 0.0, lengths[j])
-            reached = (overlap > 0) | (j == k)
-            if not reached.any():
-                break
-            short = self._short(j, x, gained_p, gained_d, overlap / lengths[j], demand)
-            booked += np.where(reached, short * lengths[j], 0.0)
-            free_from = np.where(reached, j + 1, free_from)
-        return free_from, booked
 
     def switching_now(self, obs: ClusterObservation) -> tuple[int, int, float] | None:
         """Slots switching now, heading to prefill and to decode, and the seconds until
