@@ -515,7 +515,7 @@ class PDRouter:
             )
         finally:
             self.pools.release(lease)
-        self._check_aborted(first, lease)
+        self._check_served(first, lease)
         cached = first["num_cached_tokens"]
         self._event(
             K.PREFILL_END,
@@ -623,7 +623,7 @@ class PDRouter:
                         result = item
         finally:
             self.pools.release(lease)
-        self._check_aborted(result, lease)
+        self._check_served(result, lease)
         if not fired:  # finished with its first token: place the event from engine timings
             at = min(self.now(), started + result["timings"]["first_token_s"])
             on_first_token(at, result["num_cached_tokens"])
@@ -668,7 +668,7 @@ class PDRouter:
         )
 
     # ------------------------------------------------------------------ failures
-    def _check_aborted(self, result: dict[str, Any], lease: Lease) -> None:
+    def _check_served(self, result: dict[str, Any], lease: Lease) -> None:
         """Raise :class:`Rerouted` for a leg that ended without serving its turn."""
         where = f"{lease.request_id} on engine {lease.engine_id}"
         if not result or result.get("finish_reason") == "abort":
