@@ -31,7 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import ndtr, ndtri
 
+from prorsa.forecast import bottomup_kernel
 from prorsa.forecast.tracker import DECODING, IN_TOOL, PREFILLING, QUEUED, TRANSFERRING
+
+#: Use the compiled kernel (:mod:`prorsa.forecast.bottomup_kernel`) when numba is
+#: installed; tests switch it off to check the numpy path too.
+COMPILED = bottomup_kernel.AVAILABLE
 
 #: Tool calls shorter than this are "instant"; longer ones are log-normal in T + shift.
 TOOL_SHIFT_S = 0.05
@@ -66,6 +71,18 @@ class Live:
     ttft: np.ndarray  # recent queue-to-decode seconds, per row
 
 
+def upper_tail(z: np.ndarray) -> np.ndarray:
+    """``P(Z > z)`` for a standard normal Z, without the cancellation of ``1 - ndtr(z)``
+    (the tail masses the conditioning divides by are often below float32's epsilon)."""
+    return ndtr(-z)
+
+
+def normal_between(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``P(a < Z <= b)`` for ``a <= b``, from whichever tail keeps its precision."""
+    sign = np.where(a > 0, -1.0, 1.0).astype(np.result_type(a, b))
+    return sign * (ndtr(sign * b) - ndtr(sign * a))
+
+
 def truncated_moments(
     mu: np.ndarray, sd: np.ndarray, d: np.ndarray, c: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -77,12 +94,12 @@ def truncated_moments(
     d = np.minimum(np.maximum(d, _TINY), np.exp(mu + _ZMAX * sd))
     u = d + c
     ln_d, ln_u = np.log(d), np.log(np.maximum(u, _TINY))
-    s_d = 1.0 - ndtr((ln_d - mu) / sd)
-    s_u = 1.0 - ndtr((ln_u - mu) / sd)
+    s_d = upper_tail((ln_d - mu) / sd)
+    s_u = upper_tail((ln_u - mu) / sd)
     var = sd * sd
-    m1 = np.exp(mu + var / 2) * (ndtr((ln_u - mu - var) / sd) - ndtr((ln_d - mu - var) / sd))
-    m2 = np.exp(2 * mu + 2 * var) * (
-        ndtr((ln_u - mu - 2 * var) / sd) - ndtr((ln_d - mu - 2 * var) / sd)
+    m1 = np.exp(mu + var / 2) * normal_between((ln_d - mu - var) / sd, (ln_u - mu - var) / sd)
+    m2 = np.exp(2 * mu + 2 * var) * normal_between(
+        (ln_d - mu - 2 * var) / sd, (ln_u - mu - 2 * var) / sd
     )
     mass = s_d - s_u
     s_d = np.maximum(s_d, _TINY)
@@ -188,6 +205,8 @@ def _take(live: Live, rows: np.ndarray) -> Live:
 
 def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
     """Expected contributions [rows, 4 targets, horizons] (targets in ``TARGETS`` order)."""
+    if COMPILED:
+        return bottomup_kernel.bottom_up(live, np.asarray(horizons, float))
     # float32 halves the cost of the transcendental functions over 10^4-10^5 elements and
     # is ample for token counts and seconds; the sums are taken in float64. Each group of
     # rows (current turn, in a tool) is taken out once and worked on densely: indexing the
@@ -247,12 +266,12 @@ def _in_tool(live: Live, horizons: np.ndarray) -> np.ndarray:
     size = expected_size(live.mu_next, live.sd_next)
     # A tool running for e > 0 s is not instant: condition the log-normal part on it.
     mu_t, sd_t = live.mu_tool, np.maximum(live.sd_tool, 1e-3)
-    e = np.nan_to_num(live.tool_elapsed, nan=0.0)
-    zero = np.zeros(rows)
-    f_e = tool_cdf(zero, mu_t, sd_t, e)
-    s_e = np.maximum(1.0 - f_e, _TINY)
-    f_h = tool_cdf(zero[:, None], mu_t[:, None], sd_t[:, None], e[:, None] + horizons[None, :])
-    out[:, 0] = np.clip((f_h - f_e[:, None]) / s_e[:, None], 0.0, 1.0) * size[:, None]
+    e = np.maximum(np.nan_to_num(live.tool_elapsed, nan=0.0), 0.0)
+    z_e = (np.log(e + TOOL_SHIFT_S) - mu_t) / sd_t
+    z_h = (np.log(e[:, None] + horizons[None, :] + TOOL_SHIFT_S) - mu_t[:, None]) / sd_t[:, None]
+    s_e = np.maximum(upper_tail(z_e), _TINY)
+    ends = normal_between(z_e[:, None], z_h)  # P(e < T <= e + h)
+    out[:, 0] = np.clip(ends / s_e[:, None], 0.0, 1.0) * size[:, None]
     remaining = conditional_quantiles(mu_t, sd_t, e + TOOL_SHIFT_S) - TOOL_SHIFT_S
     remaining = np.maximum(remaining - e[:, None], 0.0)  # rows x 3
     base = live.ctx + np.nan_to_num(live.out_last) + size

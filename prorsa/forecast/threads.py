@@ -6,8 +6,9 @@ predictors (:mod:`prorsa.forecast.compiled_trees`) split those rows over a threa
 on this project's 2-core reference machine two threads take a booster from ~0.95 to
 ~0.58 ms, ~2 ms off a tick's five (benchmarks/results/decision_latency.json). Results do
 not depend on the thread count: every row is scored the same way on whichever thread.
-(The bottom-up sum was tried on two threads too and gained under 5%: its numpy calls
-on a few thousand rows each hold the interpreter lock for most of their time.) With two
+(The bottom-up sum's numpy path holds the interpreter lock for most of its time, so it
+gains nothing from a second thread; its compiled kernel, :mod:`bottomup_kernel`, releases
+the lock, which is what lets it run beside the scoring at full speed.) With two
 threads or more, a tick with at least ``compiled_trees.MIN_ROWS`` new turns, after a tick
 whose forecast was read, scores them on a worker thread (:func:`scoring_pool`, on one
 thread fewer) while the caller sums the other trajectories' bottom-up terms.
