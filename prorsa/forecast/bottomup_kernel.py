@@ -42,13 +42,6 @@ def _upper(z):
     return 0.5 * math.erfc(z * _SQRT1_2)
 
 
-def _between(a, b):
-    # bottomup.normal_between: P(a < Z <= b) from the tail that keeps its precision.
-    if a > 0.0:
-        return _upper(a) - _upper(b)
-    return _ndtr(b) - _ndtr(a)
-
-
 def _fast_ndtr(z):
     # bottomup.fast_ndtr's tanh form, for the terms where the numpy path uses it.
     return 0.5 * (1.0 + math.tanh(0.7978846 * (z + 0.044715 * z * z * z)))
@@ -133,19 +126,37 @@ def _tool_quantile(p0, mu, sd, node):
     return max(math.exp(mu + max(sd, 1e-3) * _ndtri(level)) - _SHIFT, 0.0)
 
 
-def _truncated(mu, sd, d, c):
-    """bottomup.truncated_moments for one row: (first, second)."""
+def _tail_at(a):
+    # What P(a < Z <= b) needs of a, from the tail that keeps its precision.
+    return _upper(a) if a > 0.0 else _ndtr(a)
+
+
+def _between_from(a, tail_a, b):
+    # bottomup.normal_between(a, b), with tail_a = _tail_at(a) computed once for many b.
+    return tail_a - _upper(b) if a > 0.0 else _ndtr(b) - tail_a
+
+
+def _truncation(mu, sd, d):
+    """What bottomup.truncated_moments at ``d`` computes once for every window ``c``."""
     sd = max(sd, 1e-3)
     d = min(max(d, _TINY), math.exp(mu + _ZMAX * sd))
-    u = d + c
-    ln_d, ln_u = math.log(d), math.log(max(u, _TINY))
-    s_d = _upper((ln_d - mu) / sd)
-    s_u = _upper((ln_u - mu) / sd)
+    ln_d = math.log(d)
     var = sd * sd
-    m1 = math.exp(mu + var / 2.0) * _between((ln_d - mu - var) / sd, (ln_u - mu - var) / sd)
-    m2 = math.exp(2.0 * mu + 2.0 * var) * _between(
-        (ln_d - mu - 2.0 * var) / sd, (ln_u - mu - 2.0 * var) / sd
-    )
+    a1 = (ln_d - mu - var) / sd
+    a2 = (ln_d - mu - 2.0 * var) / sd
+    first_scale, second_scale = math.exp(mu + var / 2.0), math.exp(2.0 * mu + 2.0 * var)
+    s_d = _upper((ln_d - mu) / sd)
+    return sd, d, var, s_d, first_scale, second_scale, a1, _tail_at(a1), a2, _tail_at(a2)
+
+
+def _truncated(mu, at, c):
+    """bottomup.truncated_moments for one row and window ``c`` (``at``: its
+    :func:`_truncation`): (first, second)."""
+    sd, d, var, s_d, first_scale, second_scale, a1, tail1, a2, tail2 = at
+    ln_u = math.log(max(d + c, _TINY))
+    s_u = _upper((ln_u - mu) / sd)
+    m1 = first_scale * _between_from(a1, tail1, (ln_u - mu - var) / sd)
+    m2 = second_scale * _between_from(a2, tail2, (ln_u - mu - 2.0 * var) / sd)
     mass = s_d - s_u
     s_d = max(s_d, _TINY)
     first = (m1 - d * mass + c * s_u) / s_d
@@ -154,15 +165,14 @@ def _truncated(mu, sd, d, c):
     return first, _clip(second, first * first, c * c)
 
 
-def _fresh(mu, sd, c):
-    """bottomup.fresh_moments for one row: (first, second)."""
-    sd = max(sd, 1e-3)
+def _fresh(mu, sd, first_scale, second_scale, c):
+    """bottomup.fresh_moments for one row (``sd`` floored, ``first_scale`` /
+    ``second_scale``: E[X] and E[X^2] of the log-normal): (first, second)."""
     var = sd * sd
     ln_c = math.log(max(c, _TINY))
     above = 1.0 - _fast_ndtr((ln_c - mu) / sd)
-    first = math.exp(mu + var / 2.0) * _fast_ndtr((ln_c - mu - var) / sd) + c * above
-    second = math.exp(2.0 * mu + 2.0 * var) * _fast_ndtr((ln_c - mu - 2.0 * var) / sd)
-    second += c * c * above
+    first = first_scale * _fast_ndtr((ln_c - mu - var) / sd) + c * above
+    second = second_scale * _fast_ndtr((ln_c - mu - 2.0 * var) / sd) + c * c * above
     return min(first, c), min(second, c * c)
 
 
@@ -206,9 +216,10 @@ def _current(
     rate = max(rate_raw, _TINY)
     wait = max(ttft - since_queued, 0.0) if waiting else 0.0
     d = 0.0 if waiting else decoded
+    at = _truncation(mu, sd, d)
     for j in range(len(horizons)):
         h = horizons[j]
-        m1, m2 = _truncated(mu, sd, d, rate * max(h - wait, 0.0))
+        m1, m2 = _truncated(mu, at, rate * max(h - wait, 0.0))
         out[i, 1, j] = m1
         out[i, 2, j] = m1 / (rate * h)
         out[i, 3, j] = ((ctx + d) * m1 / rate + m2 / (2.0 * rate)) / h
@@ -275,9 +286,10 @@ def _in_tool(
     e = max(0.0 if elapsed != elapsed else elapsed, 0.0)
     z_e = (math.log(e + _SHIFT) - mu_t) / sd_t
     s_e = max(_upper(z_e), _TINY)
+    tail_e = _tail_at(z_e)
     for j in range(len(horizons)):
         z_h = (math.log(e + horizons[j] + _SHIFT) - mu_t) / sd_t
-        out[i, 0, j] = _clip(_between(z_e, z_h) / s_e, 0.0, 1.0) * size
+        out[i, 0, j] = _clip(_between_from(z_e, tail_e, z_h) / s_e, 0.0, 1.0) * size
     f = _ndtr(min((math.log(max(e + _SHIFT, _TINY)) - mu_t) / sd_t, _ZMAX))
     rem = (
         max(_cond_quantile(mu_t, sd_t, f, _N1) - _SHIFT - e, 0.0),
@@ -286,12 +298,15 @@ def _in_tool(
     )
     base = ctx + (0.0 if out_last != out_last else out_last) + size
     rate = max(rate_raw, _TINY)
+    sd_o = max(sd, 1e-3)
+    first_scale = math.exp(mu + sd_o * sd_o / 2.0)
+    second_scale = math.exp(2.0 * mu + 2.0 * sd_o * sd_o)
     for j in range(len(horizons)):
         h = horizons[j]
         m1 = 0.0
         m2 = 0.0
         for k in range(3):
-            a, b = _fresh(mu, sd, rate * max(h - (rem[k] + ttft), 0.0))
+            a, b = _fresh(mu, sd_o, first_scale, second_scale, rate * max(h - (rem[k] + ttft), 0.0))
             m1 += a
             m2 += b
         m1 /= 3.0
@@ -390,7 +405,6 @@ def _kernel(
 if AVAILABLE:
     _ndtr = _jit(_ndtr)
     _upper = _jit(_upper)
-    _between = _jit(_between)
     _fast_ndtr = _jit(_fast_ndtr)
     _ratio = _jit(_ratio)
     _ndtri = _jit(_ndtri)
@@ -399,6 +413,9 @@ if AVAILABLE:
     _tool_cdf = _jit(_tool_cdf)
     _cond_quantile = _jit(_cond_quantile)
     _tool_quantile = _jit(_tool_quantile)
+    _tail_at = _jit(_tail_at)
+    _between_from = _jit(_between_from)
+    _truncation = _jit(_truncation)
     _truncated = _jit(_truncated)
     _fresh = _jit(_fresh)
     _later = _jit(_later)
