@@ -50,6 +50,25 @@ def test_a_queue_or_a_pause_restarts_every_clock():
         KVWaitWatch(0.0)
 
 
+def test_a_leg_overtaken_by_a_later_request_is_not_explained_by_a_queue():
+    watch = KVWaitWatch(10.0)
+    watch.add("a", now=0.0)
+    watch.add("b", now=3.0)
+    watch.first_token(arrived=1.0, now=2.0)  # a request after "a", before "b", decodes
+    for t in range(0, 30):  # requests queue throughout
+        watch.queued(float(t))
+    assert watch.overdue(11.9) == []
+    assert watch.overdue(12.0) == ["a"]  # ten seconds after it was overtaken
+    assert watch.overdue(29.0) == ["a"]  # "b" was not overtaken: the queue explains it
+    watch.first_token(arrived=3.5, now=20.0)
+    assert watch.overdue(30.0) == ["a", "b"]
+    watch.hold(25.0)  # a pause restarts every clock, overtaken or not
+    assert watch.overdue(34.9) == [] and watch.overdue(35.0) == ["a", "b"]
+    watch.done("a")
+    watch.first_token(arrived=0.5, now=40.0)  # an earlier request overtakes nothing new
+    assert watch._overtaken == {"b": 20.0}
+
+
 class _HangingLLM:
     """``AsyncLLM`` enough for ``EngineServer.generate_stream``: a request presenting
     remote KV never gets it (the load hangs) until aborted; others decode at once."""
@@ -151,6 +170,24 @@ def test_the_engine_waits_while_requests_queue_or_it_is_held(vllm_imported, held
         assert not leg.done() and llm.aborted == []
         setattr(server, held_by, [] if held_by == "_busy" else False)
         result = await asyncio.wait_for(leg, 60)  # nothing explains the wait any more
+        assert result["kv_wait_given_up"] is True and llm.aborted == ["d-1"]
+
+    asyncio.run(go())
+
+
+def test_a_queue_does_not_explain_a_wait_once_a_later_request_decoded(vllm_imported):
+    async def go():
+        server, llm = _server(timeout_s=1.0)
+        leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
+        await asyncio.sleep(0.05)
+        later = await _collect(server, "t-1", None)  # reached the engine after d-1
+        assert later["finish_reason"] == "length"
+        began = time.monotonic()
+        while not leg.done():  # requests queue on the engine throughout
+            server._load.queued_s = time.monotonic()
+            await asyncio.sleep(0.05)
+            assert time.monotonic() - began < 30
+        result = leg.result()
         assert result["kv_wait_given_up"] is True and llm.aborted == ["d-1"]
 
     asyncio.run(go())

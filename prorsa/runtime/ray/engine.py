@@ -347,9 +347,10 @@ class EngineServer(EngineControl, LoopBound):
         params = sampling_params(max_tokens, temperature, kv_params, sampling, record=request_id)
         collector = OutputCollector(params.logprobs, params.prompt_logprobs)
         started = time.perf_counter()
+        arrived = time.monotonic()  # the KV wait watch's clock
         self._in_flight[request_id] = started
         if kv_params and kv_params.get("do_remote_prefill"):
-            self._watch_kv_wait(request_id)
+            self._watch_kv_wait(request_id, arrived)
         first_token_s = None
         final: Any = None
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
@@ -365,6 +366,8 @@ class EngineServer(EngineControl, LoopBound):
                 if collector.token_ids and first_token_s is None:
                     first_token_s = time.perf_counter() - started
                     self._kv_wait_over(request_id)
+                    if self._kv_watch is not None and len(self._kv_watch):
+                        self._kv_watch.first_token(arrived, time.monotonic())
                     if not out.finished:
                         yield {
                             "event": "first_token",
@@ -391,10 +394,10 @@ class EngineServer(EngineControl, LoopBound):
             }
         yield {"event": "done", **result, **collector.fields()}
 
-    def _watch_kv_wait(self, request_id: str) -> None:
+    def _watch_kv_wait(self, request_id: str, arrived: float) -> None:
         if self._kv_watch is None:
             return
-        self._kv_watch.add(request_id, time.monotonic())
+        self._kv_watch.add(request_id, arrived)
         if self._kv_watcher is None:
             self._kv_watcher = asyncio.get_running_loop().create_task(self._watch_kv_waits())
 
@@ -413,7 +416,7 @@ class EngineServer(EngineControl, LoopBound):
                 now = time.monotonic()
                 if self._paused or self._sleeping or self._busy:
                     watch.hold(now)
-                watch.hold(self._load.queued_s)
+                watch.queued(self._load.queued_s)
                 # No staleness rule: a parked request keeps the engine core stepping
                 # (and reporting), so silence means a step in progress, which never
                 # lasts anywhere near timeout_s; the stall watch handles engines that do.
@@ -422,7 +425,8 @@ class EngineServer(EngineControl, LoopBound):
                     watch.done(request_id)
                     self._kv_given_up.add(request_id)
                     logger.warning(
-                        "engine %d: %s waited %.0f s for its KV with nothing queued; aborting it",
+                        "engine %d: %s waited %.0f s for its KV with nothing else to "
+                        "explain it; aborting it",
                         self.engine_id, request_id, watch.timeout_s,
                     )  # fmt: skip
                 if late:
