@@ -41,7 +41,7 @@ def test_a_wait_is_overdue_only_after_its_unexplained_timeout():
 def test_a_queue_or_a_pause_restarts_every_clock():
     watch = KVWaitWatch(10.0)
     watch.add("a", now=0.0)
-    watch.hold(8.0)  # requests queued for admission at t=8: "a" may be queued too
+    watch.hold(8.0)  # paused at t=8, or a request whose KV arrived waited for a slot
     assert watch.overdue(17.9) == []
     assert watch.overdue(18.0) == ["a"]
     watch.hold(3.0)  # an older hold never moves a clock back
@@ -60,13 +60,25 @@ def test_a_leg_overtaken_by_a_later_request_is_not_explained_by_a_queue():
     assert watch.overdue(11.9) == []
     assert watch.overdue(12.0) == ["a"]  # ten seconds after it was overtaken
     assert watch.overdue(29.0) == ["a"]  # "b" was not overtaken: the queue explains it
-    watch.first_token(arrived=3.5, now=20.0)
+    watch.first_token(arrived=3.5, now=15.0)  # too close after "b" to tell the order
+    assert watch.overdue(29.0) == ["a"]
+    watch.first_token(arrived=4.0, now=20.0)
     assert watch.overdue(30.0) == ["a", "b"]
     watch.hold(25.0)  # a pause restarts every clock, overtaken or not
     assert watch.overdue(34.9) == [] and watch.overdue(35.0) == ["a", "b"]
     watch.done("a")
     watch.first_token(arrived=0.5, now=40.0)  # an earlier request overtakes nothing new
     assert watch._overtaken == {"b": 20.0}
+
+
+def test_an_overtaken_leg_may_wait_for_a_batch_slot_once_its_kv_arrived():
+    watch = KVWaitWatch(10.0)
+    watch.add("a", now=0.0)
+    watch.first_token(arrived=2.0, now=3.0)
+    watch.queued(2.0)  # before it was overtaken: still counts
+    for t in range(3, 30):  # loaded requests wait for a slot ("a" may be one of them)
+        watch.hold(float(t))
+    assert watch.overdue(38.9) == [] and watch.overdue(39.0) == ["a"]
 
 
 class _HangingLLM:
@@ -179,7 +191,7 @@ def test_a_queue_does_not_explain_a_wait_once_a_later_request_decoded(vllm_impor
     async def go():
         server, llm = _server(timeout_s=1.0)
         leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(server._kv_watch.overtake_margin_s + 0.1)
         later = await _collect(server, "t-1", None)  # reached the engine after d-1
         assert later["finish_reason"] == "length"
         began = time.monotonic()
@@ -189,6 +201,51 @@ def test_a_queue_does_not_explain_a_wait_once_a_later_request_decoded(vllm_impor
             assert time.monotonic() - began < 30
         result = leg.result()
         assert result["kv_wait_given_up"] is True and llm.aborted == ["d-1"]
+
+    asyncio.run(go())
+
+
+def test_an_overtaken_leg_is_held_while_loaded_requests_wait_for_slots(vllm_imported):
+    async def go():
+        server, llm = _server(timeout_s=1.0)
+        server._kv_watch.overtake_margin_s = 0.0
+        leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
+        await asyncio.sleep(0.05)
+        await _collect(server, "t-1", None)  # overtakes d-1
+        loop = asyncio.get_running_loop()
+        stop = loop.time() + 3.0
+        while loop.time() < stop:  # d-1's KV may have arrived: it may wait for a slot
+            server._load.queued_s = server._load.slot_wait_s = time.monotonic()
+            await asyncio.sleep(0.1)
+        assert not leg.done() and llm.aborted == []
+        result = await asyncio.wait_for(leg, 60)
+        assert result["kv_wait_given_up"] is True
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("engine_kwargs", [{"data_parallel_size": 2}, {"renderer_num_workers": 4}])
+def test_no_overtaking_where_requests_may_reach_the_scheduler_out_of_order(
+    vllm_imported, engine_kwargs
+):
+    async def go():
+        config = EngineConfig(
+            model="tiny", connector=None, kv_wait_timeout_s=1.0, engine_kwargs=engine_kwargs
+        )
+        server = EngineServer(0, config)
+        server._llm = llm = _HangingLLM()
+        server._kv_watch.overtake_margin_s = 0.0
+        leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
+        await asyncio.sleep(0.05)
+        await _collect(server, "t-1", None)  # would overtake d-1 on one ordered scheduler
+        loop = asyncio.get_running_loop()
+        stop = loop.time() + 3.0
+        while loop.time() < stop:  # requests wait for admission throughout
+            server._load.queued_s = time.monotonic()
+            await asyncio.sleep(0.1)
+        assert not leg.done() and llm.aborted == []
+        await llm.abort(["d-1"])  # end the hanging load
+        await asyncio.wait_for(leg, 60)
 
     asyncio.run(go())
 
@@ -222,9 +279,15 @@ def test_the_stat_logger_marks_waits_other_than_a_kv_load():
     logger.record(stats(0), None)  # only a load in progress: the clocks run
     assert load.steps == 1 and load.queued_s == 0.0
     for waiting, stages in ((1, {}), (0, {"waiting_to_start": 1}), (0, {"completed_waiting": 1})):
-        load.queued_s = 0.0
+        load.queued_s = load.slot_wait_s = 0.0
         logger.record(stats(waiting, **stages), None)
         assert load.queued_s == load.updated_s > 0
+        # Only a request whose KV arrived and waits for a slot holds overtaken legs too.
+        assert (load.slot_wait_s > 0) == ("completed_waiting" in stages)
+    load.slot_wait_s = 0.0
+    iteration = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=3, num_preempted_reqs=1)
+    logger.record(None, iteration)  # a preempted request may be a leg whose KV arrived
+    assert load.slot_wait_s > 0 and load.generation_tokens == 3
 
 
 def test_off_means_no_watch(vllm_imported):

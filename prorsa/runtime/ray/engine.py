@@ -137,6 +137,12 @@ class EngineServer(EngineControl, LoopBound):
         # Decode legs waiting for remote KV (kv_watch explains when a wait is given up).
         timeout = config.kv_wait_timeout_s
         self._kv_watch = KVWaitWatch(timeout) if timeout > 0 else None
+        # Overtaking (kv_watch) needs one scheduler that sees requests in arrival order.
+        extra = config.engine_kwargs
+        self._kv_overtaking = (
+            int(extra.get("data_parallel_size", 1) or 1) <= 1
+            and int(extra.get("renderer_num_workers", 1) or 1) <= 1
+        )
         self._kv_watcher: asyncio.Task | None = None
         self._kv_given_up: set[str] = set()
         self.start_s: float | None = None
@@ -366,7 +372,7 @@ class EngineServer(EngineControl, LoopBound):
                 if collector.token_ids and first_token_s is None:
                     first_token_s = time.perf_counter() - started
                     self._kv_wait_over(request_id)
-                    if self._kv_watch is not None and len(self._kv_watch):
+                    if self._kv_overtaking and self._kv_watch is not None and len(self._kv_watch):
                         self._kv_watch.first_token(arrived, time.monotonic())
                     if not out.finished:
                         yield {
@@ -416,6 +422,7 @@ class EngineServer(EngineControl, LoopBound):
                 now = time.monotonic()
                 if self._paused or self._sleeping or self._busy:
                     watch.hold(now)
+                watch.hold(self._load.slot_wait_s)
                 watch.queued(self._load.queued_s)
                 # No staleness rule: a parked request keeps the engine core stepping
                 # (and reporting), so silence means a step in progress, which never

@@ -8,18 +8,20 @@ load ends. A peer that died fails the load (vLLM then recomputes the prompt, see
 engine keeps stepping its other requests, so the load monitor's stall watch does not see it.
 
 A leg's wait is only suspicious once nothing else can explain it. Its clock restarts
-whenever the engine was paused, asleep or busy with a control call, and, until the leg is
-*overtaken*, whenever any request on the engine waited for something other than a KV load
-in progress (admission, or a batch slot once its KV arrived:
-:func:`prorsa.runtime.ray.load.waits_for_more_than_kv`). vLLM reports those waits as
-counts, not per request, so on their own they cannot tell the hung leg from a queue. The
-order of first tokens can: vLLM admits waiting requests first come, first served, skipping
-only those whose KV is still loading (and stopping at one it cannot allocate), so once a
-request that reached the engine after the leg has its first token while the leg has none,
-the leg is waiting for its KV and nothing else; from then on a queue no longer restarts
-its clock. After ``timeout_s`` on a clock that ran uninterrupted the leg is overdue. On an
-engine that always has something queued, a hung leg is thus given up ``timeout_s`` after
-the first later request overtook it, not only once the queue empties.
+whenever the engine was paused, asleep or busy with a control call, or a request whose KV
+had arrived waited for a batch slot, or a request was preempted (the leg may be that
+request). Until the leg is *overtaken* its clock also restarts whenever any request on the
+engine waited for admission (:func:`prorsa.runtime.ray.load.waits_for_more_than_kv`).
+vLLM reports these waits as counts, not per request, so on their own they cannot tell a
+hung leg from a queue. The order of first tokens can: vLLM admits waiting requests first
+come, first served (skipping those whose KV is still loading, and stopping at one it
+cannot allocate blocks for), so once a request that reached the engine a clear margin
+after the leg has its first token while the leg has none, the leg has been admitted and
+its KV has not arrived; from then on requests waiting for admission no longer restart its
+clock. On an engine that always has requests waiting for admission, a hung leg is thus
+given up ``timeout_s`` after it was overtaken instead of only once that queue empties. The
+premise needs one scheduler fed in arrival order: an engine with data-parallel ranks or
+several input-processing workers watches without overtaking (the counts alone).
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ class KVWaitWatch:
 
     Args:
         timeout_s: a leg is overdue after this many seconds of unexplained waiting.
+        overtake_margin_s: a request overtakes a leg only if it reached the engine at
+            least this long after it (requests a few milliseconds apart may enter the
+            scheduler in either order).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, overtake_margin_s: float = 1.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
+        self.overtake_margin_s = overtake_margin_s
         self._since: dict[str, float] = {}  # request id -> when it reached the engine
         self._overtaken: dict[str, float] = {}  # request id -> when a later one got a token
         self._held_at = float("-inf")  # last time the engine was paused, asleep or busy
@@ -54,20 +60,23 @@ class KVWaitWatch:
         self._overtaken.pop(request_id, None)
 
     def hold(self, at: float) -> None:
-        """At ``at`` the engine was paused, asleep or busy: every waiting leg's clock
-        restarts from there."""
+        """At ``at`` the engine was paused, asleep or busy, or a request whose KV arrived
+        waited for a batch slot or was preempted: every waiting leg's clock restarts from
+        there."""
         self._held_at = max(self._held_at, at)
 
     def queued(self, at: float) -> None:
-        """At ``at`` requests waited for admission or a batch slot: the clocks of legs not
-        overtaken yet restart from there (the leg may be one of them)."""
+        """At ``at`` requests waited for admission: the clocks of legs not overtaken yet
+        restart from there (the leg may be one of them)."""
         self._queued_at = max(self._queued_at, at)
 
     def first_token(self, arrived: float, now: float) -> None:
         """A request that reached the engine at ``arrived`` got its first token at ``now``:
-        every leg that arrived before it and still waits is overtaken."""
+        every leg that arrived ``overtake_margin_s`` or more before it and still waits is
+        overtaken."""
+        before = arrived - self.overtake_margin_s
         for request_id, since in self._since.items():
-            if since < arrived and request_id not in self._overtaken:
+            if since <= before and request_id not in self._overtaken:
                 self._overtaken[request_id] = now
 
     def overdue(self, now: float) -> list[str]:
@@ -77,7 +86,7 @@ class KVWaitWatch:
         for request_id, since in self._since.items():
             queued_at = self._queued_at
             overtaken = self._overtaken.get(request_id)
-            if overtaken is not None:  # a queue after that no longer explains the wait
+            if overtaken is not None:  # admission after that no longer explains the wait
                 queued_at = min(queued_at, overtaken)
             if now - max(since, self._held_at, queued_at) >= self.timeout_s:
                 late.append((since, request_id))
