@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.special import ndtri
+from scipy.special import log_ndtr, ndtri
 
 from prorsa.forecast import bottomup, bottomup_kernel
 from prorsa.forecast.bottomup import Live
@@ -20,10 +20,15 @@ STATES = np.array([QUEUED, PREFILLING, TRANSFERRING, DECODING, IN_TOOL, 99])
 def random_live(n: int, seed: int) -> Live:
     """Live states over the ranges the per-turn models produce, with the edges the
     formulas guard: nothing decoded yet, decodes far past the expected length, instant
-    tools, near-empty turns, tool times not yet known (NaN) and outputs never seen
-    (NaN)."""
+    tools, tools far into their tail, near-empty turns, tool times not yet known (NaN)
+    and outputs never seen (NaN)."""
     rng = np.random.default_rng(seed)
+    mu_tool = rng.normal(0.5, 1.5, n)
+    sd_tool = rng.uniform(0.0, 2.0, n)
     tool_elapsed = rng.exponential(5.0, n)
+    far = rng.random(n) < 0.05  # 5 to 8 standard deviations into the tool's tail
+    tool_elapsed[far] = np.exp(mu_tool[far] + rng.uniform(5, 8, far.sum()) * sd_tool[far])
+    tool_elapsed[rng.random(n) < 0.02] = -0.01  # clamped to 0 on both paths
     tool_elapsed[rng.random(n) < 0.1] = np.nan
     out_last = rng.exponential(300.0, n)
     out_last[rng.random(n) < 0.1] = np.nan
@@ -46,8 +51,8 @@ def random_live(n: int, seed: int) -> Live:
         sd_out=rng.uniform(0.0, 2.0, n),
         q_cont=rng.random(n),
         p_instant=p_instant,
-        mu_tool=rng.normal(0.5, 1.5, n),
-        sd_tool=rng.uniform(0.0, 2.0, n),
+        mu_tool=mu_tool,
+        sd_tool=sd_tool,
         mu_next=rng.normal(5.0, 1.5, n),
         sd_next=rng.uniform(0.0, 1.5, n),
         rate=np.full(n, rng.uniform(10.0, 100.0)),
@@ -72,6 +77,33 @@ def test_kernel_matches_the_numpy_path(monkeypatch, seed):
     scale = np.abs(reference).max(axis=0, keepdims=True) + 1e-6
     np.testing.assert_allclose(compiled / scale, reference / scale, atol=5e-3)
     np.testing.assert_allclose(compiled.sum(axis=0), reference.sum(axis=0), rtol=1e-4)
+    usual = live.decoded < 1e5
+    np.testing.assert_allclose(compiled[usual], reference[usual], rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_tool_far_into_its_tail_still_ends_within_the_horizon(monkeypatch, compiled):
+    # P(T <= e + h | T > e) for a log-normal tool e seconds in, 5 to 8 sd into its tail:
+    # both tails are below any floor, their ratio is not (it is near 1 there).
+    monkeypatch.setattr(bottomup, "COMPILED", compiled)
+    n = 4
+    z = np.array([5.0, 6.0, 7.0, 8.0])
+    mu, sd = np.zeros(n), np.full(n, 0.3)
+    elapsed = np.exp(mu + z * sd) - bottomup.TOOL_SHIFT_S
+    live = random_live(n, 0)
+    for name, value in (("state", np.full(n, IN_TOOL)), ("tool_elapsed", elapsed),
+                        ("mu_tool", mu), ("sd_tool", sd), ("q_cont", np.zeros(n)),
+                        ("mu_next", np.full(n, 6.0)), ("sd_next", np.full(n, 0.1))):  # fmt: skip
+        setattr(live, name, value)
+    terms = bottomup.bottom_up(live, HORIZONS)
+    size = bottomup.expected_size(live.mu_next, live.sd_next)
+
+    def log_tail(x):  # log P(T > x)
+        return log_ndtr(-(np.log(x + bottomup.TOOL_SHIFT_S) - mu[:, None]) / sd[:, None])
+
+    exact = -np.expm1(log_tail(elapsed[:, None] + HORIZONS) - log_tail(elapsed[:, None]))
+    np.testing.assert_allclose(terms[:, 0, :], exact * size[:, None], rtol=2e-3)
+    assert (exact[:, -1] > 0.5).all()
 
 
 def test_kernel_rows_do_not_depend_on_their_neighbours():

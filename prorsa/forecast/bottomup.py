@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import ndtr, ndtri
+from scipy.special import log_ndtr, ndtr, ndtri
 
 from prorsa.forecast import bottomup_kernel
 from prorsa.forecast.tracker import DECODING, IN_TOOL, PREFILLING, QUEUED, TRANSFERRING
@@ -203,10 +203,21 @@ def _take(live: Live, rows: np.ndarray) -> Live:
     )
 
 
+def row_groups(live: Live) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Masks of the rows whose current turn waits for its decode (queued, prefilling,
+    moving its KV, or decoding a turn not yet open), decodes, and is in a tool."""
+    state, is_open = np.asarray(live.state), np.asarray(live.open)
+    waiting = (state == QUEUED) | (state == PREFILLING) | (state == TRANSFERRING)
+    waiting |= (state == DECODING) & ~is_open
+    return waiting, (state == DECODING) & is_open, state == IN_TOOL
+
+
 def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
     """Expected contributions [rows, 4 targets, horizons] (targets in ``TARGETS`` order)."""
     if COMPILED:
-        return bottomup_kernel.bottom_up(live, np.asarray(horizons, float))
+        waiting, running, in_tool = row_groups(live)
+        group = np.select([waiting, running, in_tool], bottomup_kernel.GROUPS, 0)
+        return bottomup_kernel.bottom_up(live, group, np.asarray(horizons, float))
     # float32 halves the cost of the transcendental functions over 10^4-10^5 elements and
     # is ample for token counts and seconds; the sums are taken in float64. Each group of
     # rows (current turn, in a tool) is taken out once and worked on densely: indexing the
@@ -217,14 +228,11 @@ def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
     out = np.zeros((n, 4, nh))
     if n == 0:
         return out
-    is_open = np.asarray(live.open)
-    pre = (state == QUEUED) | (state == PREFILLING) | (state == TRANSFERRING)
-    pre |= (state == DECODING) & ~is_open
-    running = (state == DECODING) & is_open
+    pre, running, in_tool = row_groups(live)
     cur = np.flatnonzero(pre | running)
     if len(cur):
         out[cur] = _current_turn(_take(live, cur), pre[cur], horizons)
-    idx = np.flatnonzero(state == IN_TOOL)
+    idx = np.flatnonzero(in_tool)
     if len(idx):
         out[idx] = _in_tool(_take(live, idx), horizons)
     return out
@@ -269,9 +277,10 @@ def _in_tool(live: Live, horizons: np.ndarray) -> np.ndarray:
     e = np.maximum(np.nan_to_num(live.tool_elapsed, nan=0.0), 0.0)
     z_e = (np.log(e + TOOL_SHIFT_S) - mu_t) / sd_t
     z_h = (np.log(e[:, None] + horizons[None, :] + TOOL_SHIFT_S) - mu_t[:, None]) / sd_t[:, None]
-    s_e = np.maximum(upper_tail(z_e), _TINY)
-    ends = normal_between(z_e[:, None], z_h)  # P(e < T <= e + h)
-    out[:, 0] = np.clip(ends / s_e[:, None], 0.0, 1.0) * size[:, None]
+    # P(T <= e + h | T > e) = 1 - S(z_h) / S(z_e), from the logs of the tails: far into
+    # the tail both are below any floor, their ratio is not.
+    ends = -np.expm1(log_ndtr(-z_h) - log_ndtr(-z_e)[:, None])
+    out[:, 0] = np.clip(ends, 0.0, 1.0) * size[:, None]
     remaining = conditional_quantiles(mu_t, sd_t, e + TOOL_SHIFT_S) - TOOL_SHIFT_S
     remaining = np.maximum(remaining - e[:, None], 0.0)  # rows x 3
     base = live.ctx + np.nan_to_num(live.out_last) + size

@@ -20,7 +20,6 @@ import math
 import numpy as np
 
 from prorsa.forecast.ingest_kernel import AVAILABLE, _jit
-from prorsa.forecast.tracker import DECODING, IN_TOOL, PREFILLING, QUEUED, TRANSFERRING
 
 # The numpy path's constants (prorsa.forecast.bottomup), frozen into the machine code.
 _SHIFT = 0.05  # TOOL_SHIFT_S
@@ -29,8 +28,11 @@ _TINY = 1e-9
 _LOG_CAP = math.log(1e6)
 _N1, _N2, _N3 = 1.0 / 6.0, 0.5, 5.0 / 6.0  # quadrature nodes
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
-_QUEUED, _PREFILLING, _TRANSFERRING = QUEUED, PREFILLING, TRANSFERRING
-_DECODING, _IN_TOOL = DECODING, IN_TOOL
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+#: Row groups, as :func:`prorsa.forecast.bottomup.row_groups` sorts them (0: no terms).
+#: Passed in rather than derived from the tracker's state codes, which numba would freeze
+#: into its cached machine code.
+GROUPS = (_WAITING, _RUNNING, _IN_TOOL) = (1, 2, 3)
 
 
 def _ndtr(z):
@@ -124,6 +126,15 @@ def _tool_quantile(p0, mu, sd, node):
         return 0.0
     level = _clip((node - p0) / max(1.0 - p0, _TINY), 1e-6, 1.0 - 1e-6)
     return max(math.exp(mu + max(sd, 1e-3) * _ndtri(level)) - _SHIFT, 0.0)
+
+
+def _log_upper(z):
+    """log P(Z > z) (scipy's ``log_ndtr(-z)``): erfc while it is representable, then
+    the asymptotic series of the Mills ratio (relative error below 1e-7 from z = 25)."""
+    if z < 25.0:
+        return math.log(0.5 * math.erfc(z * _SQRT1_2))
+    inv2 = 1.0 / (z * z)
+    return -0.5 * z * z - math.log(z) - _LOG_SQRT_2PI + math.log1p(-inv2 + 3.0 * inv2 * inv2)
 
 
 def _tail_at(a):
@@ -284,12 +295,11 @@ def _in_tool(
     size = _expected_size(mu_n, sd_n)
     mu_t, sd_t = mu_t_raw, max(sd_t_raw, 1e-3)
     e = max(0.0 if elapsed != elapsed else elapsed, 0.0)
-    z_e = (math.log(e + _SHIFT) - mu_t) / sd_t
-    s_e = max(_upper(z_e), _TINY)
-    tail_e = _tail_at(z_e)
+    log_s_e = _log_upper((math.log(e + _SHIFT) - mu_t) / sd_t)
     for j in range(len(horizons)):
         z_h = (math.log(e + horizons[j] + _SHIFT) - mu_t) / sd_t
-        out[i, 0, j] = _clip(_between_from(z_e, tail_e, z_h) / s_e, 0.0, 1.0) * size
+        ends = -math.expm1(_log_upper(z_h) - log_s_e)  # P(T <= e + h | T > e)
+        out[i, 0, j] = _clip(ends, 0.0, 1.0) * size
     f = _ndtr(min((math.log(max(e + _SHIFT, _TINY)) - mu_t) / sd_t, _ZMAX))
     rem = (
         max(_cond_quantile(mu_t, sd_t, f, _N1) - _SHIFT - e, 0.0),
@@ -336,8 +346,7 @@ def _in_tool(
 
 
 def _kernel(
-    state,
-    is_open,
+    group,
     ctx,
     since_queued,
     decoded,
@@ -356,17 +365,14 @@ def _kernel(
     horizons,
     out,
 ):
-    for i in range(len(state)):
-        s = state[i]
-        running = s == _DECODING and is_open[i]
-        waiting = s in (_QUEUED, _PREFILLING, _TRANSFERRING)
-        waiting = waiting or (s == _DECODING and not is_open[i])
-        if waiting or running:
+    for i in range(len(group)):
+        g = group[i]
+        if g in (_WAITING, _RUNNING):
             _current(
                 out,
                 i,
                 horizons,
-                waiting,
+                g == _WAITING,
                 ctx[i],
                 since_queued[i],
                 decoded[i],
@@ -381,7 +387,7 @@ def _kernel(
                 rate[i],
                 ttft[i],
             )
-        elif s == _IN_TOOL:
+        elif g == _IN_TOOL:
             _in_tool(
                 out,
                 i,
@@ -405,6 +411,7 @@ def _kernel(
 if AVAILABLE:
     _ndtr = _jit(_ndtr)
     _upper = _jit(_upper)
+    _log_upper = _jit(_log_upper)
     _fast_ndtr = _jit(_fast_ndtr)
     _ratio = _jit(_ratio)
     _ndtri = _jit(_ndtri)
@@ -423,10 +430,8 @@ if AVAILABLE:
     _in_tool = _jit(_in_tool)
     _kernel = _jit(_kernel)
 
-#: The Live fields the kernel reads, in argument order.
+#: The Live fields the kernel reads after the row groups, in argument order.
 FIELDS = (
-    "state",
-    "open",
     "ctx",
     "since_queued",
     "decoded",
@@ -445,13 +450,18 @@ FIELDS = (
 )
 
 
-def bottom_up(live, horizons: np.ndarray) -> np.ndarray:
-    """:func:`prorsa.forecast.bottomup.bottom_up` in the kernel: [rows, 4, horizons]."""
-    n = len(live.state)
+def bottom_up(live, group: np.ndarray, horizons: np.ndarray) -> np.ndarray:
+    """:func:`prorsa.forecast.bottomup.bottom_up` in the kernel: [rows, 4, horizons];
+    ``group`` says which terms each row gets (:data:`GROUPS`, 0: none)."""
+    n = len(group)
     out = np.zeros((n, 4, len(horizons)))
     if n == 0:
         return out
-    args = [np.ascontiguousarray(live.state, np.int64), np.ascontiguousarray(live.open, bool)]
-    args += [np.ascontiguousarray(getattr(live, f), np.float64) for f in FIELDS[2:]]
-    _kernel(*args, np.ascontiguousarray(horizons, np.float64), out)
+    args = [np.ascontiguousarray(getattr(live, f), np.float64) for f in FIELDS]
+    _kernel(
+        np.ascontiguousarray(group, np.int64),
+        *args,
+        np.ascontiguousarray(horizons, np.float64),
+        out,
+    )
     return out
