@@ -33,6 +33,15 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 #: Passed in rather than derived from the tracker's state codes, which numba would freeze
 #: into its cached machine code.
 GROUPS = (_WAITING, _RUNNING, _IN_TOOL) = (1, 2, 3)
+#: The Live fields the kernel reads, as the columns of one row matrix.
+FIELDS = (
+    "ctx", "since_queued", "decoded", "tool_elapsed", "out_last", "mu_out", "sd_out",
+    "q_cont", "p_instant", "mu_tool", "sd_tool", "mu_next", "sd_next", "rate", "ttft",
+)  # fmt: skip
+(
+    _CTX, _SINCE_QUEUED, _DECODED, _TOOL_ELAPSED, _OUT_LAST, _MU_OUT, _SD_OUT, _Q_CONT,
+    _P_INSTANT, _MU_TOOL, _SD_TOOL, _MU_NEXT, _SD_NEXT, _RATE, _TTFT,
+) = range(len(FIELDS))  # fmt: skip
 
 
 def _ndtr(z):
@@ -187,8 +196,10 @@ def _fresh(mu, sd, first_scale, second_scale, c):
     return min(first, c), min(second, c * c)
 
 
-def _later(out, i, horizons, arr, dec, kv_base, mean_out, size, rate, ttft, q, p0, mu_t, sd_t):
+def _later(out, i, horizons, arr, dec, kv_base, mean_out, size, row):
     """bottomup._later_turns for row ``i``; ``arr`` / ``dec``: the three nodes' starts."""
+    rate, ttft, q, p0 = row[_RATE], row[_TTFT], row[_Q_CONT], row[_P_INSTANT]
+    mu_t, sd_t = row[_MU_TOOL], row[_SD_TOOL]
     dec_s = mean_out / max(rate, _TINY)
     tool_s = (1.0 - p0) * max(math.exp(min(mu_t + sd_t * sd_t / 2.0, _LOG_CAP)) - _SHIFT, 0.0)
     per = q / max(ttft + dec_s + tool_s, 0.1)
@@ -203,26 +214,12 @@ def _later(out, i, horizons, arr, dec, kv_base, mean_out, size, rate, ttft, q, p
         out[i, 3, j] += busy * (kv_base + mean_out / 2.0)
 
 
-def _current(
-    out,
-    i,
-    horizons,
-    waiting,
-    ctx,
-    since_queued,
-    decoded,
-    mu,
-    sd,
-    q,
-    p0,
-    mu_t,
-    sd_t,
-    mu_n,
-    sd_n,
-    rate_raw,
-    ttft,
-):
-    """bottomup._current_turn for row ``i``."""
+def _current(out, i, horizons, waiting, row):
+    """bottomup._current_turn for row ``i`` (``row``: its :data:`FIELDS`)."""
+    ctx, since_queued, decoded = row[_CTX], row[_SINCE_QUEUED], row[_DECODED]
+    mu, sd, q, p0 = row[_MU_OUT], row[_SD_OUT], row[_Q_CONT], row[_P_INSTANT]
+    mu_t, sd_t, mu_n, sd_n = row[_MU_TOOL], row[_SD_TOOL], row[_MU_NEXT], row[_SD_NEXT]
+    rate_raw, ttft = row[_RATE], row[_TTFT]
     size = _expected_size(mu_n, sd_n)
     rate = max(rate_raw, _TINY)
     wait = max(ttft - since_queued, 0.0) if waiting else 0.0
@@ -255,45 +252,16 @@ def _current(
     )
     dec = (arr[0] + ttft, arr[1] + ttft, arr[2] + ttft)
     mean_out = math.exp(min(mu + sd * sd / 2.0, _LOG_CAP))
-    _later(
-        out,
-        i,
-        horizons,
-        arr,
-        dec,
-        ctx + mean_out + size,
-        mean_out,
-        size,
-        rate_raw,
-        ttft,
-        q,
-        p0,
-        mu_t,
-        sd_t,
-    )
+    _later(out, i, horizons, arr, dec, ctx + mean_out + size, mean_out, size, row)
 
 
-def _in_tool(
-    out,
-    i,
-    horizons,
-    ctx,
-    elapsed,
-    out_last,
-    mu,
-    sd,
-    q,
-    p0,
-    mu_t_raw,
-    sd_t_raw,
-    mu_n,
-    sd_n,
-    rate_raw,
-    ttft,
-):
-    """bottomup._in_tool for row ``i``."""
+def _in_tool(out, i, horizons, row):
+    """bottomup._in_tool for row ``i`` (``row``: its :data:`FIELDS`)."""
+    ctx, elapsed, out_last = row[_CTX], row[_TOOL_ELAPSED], row[_OUT_LAST]
+    mu, sd, mu_n, sd_n = row[_MU_OUT], row[_SD_OUT], row[_MU_NEXT], row[_SD_NEXT]
+    mu_t, sd_t = row[_MU_TOOL], max(row[_SD_TOOL], 1e-3)
+    rate_raw, ttft = row[_RATE], row[_TTFT]
     size = _expected_size(mu_n, sd_n)
-    mu_t, sd_t = mu_t_raw, max(sd_t_raw, 1e-3)
     e = max(0.0 if elapsed != elapsed else elapsed, 0.0)
     log_s_e = _log_upper((math.log(e + _SHIFT) - mu_t) / sd_t)
     for j in range(len(horizons)):
@@ -327,85 +295,16 @@ def _in_tool(
     mean_out = math.exp(min(mu + sd * sd / 2.0, _LOG_CAP))
     lead = ttft + mean_out / max(rate_raw, _TINY)
     first = (rem[0] + lead, rem[1] + lead, rem[2] + lead)
-    _later(
-        out,
-        i,
-        horizons,
-        rem,
-        first,
-        base + mean_out,
-        mean_out,
-        size,
-        rate_raw,
-        ttft,
-        q,
-        p0,
-        mu_t_raw,
-        sd_t_raw,
-    )
+    _later(out, i, horizons, rem, first, base + mean_out, mean_out, size, row)
 
 
-def _kernel(
-    group,
-    ctx,
-    since_queued,
-    decoded,
-    tool_elapsed,
-    out_last,
-    mu_out,
-    sd_out,
-    q_cont,
-    p_instant,
-    mu_tool,
-    sd_tool,
-    mu_next,
-    sd_next,
-    rate,
-    ttft,
-    horizons,
-    out,
-):
+def _kernel(group, rows, horizons, out):
     for i in range(len(group)):
         g = group[i]
         if g in (_WAITING, _RUNNING):
-            _current(
-                out,
-                i,
-                horizons,
-                g == _WAITING,
-                ctx[i],
-                since_queued[i],
-                decoded[i],
-                mu_out[i],
-                sd_out[i],
-                q_cont[i],
-                p_instant[i],
-                mu_tool[i],
-                sd_tool[i],
-                mu_next[i],
-                sd_next[i],
-                rate[i],
-                ttft[i],
-            )
+            _current(out, i, horizons, g == _WAITING, rows[i])
         elif g == _IN_TOOL:
-            _in_tool(
-                out,
-                i,
-                horizons,
-                ctx[i],
-                tool_elapsed[i],
-                out_last[i],
-                mu_out[i],
-                sd_out[i],
-                q_cont[i],
-                p_instant[i],
-                mu_tool[i],
-                sd_tool[i],
-                mu_next[i],
-                sd_next[i],
-                rate[i],
-                ttft[i],
-            )
+            _in_tool(out, i, horizons, rows[i])
 
 
 if AVAILABLE:
@@ -430,25 +329,6 @@ if AVAILABLE:
     _in_tool = _jit(_in_tool)
     _kernel = _jit(_kernel)
 
-#: The Live fields the kernel reads after the row groups, in argument order.
-FIELDS = (
-    "ctx",
-    "since_queued",
-    "decoded",
-    "tool_elapsed",
-    "out_last",
-    "mu_out",
-    "sd_out",
-    "q_cont",
-    "p_instant",
-    "mu_tool",
-    "sd_tool",
-    "mu_next",
-    "sd_next",
-    "rate",
-    "ttft",
-)
-
 
 def bottom_up(live, group: np.ndarray, horizons: np.ndarray) -> np.ndarray:
     """:func:`prorsa.forecast.bottomup.bottom_up` in the kernel: [rows, 4, horizons];
@@ -457,11 +337,9 @@ def bottom_up(live, group: np.ndarray, horizons: np.ndarray) -> np.ndarray:
     out = np.zeros((n, 4, len(horizons)))
     if n == 0:
         return out
-    args = [np.ascontiguousarray(getattr(live, f), np.float64) for f in FIELDS]
-    _kernel(
-        np.ascontiguousarray(group, np.int64),
-        *args,
-        np.ascontiguousarray(horizons, np.float64),
-        out,
-    )
+    rows = np.empty((n, len(FIELDS)))
+    for column, name in enumerate(FIELDS):
+        rows[:, column] = getattr(live, name)
+    group = np.ascontiguousarray(group, np.int64)
+    _kernel(group, rows, np.ascontiguousarray(horizons, np.float64), out)
     return out
