@@ -77,9 +77,9 @@ class ServeConfig:
         **_help(
             "A decode leg that waits this long for its prefill engine's KV is given up and "
             "the turn prefilled on the decode engine (a hung peer or link fails no call); "
-            "the clock restarts while anything on that engine waits for a batch slot, or "
-            "for admission until a request that came later decoded first, or the engine "
-            "is paused, asleep or busy; 0 turns this off."
+            "the wait counts while nothing on that engine waits for admission or a batch "
+            "slot, or while requests that came later are scheduled first, and never while "
+            "the engine is paused, asleep or busy; 0 turns this off."
         ),
     )
     session_idle_s: float = field(

@@ -41,44 +41,45 @@ def test_a_wait_is_overdue_only_after_its_unexplained_timeout():
 def test_a_queue_or_a_pause_restarts_every_clock():
     watch = KVWaitWatch(10.0)
     watch.add("a", now=0.0)
-    watch.hold(8.0)  # paused at t=8, or a request whose KV arrived waited for a slot
+    watch.queued(8.0)  # requests waited for admission at t=8: "a" may be one of them
     assert watch.overdue(17.9) == []
     assert watch.overdue(18.0) == ["a"]
-    watch.hold(3.0)  # an older hold never moves a clock back
-    assert watch.overdue(18.0) == ["a"]
+    watch.hold(12.0)  # paused at t=12
+    assert watch.overdue(21.9) == [] and watch.overdue(22.0) == ["a"]
+    watch.queued(3.0)  # an older wait never moves a clock back
+    assert watch.overdue(22.0) == ["a"]
     with pytest.raises(ValueError, match="timeout_s"):
         KVWaitWatch(0.0)
 
 
-def test_a_leg_overtaken_by_a_later_request_is_not_explained_by_a_queue():
+def test_requests_scheduled_past_a_leg_prove_it_still_loads():
     watch = KVWaitWatch(10.0)
     watch.add("a", now=0.0)
     watch.add("b", now=3.0)
-    watch.first_token(arrived=1.0, now=2.0)  # a request after "a", before "b", decodes
-    for t in range(0, 30):  # requests queue throughout
+    for t in range(0, 40):  # requests queue throughout: the first clock never runs out
         watch.queued(float(t))
-    assert watch.overdue(11.9) == []
-    assert watch.overdue(12.0) == ["a"]  # ten seconds after it was overtaken
-    assert watch.overdue(29.0) == ["a"]  # "b" was not overtaken: the queue explains it
-    watch.first_token(arrived=3.5, now=15.0)  # too close after "b" to tell the order
-    assert watch.overdue(29.0) == ["a"]
-    watch.first_token(arrived=4.0, now=20.0)
-    assert watch.overdue(30.0) == ["a", "b"]
-    watch.hold(25.0)  # a pause restarts every clock, overtaken or not
-    assert watch.overdue(34.9) == [] and watch.overdue(35.0) == ["a", "b"]
+    watch.scheduled(arrived=3.5, at=4.0)  # after "a"; too soon after "b" to tell the order
+    watch.scheduled(arrived=1.0, at=2.0)  # reported later, scheduled earlier
+    watch.scheduled(arrived=5.0, at=11.9)
+    assert watch.overdue(30.0) == []  # "a": proofs span 2 -> 11.9
+    watch.scheduled(arrived=6.0, at=12.0)
+    assert watch.overdue(30.0) == ["a"]  # ten seconds certainly loading
+    watch.scheduled(arrived=20.0, at=22.0)
+    assert watch.overdue(30.0) == ["a", "b"]  # "b": 11.9 -> 22; oldest first
     watch.done("a")
-    watch.first_token(arrived=0.5, now=40.0)  # an earlier request overtakes nothing new
-    assert watch._overtaken == {"b": 20.0}
+    assert watch.overdue(30.0) == ["b"] and len(watch) == 1
 
 
-def test_an_overtaken_leg_may_wait_for_a_batch_slot_once_its_kv_arrived():
+def test_a_pause_restarts_the_proofs():
     watch = KVWaitWatch(10.0)
     watch.add("a", now=0.0)
-    watch.first_token(arrived=2.0, now=3.0)
-    watch.queued(2.0)  # before it was overtaken: still counts
-    for t in range(3, 30):  # loaded requests wait for a slot ("a" may be one of them)
-        watch.hold(float(t))
-    assert watch.overdue(38.9) == [] and watch.overdue(39.0) == ["a"]
+    watch.scheduled(arrived=2.0, at=2.0)
+    watch.hold(5.0)  # paused (a weight update): the prefill engine may have been too
+    watch.scheduled(arrived=8.0, at=13.0)
+    watch.queued(30.0)
+    assert watch.overdue(30.0) == []  # the span 2 -> 13 crosses the pause
+    watch.scheduled(arrived=20.0, at=23.0)
+    assert watch.overdue(30.0) == ["a"]  # 13 -> 23 after it
 
 
 class _HangingLLM:
@@ -98,12 +99,14 @@ class _HangingLLM:
             await event.wait()
             yield _output([], finished=True, reason="abort")
             return
+        scheduled = time.monotonic()
         tokens = expected_tokens(prompt["prompt_token_ids"], params.max_tokens)
         for i, token in enumerate(tokens):
             if request_id in self.aborted:
                 yield _output([], finished=True, reason="abort")
                 return
-            yield _output([token], finished=i == len(tokens) - 1, reason="length")
+            last = i == len(tokens) - 1
+            yield _output([token], finished=last, reason="length", scheduled_ts=scheduled)
             await asyncio.sleep(self.step_s)
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -112,7 +115,7 @@ class _HangingLLM:
             self._abort_events.setdefault(request_id, asyncio.Event()).set()
 
 
-def _output(tokens: list[int], *, finished: bool, reason: str) -> Any:
+def _output(tokens: list[int], *, finished: bool, reason: str, scheduled_ts: float = 0.0) -> Any:
     completion = SimpleNamespace(
         token_ids=tokens, logprobs=None, finish_reason=reason if finished else None
     )
@@ -121,7 +124,10 @@ def _output(tokens: list[int], *, finished: bool, reason: str) -> Any:
         finished=finished,
         num_cached_tokens=0,
         kv_transfer_params=None,
-        metrics=None,
+        # vLLM's engine core stamps a request's first step (time.monotonic there).
+        metrics=SimpleNamespace(
+            queued_ts=0.0, scheduled_ts=scheduled_ts, first_token_ts=0.0, last_token_ts=0.0
+        ),
         prompt_logprobs=None,
         prompt_token_ids=None,
     )
@@ -169,11 +175,11 @@ def test_the_engine_gives_up_a_kv_wait_nothing_explains(vllm_imported):
 @pytest.mark.parametrize("held_by", ["queue", "_paused", "_sleeping", "_busy"])
 def test_the_engine_waits_while_requests_queue_or_it_is_held(vllm_imported, held_by):
     async def go():
-        server, llm = _server(timeout_s=1.0)
+        server, llm = _server(timeout_s=2.0)
         leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
         loop = asyncio.get_running_loop()
-        stop = loop.time() + 3.0
-        while loop.time() < stop:  # three timeouts with the wait explained throughout
+        stop = loop.time() + 5.0
+        while loop.time() < stop:  # 2.5 timeouts with the wait explained throughout
             if held_by == "queue":  # what the stat logger records while requests queue
                 server._load.queued_s = time.monotonic()
             else:  # paused by a trainer, asleep, or inside a reload or NCCL broadcast
@@ -187,63 +193,49 @@ def test_the_engine_waits_while_requests_queue_or_it_is_held(vllm_imported, held
     asyncio.run(go())
 
 
-def test_a_queue_does_not_explain_a_wait_once_a_later_request_decoded(vllm_imported):
+async def _later_requests_while_queued(server: EngineServer, leg, seconds: float) -> float:
+    """Requests keep waiting for admission on the engine while later ones are scheduled
+    and decode, until the leg ends or ``seconds`` pass; returns how long it ran."""
+    began = time.monotonic()
+    n = 0
+    while not leg.done() and time.monotonic() - began < seconds:
+        server._load.queued_s = time.monotonic()
+        await _collect(server, f"t-{n}", None)
+        n += 1
+        await asyncio.sleep(0.1)
+    return time.monotonic() - began
+
+
+def test_requests_scheduled_after_a_leg_prove_its_wait_while_others_queue(vllm_imported):
     async def go():
-        server, llm = _server(timeout_s=1.0)
-        leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
-        await asyncio.sleep(server._kv_watch.overtake_margin_s + 0.1)
-        later = await _collect(server, "t-1", None)  # reached the engine after d-1
-        assert later["finish_reason"] == "length"
-        began = time.monotonic()
-        while not leg.done():  # requests queue on the engine throughout
-            server._load.queued_s = time.monotonic()
-            await asyncio.sleep(0.05)
-            assert time.monotonic() - began < 30
-        result = leg.result()
-        assert result["kv_wait_given_up"] is True and llm.aborted == ["d-1"]
-
-    asyncio.run(go())
-
-
-def test_an_overtaken_leg_is_held_while_loaded_requests_wait_for_slots(vllm_imported):
-    async def go():
-        server, llm = _server(timeout_s=1.0)
-        server._kv_watch.overtake_margin_s = 0.0
+        server, llm = _server(timeout_s=2.0)
+        server._kv_watch.overtake_margin_s = 0.3
         leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
         await asyncio.sleep(0.05)
-        await _collect(server, "t-1", None)  # overtakes d-1
-        loop = asyncio.get_running_loop()
-        stop = loop.time() + 3.0
-        while loop.time() < stop:  # d-1's KV may have arrived: it may wait for a slot
-            server._load.queued_s = server._load.slot_wait_s = time.monotonic()
-            await asyncio.sleep(0.1)
-        assert not leg.done() and llm.aborted == []
-        result = await asyncio.wait_for(leg, 60)
-        assert result["kv_wait_given_up"] is True
+        ran = await _later_requests_while_queued(server, leg, 30.0)
+        result = await asyncio.wait_for(leg, 5)
+        assert result["kv_wait_given_up"] is True and llm.aborted == ["d-1"]
+        # The proofs began with the first request 0.3 s after the leg and spanned 2 s.
+        assert 2.3 <= ran < 10.0
 
     asyncio.run(go())
 
 
 @pytest.mark.parametrize("engine_kwargs", [{"data_parallel_size": 2}, {"renderer_num_workers": 4}])
-def test_no_overtaking_where_requests_may_reach_the_scheduler_out_of_order(
+def test_no_proofs_where_requests_may_reach_the_scheduler_out_of_order(
     vllm_imported, engine_kwargs
 ):
     async def go():
         config = EngineConfig(
-            model="tiny", connector=None, kv_wait_timeout_s=1.0, engine_kwargs=engine_kwargs
+            model="tiny", connector=None, kv_wait_timeout_s=2.0, engine_kwargs=engine_kwargs
         )
         server = EngineServer(0, config)
         server._llm = llm = _HangingLLM()
-        server._kv_watch.overtake_margin_s = 0.0
+        server._kv_watch.overtake_margin_s = 0.3
         leg = asyncio.ensure_future(_collect(server, "d-1", REMOTE_KV))
         await asyncio.sleep(0.05)
-        await _collect(server, "t-1", None)  # would overtake d-1 on one ordered scheduler
-        loop = asyncio.get_running_loop()
-        stop = loop.time() + 3.0
-        while loop.time() < stop:  # requests wait for admission throughout
-            server._load.queued_s = time.monotonic()
-            await asyncio.sleep(0.1)
-        assert not leg.done() and llm.aborted == []
+        await _later_requests_while_queued(server, leg, 6.0)
+        assert not leg.done() and llm.aborted == []  # the counts alone: the queue explains it
         await llm.abort(["d-1"])  # end the hanging load
         await asyncio.wait_for(leg, 60)
 
@@ -279,15 +271,9 @@ def test_the_stat_logger_marks_waits_other_than_a_kv_load():
     logger.record(stats(0), None)  # only a load in progress: the clocks run
     assert load.steps == 1 and load.queued_s == 0.0
     for waiting, stages in ((1, {}), (0, {"waiting_to_start": 1}), (0, {"completed_waiting": 1})):
-        load.queued_s = load.slot_wait_s = 0.0
+        load.queued_s = 0.0
         logger.record(stats(waiting, **stages), None)
         assert load.queued_s == load.updated_s > 0
-        # Only a request whose KV arrived and waits for a slot holds overtaken legs too.
-        assert (load.slot_wait_s > 0) == ("completed_waiting" in stages)
-    load.slot_wait_s = 0.0
-    iteration = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=3, num_preempted_reqs=1)
-    logger.record(None, iteration)  # a preempted request may be a leg whose KV arrived
-    assert load.slot_wait_s > 0 and load.generation_tokens == 3
 
 
 def test_off_means_no_watch(vllm_imported):

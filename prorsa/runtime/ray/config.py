@@ -73,9 +73,9 @@ class EngineConfig:
         metadata={
             "help": "Give up a decode leg's wait for its prefill engine's KV after this many "
             "seconds in which nothing else explains it (no request on this engine waits for "
-            "admission, until a later request decoded first, nor for a batch slot; not "
-            "paused, asleep or busy); the router then prefills the turn on this engine. "
-            "0: off."
+            "admission or a batch slot; not paused, asleep or busy), or across which "
+            "requests that came later were scheduled first; the router then prefills the "
+            "turn on this engine. 0: off."
         },
     )
     kv_cache_gib: float | None = field(

@@ -137,9 +137,9 @@ class EngineServer(EngineControl, LoopBound):
         # Decode legs waiting for remote KV (kv_watch explains when a wait is given up).
         timeout = config.kv_wait_timeout_s
         self._kv_watch = KVWaitWatch(timeout) if timeout > 0 else None
-        # Overtaking (kv_watch) needs one scheduler that sees requests in arrival order.
+        # The watch's proofs need one scheduler that sees requests in arrival order.
         extra = config.engine_kwargs
-        self._kv_overtaking = (
+        self._kv_ordered = (
             int(extra.get("data_parallel_size", 1) or 1) <= 1
             and int(extra.get("renderer_num_workers", 1) or 1) <= 1
         )
@@ -372,8 +372,7 @@ class EngineServer(EngineControl, LoopBound):
                 if collector.token_ids and first_token_s is None:
                     first_token_s = time.perf_counter() - started
                     self._kv_wait_over(request_id)
-                    if self._kv_overtaking and self._kv_watch is not None and len(self._kv_watch):
-                        self._kv_watch.first_token(arrived, time.monotonic())
+                    self._kv_scheduled(arrived, out)
                     if not out.finished:
                         yield {
                             "event": "first_token",
@@ -385,7 +384,8 @@ class EngineServer(EngineControl, LoopBound):
         finally:
             self._in_flight.pop(request_id, None)
             self._kv_wait_over(request_id)
-            given_up = request_id in self._kv_given_up
+            # A leg whose first token raced the abort was served, not given up.
+            given_up = request_id in self._kv_given_up and first_token_s is None
             self._kv_given_up.discard(request_id)
         result = self._result(
             request_id, prompt_token_ids, collector.token_ids, final, started, first_token_s
@@ -411,6 +411,15 @@ class EngineServer(EngineControl, LoopBound):
         if self._kv_watch is not None:
             self._kv_watch.done(request_id)
 
+    def _kv_scheduled(self, arrived: float, out: Any) -> None:
+        """Tell the KV wait watch when a request's first step ran (kv_watch: a proof that
+        legs ahead of it still load); vLLM's engine core stamps it on the same clock."""
+        if not (self._kv_ordered and self._kv_watch is not None and len(self._kv_watch)):
+            return
+        scheduled_ts = float(getattr(getattr(out, "metrics", None), "scheduled_ts", 0.0) or 0.0)
+        if scheduled_ts > 0.0:
+            self._kv_watch.scheduled(arrived, scheduled_ts)
+
     async def _watch_kv_waits(self) -> None:
         """Abort decode legs whose wait for remote KV nothing explains (see kv_watch);
         their results say ``kv_wait_given_up`` and the router prefills them here."""
@@ -422,7 +431,6 @@ class EngineServer(EngineControl, LoopBound):
                 now = time.monotonic()
                 if self._paused or self._sleeping or self._busy:
                     watch.hold(now)
-                watch.hold(self._load.slot_wait_s)
                 watch.queued(self._load.queued_s)
                 # No staleness rule: a parked request keeps the engine core stepping
                 # (and reporting), so silence means a step in progress, which never

@@ -32,9 +32,6 @@ class EngineLoad:
         queued_s: ``time.monotonic()`` of the last step at which a request waited for
             anything but a remote KV load in progress (:func:`waits_for_more_than_kv`;
             0: none yet).
-        slot_wait_s: ``time.monotonic()`` of the last step at which a request whose
-            remote KV had arrived waited for a batch slot, or a request was preempted
-            (0: none yet).
     """
 
     kv_capacity_tokens: int = 0
@@ -46,7 +43,6 @@ class EngineLoad:
     generation_tokens: int = 0
     updated_s: float = 0.0
     queued_s: float = 0.0
-    slot_wait_s: float = 0.0
 
     @property
     def kv_used_tokens(self) -> int:
@@ -98,14 +94,9 @@ def load_logger_factory(load: EngineLoad) -> Callable[[Any, int], Any]:
                 load.updated_s = time.monotonic()
                 if waits_for_more_than_kv(scheduler_stats):
                     load.queued_s = load.updated_s
-                stages = getattr(scheduler_stats, "num_kv_fetch_reqs_by_stage", None) or {}
-                if stages.get("completed_waiting"):
-                    load.slot_wait_s = load.updated_s
             if iteration_stats is not None:
                 load.prompt_tokens += int(iteration_stats.num_prompt_tokens)
                 load.generation_tokens += int(iteration_stats.num_generation_tokens)
-                if getattr(iteration_stats, "num_preempted_reqs", 0):
-                    load.slot_wait_s = time.monotonic()
 
         def log_engine_initialized(self) -> None:
             # Blocks are known once the engine has profiled its memory.
