@@ -3,7 +3,9 @@
 The prefill engine's processes are stopped (SIGSTOP) right after its prefill leg, as a hung
 GPU or host would be: its actor still answers, the NIXL transfer the decode engine started
 never completes, and vLLM puts no deadline on it (with the watch off, the same turn was
-still waiting after 90 s). The decode engine runs with a 5 s ``kv_wait_timeout_s``.
+still waiting after 90 s). The decode engine runs with a 5 s ``kv_wait_timeout_s``. The
+hung leg is given up on an otherwise idle decode engine, on one that always has requests
+queued, and on one that keeps receiving healthy handoffs from a second prefill engine.
 """
 
 from __future__ import annotations
