@@ -12,6 +12,7 @@ import pytest
 from prorsa.errors import ConfigError
 from prorsa.policy import POLICIES, Allocation, Forecast, make_policy
 from prorsa.policy.best_static import search_best_static
+from prorsa.policy.demand import DecodePace
 from prorsa.runtime.controller import plan_switches, roles_for_allocation
 from tests.policy_helpers import HORIZONS, forecast, observation, spec
 
@@ -206,12 +207,26 @@ def test_prefill_bound_needs_a_backlog_no_split_could_clear():
 
 
 def _mpc_path_cost(
-    path, lengths, need_p, need_d, *, n, start, blocked, switch_cost_s, switching=None
+    path,
+    lengths,
+    need_p,
+    need_d,
+    *,
+    n,
+    start,
+    blocked,
+    switch_cost_s,
+    switching=None,
+    pace=None,
+    cache=None,
+    prefill_rebuild=0.0,
 ):
     """MPC's model, written out interval by interval: a move blocks its slots for
     ``blocked(prev, x)`` seconds from its interval's start, into later intervals too,
     and no other move may start before they are through (``inf``: such a path); a
-    switch under way (``(to prefill, to decode, seconds left)``) blocks from the start."""
+    switch under way (``(to prefill, to decode, seconds left)``) blocks from the start.
+    ``pace``: decode's load on its slots (else ``need_d`` over them); ``cache[k][x-1]``:
+    prefill slots added at split ``x``; ``prefill_rebuild``: per slot moved to decode."""
     starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
     total, prev, until, gained = 0.0, start, 0.0, (0, 0)
     if switching is not None:
@@ -222,11 +237,13 @@ def _mpc_path_cost(
                 return np.inf
             until = starts[k] + blocked(prev, x)
             gained = (max(x - prev, 0), max(prev - x, 0))
-            total += switch_cost_s * abs(x - prev)
+            total += switch_cost_s * abs(x - prev) + prefill_rebuild * max(prev - x, 0)
         lost = min(max(until - starts[k], 0.0), lengths[k]) / lengths[k]
         eff_p = x - lost * gained[0]
         eff_d = (n - x) - lost * gained[1]
-        total += n * max(max(need_p[k] / eff_p, need_d[k] / eff_d) - 1, 0) * lengths[k]
+        load_d = need_d[k] / eff_d if pace is None else pace.utilisation(k, [eff_d])[0]
+        need = need_p[k] + (0.0 if cache is None else cache[k][x - 1])
+        total += n * max(max(need / eff_p, load_d) - 1, 0) * lengths[k]
         prev = x
     return total
 
@@ -241,9 +258,11 @@ def _mpc_path_cost(
         (None, (1, 0, 60.0)),  # past the horizon: nothing else may move
     ],
 )
-def test_mpc_dp_matches_brute_force(drains, switching):
+@pytest.mark.parametrize("priced", [False, True])
+def test_mpc_dp_matches_brute_force(drains, switching, priced):
     # Switch latency 2 s; moves to decode drain for drain_s (1 s), moves of m decode
-    # slots to prefill for drains[m] when given.
+    # slots to prefill for drains[m] when given. ``priced``: decode paced by its step,
+    # prefill's cache overflow per split, and its caches rebuilt when slots leave it.
     policy = make_policy("mpc", drain_s=1.0, switch_cost_s=0.5)
     policy.reset(spec(6))
 
@@ -256,18 +275,116 @@ def test_mpc_dp_matches_brute_force(drains, switching):
         need_p = rng.uniform(0, 5, 5)
         need_d = rng.uniform(0, 5, 5)
         drain_arg = None if drains is None else np.asarray(drains)
-        plan = policy.plan(2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching)
+        pace = cache = None
+        rebuild = 0.0
+        if priced:
+            pace = DecodePace(
+                _paced_spec(6), rng.uniform(0, 400, 5), np.full(5, 4096.0),
+                rng.uniform(0, 3, 5), 64.0,
+            )  # fmt: skip
+            cache, rebuild = rng.uniform(-1, 2, (5, 5)), 0.7
+        plan = policy.plan(
+            2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching,
+            pace=pace, prefill_rebuild_s_per_slot=rebuild, cache_need_p=cache,
+        )  # fmt: skip
 
-        def cost(path, need_p=need_p, need_d=need_d):
+        def cost(path, need_p=need_p, need_d=need_d, pace=pace, cache=cache, rebuild=rebuild):
             return _mpc_path_cost(
                 path, lengths, need_p, need_d, n=6, start=2, blocked=blocked,
-                switch_cost_s=0.5, switching=switching,
+                switch_cost_s=0.5, switching=switching, pace=pace, cache=cache,
+                prefill_rebuild=rebuild,
             )  # fmt: skip
 
         best = min(itertools.product(range(1, 6), repeat=5), key=cost)
         assert cost(plan) == pytest.approx(cost(best))
         if switching is not None and switching[2] > lengths.sum():
             assert plan == [2] * 5
+
+
+def _paced_spec(num_slots: int):
+    """``spec(num_slots)`` quoting decode throughput by load: a 10 ms step plus 0.01 ms
+    per sequence up to a batch of 512 (later sequences wait), at one context."""
+    loads = (1, 4, 16, 64, 256, 512, 1024, 4096)
+    table = tuple(
+        (float(b), 4096.0, min(b, 512) / (0.010 + 0.00001 * min(b, 512))) for b in loads
+    )
+    return replace(spec(num_slots), decode_tokens_per_s_by_load=table)
+
+
+def test_decode_step_ratio_is_sublinear_until_the_batch_limit():
+    paced = _paced_spec(4)
+    ratio = paced.decode_step_ratio(np.array([64.0, 256.0, 512.0, 1024.0]), 4096.0, 64.0)
+    step = {b: 0.010 + 0.00001 * b for b in (64, 256)}
+    assert ratio[0] == pytest.approx(1.0)
+    assert ratio[1] == pytest.approx(step[256] / step[64], rel=1e-6)  # 1.14x, not 4x
+    # Past the batch limit the extra sequences wait: the time per token doubles with them.
+    assert ratio[3] == pytest.approx(2 * ratio[2], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "layouts",
+    [None, {"prefill": "tp1", "decode": "tp1-dp8-ep8-a2a", "colocated": "tp4"}],
+)
+def test_cluster_specs_quote_decode_by_load(layouts):
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.cluster.spec import cluster_spec, load_profiles
+
+    if layouts is None:
+        config = ClusterConfig(profile="h200-qwen2.5-7b-tp1", num_slots=4)
+    else:
+        config = ClusterConfig(profile="h200-qwen3-30b-a3b-tp1", num_slots=4, layouts=layouts)
+    quoted = cluster_spec(config, load_profiles(config), 10.0)
+    assert quoted.decode_tokens_per_s_by_load
+    loads = np.array([16.0, 64.0, 128.0, 256.0])
+    ratio = quoted.decode_step_ratio(loads, 8192.0, 64.0)
+    assert ratio[1] == pytest.approx(1.0)
+    assert np.all(np.diff(ratio) > 0)
+    # Memory-bound decode: twice the batch costs less than twice the step.
+    assert ratio[2] < 2.0
+
+
+def test_mpc_paces_decode_by_its_step_not_a_target_batch():
+    # 600 sequences on 2 of 4 slots: 300 per GPU, 4.7x a 64-sequence target batch, but
+    # their step is only 1.22x the target's. Prefill needs ~1.6 slots. Sized by batch,
+    # decode looks the busier side and takes a prefill slot; paced by its step, prefill
+    # would be the busier side after that move, and the split holds. (Found in the
+    # regime map: Qwen3-30B-A3B search sync 128/GPU, 0.90x of holding the split.)
+    roles = ["prefill", "prefill", "decode", "decode"]
+    # Caches large enough for every context: no prefill cache overflow either way.
+    obs = observation(30.0, roles, decoding=600, decode_kv=600 * 4096, kv_capacity=10**8)
+    fc = forecast(30.0, 25_600.0, decoding=600, kv=600 * 4096)
+    moved = {}
+    for paced in (False, True):
+        policy = make_policy("mpc", start="split", quantile=None)
+        policy.reset(_paced_spec(4) if paced else spec(4))
+        moved[paced] = policy.decide(obs, fc).gpus["prefill"]
+    assert moved == {False: 1, True: 2}
+
+
+def test_prefill_cache_overflow_counts_what_a_smaller_pool_cannot_hold():
+    from prorsa.policy.demand import prefill_cache_overflow_slots, prefill_slot_rebuild_s
+
+    roles = ["prefill", "prefill", "decode", "decode"]
+    obs = observation(30.0, roles, decoding=100, decode_kv=3_000_000)
+    cached = tuple(
+        replace(s, cached_tokens=900_000) if s.role == "prefill" else s for s in obs.slots
+    )
+    obs = replace(obs, slots=cached)
+    cluster = spec(4)  # 1M-token caches; re-prefill; 20k prefill tokens/s per slot
+    at = np.array([0.5, 20.0])
+    extra = prefill_cache_overflow_slots(obs, cluster, np.array([1, 2, 3]), at)
+    # 3M live context tokens: 1M over two caches, 2M over one, none over three; what
+    # overflows comes back once per 10 s turn cycle, relative to today's two slots.
+    per_slot_s = 10.0 * 20_000.0
+    assert extra[0] == pytest.approx([1e6 / per_slot_s, 0.0, -1e6 / per_slot_s])
+    # Without the workload's shape the contexts are not grown ahead.
+    assert np.allclose(extra[1], extra[0])
+    assert not prefill_cache_overflow_slots(
+        obs, replace(cluster, reuse_mode="kv-store"), np.array([1, 2, 3]), at
+    ).any()
+    # Moving one prefill slot to decode drops the 900k tokens it caches.
+    assert prefill_slot_rebuild_s(obs, cluster, 1) == pytest.approx(900_000 / 20_000.0)
+    assert prefill_slot_rebuild_s(obs, cluster, 0) == 0.0
 
 
 @pytest.mark.parametrize("name", ["predictive", "mpc"])

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+import numpy as np
+
 from prorsa.errors import ConfigError
 from prorsa.policy.types import (
     SWITCHING,
@@ -56,6 +58,10 @@ class ClusterSpec:
     # The same relative to a decode GPU at several loads: (decode sequences per GPU,
     # context tokens, ratio), a full grid; empty: :attr:`colocated_decode_ratio` always.
     colocated_decode_ratio_by_load: tuple[tuple[float, float, float], ...] = ()
+    # Decode tokens/s per GPU of the decode role at several loads: (decode sequences per
+    # GPU, context tokens, tokens/s per GPU), a full grid; empty: not known (policies then
+    # size decode by a target batch alone).
+    decode_tokens_per_s_by_load: tuple[tuple[float, float, float], ...] = ()
     # How a prefill engine gets a trajectory's earlier context (ClusterConfig.reuse_mode):
     # under "reprefill" it recomputes what its own prefix cache lacks.
     reuse_mode: str = "reprefill"
@@ -112,6 +118,47 @@ class ClusterSpec:
         for load, context, ratio in sorted(self.colocated_decode_ratio_by_load):
             rows.setdefault(context, []).append((load, ratio))
         return dict(sorted(rows.items()))
+
+    def decode_step_ratio(
+        self, sequences_per_gpu: np.ndarray, context_tokens: float, reference_per_gpu: float
+    ) -> np.ndarray:
+        """How many times longer a decode step is with ``sequences_per_gpu`` decoding per
+        decode GPU than with ``reference_per_gpu``, at ``context_tokens`` each: the time
+        per generated token of one sequence, ``load / tokens_per_s(load)``, relative
+        (:attr:`decode_tokens_per_s_by_load` interpolated in log load and log context,
+        clamped to its range; throughput stays at its last quote beyond it). Decode is
+        memory-bound: twice the batch costs far less than twice the step until the batch
+        or KV limit, past which the extra sequences wait their turn.
+        """
+        rows = self._decode_tps_rows
+        loads = np.asarray(sequences_per_gpu, dtype=float)
+        by_context = [(ctx, np.log(ls), np.log(tps)) for ctx, (ls, tps) in rows.items()]
+
+        def log_tps(x: np.ndarray) -> np.ndarray:
+            lx = np.log(np.maximum(x, 1e-9))
+            at = [(ctx, np.interp(lx, xs, ys)) for ctx, xs, ys in by_context]
+            if len(at) == 1 or context_tokens <= at[0][0]:
+                return at[0][1]
+            for (c0, y0), (c1, y1) in itertools.pairwise(at):
+                if context_tokens <= c1:
+                    w = (math.log(context_tokens) - math.log(c0)) / (math.log(c1) - math.log(c0))
+                    return y0 + w * (y1 - y0)
+            return at[-1][1]
+
+        ref = np.array([reference_per_gpu], dtype=float)
+        per_token = loads / np.exp(log_tps(loads))
+        return per_token / (ref / np.exp(log_tps(ref)))
+
+    @cached_property
+    def _decode_tps_rows(self) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+        """:attr:`decode_tokens_per_s_by_load` as (loads, tokens/s) arrays per context."""
+        rows: dict[float, list[tuple[float, float]]] = {}
+        for load, context, tps in sorted(self.decode_tokens_per_s_by_load):
+            rows.setdefault(context, []).append((load, tps))
+        return {
+            c: (np.array([a for a, _ in r]), np.array([b for _, b in r]))
+            for c, r in sorted(rows.items())
+        }
 
     @property
     def prefill_interference(self) -> float:

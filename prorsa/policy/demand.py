@@ -120,6 +120,35 @@ class Sizing:
         return backlog > spec.num_slots - 1
 
 
+@dataclass(frozen=True)
+class DecodePace:
+    """How short decode runs on a number of decode slots, per planning interval: the
+    longer of its step against a step at the target batch
+    (:meth:`ClusterSpec.decode_step_ratio`) and its KV over what the slots hold.
+
+    A target batch alone counts twice the batch as twice the need, but a memory-bound
+    decode step at twice the batch is far shorter than two steps: Qwen3-30B-A3B on
+    ``tp1-dp8-ep8-a2a`` decodes 144 sequences per GPU at 8k context within ~1.3x the
+    step of 64, so a plan sized by batch moved a prefill slot to decode and starved
+    prefill (search sync 128 per GPU: 0.90x of holding the split).
+    """
+
+    spec: ClusterSpec
+    sequences: np.ndarray  # decoding, per interval
+    context_tokens: np.ndarray  # mean context per decoding sequence, per interval
+    kv_slots: np.ndarray  # slots the KV needs, per interval
+    target_batch_per_gpu: float
+
+    def utilisation(self, k: int, slots: np.ndarray) -> np.ndarray:
+        """Decode's load on ``slots`` decode slots in interval ``k`` (1: at the target)."""
+        slots = np.maximum(np.asarray(slots, dtype=float), 1e-9)
+        per_gpu = self.sequences[k] / (slots * self.spec.slot_gpus)
+        step = self.spec.decode_step_ratio(
+            per_gpu, float(self.context_tokens[k]), self.target_batch_per_gpu
+        )
+        return np.maximum(step, self.kv_slots[k] / slots)
+
+
 def decode_demand(
     load: Load,
     sequences: float | np.ndarray,
@@ -252,6 +281,21 @@ def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int
     tokens = sum(s.kv_used_tokens + s.cached_tokens for s in decode_slots_moved_first(obs, slots))
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
     return tokens / max(per_slot, 1e-9)
+
+
+def prefill_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
+    """Slot-seconds of prefill needed to rebuild the prefix caches of the ``slots``
+    prefill slots the controller would move first (the least loaded), were they switched
+    to decode: the contexts cached there for the trajectories' next turns are dropped
+    with the role, and those turns are prefilled again in full elsewhere."""
+    if slots <= 0:
+        return 0.0
+    prefill = sorted(
+        (s for s in obs.slots if s.role == "prefill"),
+        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
+    )[:slots]
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
+    return sum(s.cached_tokens for s in prefill) / max(per_slot, 1e-9)
 
 
 def decode_drain_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
@@ -429,6 +473,54 @@ def split_recompute_slots(
     _, tokens = live_trajectories(obs)
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
     return float(tokens) / max(window_s, 1e-9) / max(per_slot, 1e-9)
+
+
+def prefill_cache_overflow_slots(
+    obs: ClusterObservation,
+    spec: ClusterSpec,
+    prefill_slots: np.ndarray,
+    at_s: np.ndarray,
+    window_s: float = TURN_CYCLE_S,
+) -> np.ndarray:
+    """Prefill slots that re-prefilling what the prefill engines' prefix caches cannot
+    hold adds at ``prefill_slots`` prefill slots, over what it adds at the current split
+    (whose cost the measured work ratio already holds), ``at_s`` seconds ahead
+    [len(at_s), len(prefill_slots)]. Zero unless re-prefill (the only reuse a prefill
+    engine has is its own prefix cache).
+
+    The live trajectories' contexts (growing by a turn's new and output tokens per turn
+    cycle, up to the workload's final context) come back once per ``window_s``; what
+    exceeds the pool's cache is prefilled again in full each time (the optimistic count:
+    under LRU a cycle longer than the cache misses more). Found in the regime map
+    (Qwen3-30B-A3B mixed sync 64/GPU, 5.2M cached tokens per 8-GPU prefill slot): a plan
+    that priced prefill at the ratio measured on two prefill slots moved one to decode;
+    the remaining cache filled within 5 s, its misses grew the queue to 6.5M tokens and
+    the work ratio from 2.5 to 29 (0.91x of holding the split).
+    """
+    prefill_slots = np.asarray(prefill_slots, dtype=float)
+    out = np.zeros((len(at_s), len(prefill_slots)))
+    shape = obs.workload
+    caches = [s.kv_capacity_tokens for s in obs.slots if s.role == "prefill"]
+    if spec.reuse_mode != "reprefill" or not caches:
+        return out
+    live, tokens = live_trajectories(obs)
+    if live <= 0:
+        return out
+    growth = 0.0
+    ceiling = float("inf")
+    if shape is not None:
+        growth = live * (shape.new_tokens_per_turn + shape.output_tokens_per_turn) / window_s
+        ceiling = max(live * shape.final_context_tokens, float(tokens))
+    working = np.minimum(tokens + growth * np.asarray(at_s, dtype=float), ceiling)
+    cache = float(np.mean(caches))
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
+    now = current_load(obs).prefill_slots
+
+    def overflow(x: np.ndarray) -> np.ndarray:
+        return np.maximum(working[:, None] - x[None, :] * cache, 0.0)
+
+    extra = overflow(prefill_slots) - overflow(np.array([float(now)]))
+    return extra / window_s / max(per_slot, 1e-9)
 
 
 def paying_s(payback_s: float, switch_s: float) -> float:

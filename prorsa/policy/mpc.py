@@ -8,6 +8,7 @@ import numpy as np
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
+    DecodePace,
     PrefillWorkMeter,
     Sizing,
     choose_mode,
@@ -16,6 +17,8 @@ from prorsa.policy.demand import (
     decode_drains_s,
     decode_slot_rebuild_s,
     kv_capacity_per_slot,
+    prefill_cache_overflow_slots,
+    prefill_slot_rebuild_s,
     slot_drain_s,
 )
 from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
@@ -121,9 +124,10 @@ class MPCPolicy(ModeChoosingPolicy):
 
     def requirements(
         self, obs: ClusterObservation, forecast: Forecast, work_ratio: float | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Interval lengths and the prefill / decode slots each interval needs, with
-        engines computing ``work_ratio`` tokens per appended one (default: as measured)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, DecodePace | None]:
+        """Interval lengths, the prefill / decode slots each interval needs, with engines
+        computing ``work_ratio`` tokens per appended one (default: as measured), and
+        decode's pace on any number of slots (None: the spec quotes no decode loads)."""
         spec, sizing = self.cluster_, self.sizing_
         horizons = np.asarray(forecast.horizons_s, dtype=float)
         if len(horizons) == 0 or (horizons <= 0).any() or (np.diff(horizons) <= 0).any():
@@ -153,7 +157,16 @@ class MPCPolicy(ModeChoosingPolicy):
         need_d = np.array(
             [sizing.decode_slots_needed(spec, s, k, cap) for s, k in zip(seqs, kv, strict=True)]
         )
-        return lengths, need_p, need_d
+        pace = None
+        if spec.decode_tokens_per_s_by_load:
+            pace = DecodePace(
+                spec,
+                seqs,
+                kv / np.maximum(seqs, 1.0),
+                kv / max(cap * sizing.kv_target_fraction, 1.0),
+                sizing.target_batch_per_gpu,
+            )
+        return lengths, need_p, need_d, pace
 
     def plan(
         self,
@@ -164,6 +177,9 @@ class MPCPolicy(ModeChoosingPolicy):
         rebuild_s_per_slot: float = 0.0,
         decode_drains: np.ndarray | None = None,
         switching: tuple[int, int, float] | None = None,
+        pace: DecodePace | None = None,
+        prefill_rebuild_s_per_slot: float = 0.0,
+        cache_need_p: np.ndarray | None = None,
     ) -> list[int]:
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan.
 
@@ -175,7 +191,9 @@ class MPCPolicy(ModeChoosingPolicy):
         every switching slot drains for ``drain_s``. ``switching`` is a switch already
         under way, ``(slots heading to prefill, slots heading to decode, seconds until
         they serve)``; ``current`` counts them in their new roles (see
-        :meth:`switching_now`).
+        :meth:`switching_now`). With ``pace``, decode's load on its slots is its step
+        and KV pressure (:class:`~prorsa.policy.demand.DecodePace`), not ``need_d`` over
+        the slots.
         """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
@@ -198,9 +216,10 @@ class MPCPolicy(ModeChoosingPolicy):
             demand.split_shortage). A move keeps its old slots serving on each side."""
             eff_p = xs[None, :] - lost * gained_p
             eff_d = (n - xs[None, :]) - lost * gained_d
-            busier = np.maximum(
-                self.prefill_weight * need_p[k] / eff_p, self.decode_weight * need_d[k] / eff_d
-            )
+            load_d = need_d[k] / eff_d if pace is None else pace.utilisation(k, eff_d)
+            # Prefill's need at the split moved to (what its caches cannot hold added).
+            need = need_p[k] if cache_need_p is None else need_p[k] + cache_need_p[k][None, :]
+            busier = np.maximum(self.prefill_weight * need / eff_p, self.decode_weight * load_d)
             return n * np.maximum(busier - 1.0, 0.0)
 
         allowed = moved <= (self.max_step or n)
@@ -223,7 +242,11 @@ class MPCPolicy(ModeChoosingPolicy):
                     break
                 booked += np.where(reached, short(j, overlap / lengths[j]) * lengths[j], 0.0)
                 free_from = np.where(reached, j + 1, free_from)
-            booked += self.switch_cost_s * moved + rebuild_s_per_slot * gained_p
+            booked += (
+                self.switch_cost_s * moved
+                + rebuild_s_per_slot * gained_p
+                + prefill_rebuild_s_per_slot * gained_d
+            )
             free = cost[: k + 1].min(axis=0)  # states free to move at k
             total = np.where(allowed, free[:, None] + booked, np.inf)
             nxt = np.full_like(cost, np.inf)
@@ -305,7 +328,7 @@ class MPCPolicy(ModeChoosingPolicy):
         self.work_.update(obs)
         if forecast is None:
             return self.before_forecast(obs, current, "mpc")
-        lengths, need_p, need_d = self.requirements(obs, forecast)
+        lengths, need_p, need_d, pace = self.requirements(obs, forecast)
         # Colocation versus disaggregation on the horizon's average demand; within a split,
         # the DP below plans the split itself.
         weights = lengths / lengths.sum()
@@ -332,7 +355,18 @@ class MPCPolicy(ModeChoosingPolicy):
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1)
         drains = self.decode_drains(obs, float(lengths.sum()))
         self.last_plan_ = self.plan(
-            current, lengths, need_p, need_d, rebuild, drains, self.switching_now(obs)
+            current,
+            lengths,
+            need_p,
+            need_d,
+            rebuild,
+            drains,
+            self.switching_now(obs),
+            pace,
+            prefill_slot_rebuild_s(obs, self.cluster_, 1),
+            prefill_cache_overflow_slots(
+                obs, self.cluster_, np.arange(1, slots), np.cumsum(lengths) - lengths / 2
+            ),
         )
         target = self.last_plan_[0]
         return self.split(target, f"mpc: plan {self.last_plan_}")

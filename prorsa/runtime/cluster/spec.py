@@ -95,6 +95,7 @@ def cluster_spec(config: ClusterConfig, profiles: dict, min_dwell_s: float) -> C
         role_tp=dict(config.role_tp),
         prefill_tokens_per_s_per_gpu=chunk / prefill_s / p_tp,
         decode_tokens_per_s_per_gpu=batch / decode_s / d_tp,
+        decode_tokens_per_s_by_load=_profile_decode_by_load(decode_profile, d_tp),
         switch_latency_s=config.switch_latency_s,
         min_dwell_s=min_dwell_s,
         dp_attention_ranks=config.dp_attention_ranks,
@@ -138,6 +139,10 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
         ),
         colocated_decode_tokens_per_s_per_gpu=colocated_tps,
         colocated_decode_ratio_by_load=_decode_ratio_by_load(decode, colocated),
+        decode_tokens_per_s_by_load=tuple(
+            (per_gpu, context, decode_tokens_per_s_per_gpu(decode, point))
+            for per_gpu, context, point in _decode_grid()
+        ),
         # As the simulator's engines hold it (topology: per-rank KV times the ranks).
         colocated_kv_tokens_per_engine=float(
             (config.kv_capacity_tokens or colocated.kv_capacity_tokens) * colocated.dp_ranks
@@ -151,6 +156,36 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
 #: compared.
 RATIO_LOADS_PER_GPU = (1, 2, 4, 8, 16, 32, 64, 128)
 RATIO_CONTEXT_TOKENS = (2048, 8192, 32768)
+
+
+#: Decode sequences per GPU at which the decode role's throughput is quoted for policies
+#: (past the engines' batch limit, so the quotes show where extra sequences only wait).
+DECODE_LOADS_PER_GPU = (*RATIO_LOADS_PER_GPU, 256, 512)
+
+
+def _decode_grid() -> list[tuple[float, float, OperatingPoint]]:
+    return [
+        (
+            float(per_gpu),
+            float(context),
+            OperatingPoint(batch_per_gpu=per_gpu, context_tokens=context),
+        )
+        for context in RATIO_CONTEXT_TOKENS
+        for per_gpu in DECODE_LOADS_PER_GPU
+    ]
+
+
+def _profile_decode_by_load(profile, tp: int) -> tuple[tuple[float, float, float], ...]:
+    """(sequences per GPU, context, decode tokens/s per GPU) of a TP engine's profile, its
+    batch held to the profile's batch and KV limits."""
+    table = []
+    for per_gpu, context, _ in _decode_grid():
+        ctx = max(min(int(context), profile.kv_capacity_tokens), 1)
+        batch = min(max(round(per_gpu * tp), 1), profile.max_batch)
+        batch = min(batch, max(profile.kv_capacity_tokens // ctx, 1))
+        step_s = float(profile.decode_step_time_s(batch, batch * ctx))
+        table.append((per_gpu, context, batch / step_s / tp))
+    return tuple(table)
 
 
 def _decode_ratio_by_load(decode, colocated) -> tuple[tuple[float, float, float], ...]:
