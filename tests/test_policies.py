@@ -305,9 +305,7 @@ def _paced_spec(num_slots: int):
     """``spec(num_slots)`` quoting decode throughput by load: a 10 ms step plus 0.01 ms
     per sequence up to a batch of 512 (later sequences wait), at one context."""
     loads = (1, 4, 16, 64, 256, 512, 1024, 4096)
-    table = tuple(
-        (float(b), 4096.0, min(b, 512) / (0.010 + 0.00001 * min(b, 512))) for b in loads
-    )
+    table = tuple((float(b), 4096.0, min(b, 512) / (0.010 + 0.00001 * min(b, 512))) for b in loads)
     return replace(spec(num_slots), decode_tokens_per_s_by_load=table)
 
 
