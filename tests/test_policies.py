@@ -339,6 +339,11 @@ def test_cluster_specs_quote_decode_by_load(layouts):
     assert np.all(np.diff(ratio) > 0)
     # Memory-bound decode: twice the batch costs less than twice the step.
     assert ratio[2] < 2.0
+    # The configuration's batch limit holds too: past it the extra sequences wait.
+    capped = cluster_spec(replace(config, max_batch=32), load_profiles(config), 10.0)
+    if layouts is None:
+        over = capped.decode_step_ratio(np.array([64.0, 128.0]), 8192.0, 16.0)
+        assert over[1] == pytest.approx(2 * over[0], rel=1e-9)
 
 
 def test_mpc_paces_decode_by_its_step_not_a_target_batch():
@@ -383,6 +388,51 @@ def test_prefill_cache_overflow_counts_what_a_smaller_pool_cannot_hold():
     # Moving one prefill slot to decode drops the 900k tokens it caches.
     assert prefill_slot_rebuild_s(obs, cluster, 1) == pytest.approx(900_000 / 20_000.0)
     assert prefill_slot_rebuild_s(obs, cluster, 0) == 0.0
+    # A prefill engine that reads a KV store copies the contexts instead.
+    assert prefill_slot_rebuild_s(obs, replace(cluster, reuse_mode="kv-store"), 1) == 0.0
+
+
+def test_decode_pace_is_exact_at_whole_slots_and_close_between():
+    rng = np.random.default_rng(1)
+    pace = DecodePace(
+        _paced_spec(6), rng.uniform(50, 900, 3), np.full(3, 4096.0), rng.uniform(0, 2, 3), 64.0
+    )
+    whole = np.arange(1.0, 7.0)
+    between = np.array([0.3, 1.37, 2.5, 4.81])
+    for k in range(3):
+        assert pace.utilisation(k, whole) == pytest.approx(pace.exact(k, whole), rel=1e-12)
+        assert pace.utilisation(k, between) == pytest.approx(pace.exact(k, between), rel=0.05)
+    longer = pace.held_for_one_more()
+    assert longer.utilisation(3, whole) == pytest.approx(pace.exact(2, whole))
+
+
+def test_mpc_tail_sees_contexts_outgrow_a_smaller_prefill_pool():
+    # Decode is a little short on two of four slots and prefill would fit on one, so
+    # within the 30 s horizon a prefill slot is worth more to decode. But 150 live
+    # trajectories of 0.8M context tokens grow 10k tokens a second (667 tokens per 10 s
+    # turn): within 30 s they still fit one prefill slot's 1M-token cache, 15 s later
+    # they overflow it by 0.25M, re-prefilled each turn. Only the cost-to-go sees that.
+    # (Found in the regime map: Qwen3-30B-A3B mixed sync 64/GPU, 0.92x of holding.)
+    from prorsa.policy.types import WorkloadShape
+
+    roles = ["prefill", "prefill", "decode", "decode"]
+    shape = WorkloadShape(
+        turns_per_trajectory=16,
+        prompt_tokens=1000,
+        new_tokens_per_turn=333,
+        output_tokens_per_turn=334,
+        tool_s_per_call=2.5,
+        final_context_tokens=12_000,
+    )
+    obs = replace(observation(30.0, roles, decoding=150, decode_kv=800_000), workload=shape)
+    fc = forecast(30.0, 16_000.0, decoding=150, kv=800_000)
+    kept = {}
+    for tail_s in (0.0, 30.0):
+        policy = make_policy("mpc", start="split", quantile=None, tail_s=tail_s)
+        policy.reset(spec(4))
+        kept[tail_s] = policy.decide(obs, fc).gpus["prefill"]
+        assert len(policy.last_plan_) == len(HORIZONS)
+    assert kept == {0.0: 1, 30.0: 2}
 
 
 @pytest.mark.parametrize("name", ["predictive", "mpc"])

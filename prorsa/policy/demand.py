@@ -12,7 +12,8 @@ import functools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TypeVar
 
 import numpy as np
@@ -120,6 +121,10 @@ class Sizing:
         return backlog > spec.num_slots - 1
 
 
+#: Points per slot of the grid on which :class:`DecodePace` tabulates decode's load.
+PACE_POINTS_PER_SLOT = 8
+
+
 @dataclass(frozen=True)
 class DecodePace:
     """How short decode runs on a number of decode slots, per planning interval: the
@@ -128,25 +133,52 @@ class DecodePace:
 
     A target batch alone counts twice the batch as twice the need, but a memory-bound
     decode step at twice the batch is far shorter than two steps: Qwen3-30B-A3B on
-    ``tp1-dp8-ep8-a2a`` decodes 144 sequences per GPU at 8k context within ~1.3x the
-    step of 64, so a plan sized by batch moved a prefill slot to decode and starved
+    ``tp1-dp8-ep8-a2a`` at 2k context decodes 144 sequences per GPU in 1.6x the step of
+    64, not 2.25x, so a plan sized by batch moved a prefill slot to decode and starved
     prefill (search sync 128 per GPU: 0.90x of holding the split).
+
+    The load is exact on a grid of :data:`PACE_POINTS_PER_SLOT` points per slot (whole
+    slot counts included) and linear between them: a plan asks for it over every pair of
+    splits, 261k values per interval at 512 slots.
     """
 
     spec: ClusterSpec
     sequences: np.ndarray  # decoding, per interval
-    context_tokens: np.ndarray  # mean context per decoding sequence, per interval
+    context_tokens: np.ndarray  # mean context of a decoding sequence, per interval
     kv_slots: np.ndarray  # slots the KV needs, per interval
     target_batch_per_gpu: float
+    tables: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+
+    def held_for_one_more(self) -> DecodePace:
+        """The same pace with one more interval, at the last one's load."""
+        return replace(
+            self,
+            sequences=np.append(self.sequences, self.sequences[-1]),
+            context_tokens=np.append(self.context_tokens, self.context_tokens[-1]),
+            kv_slots=np.append(self.kv_slots, self.kv_slots[-1]),
+            tables={},
+        )
 
     def utilisation(self, k: int, slots: np.ndarray) -> np.ndarray:
         """Decode's load on ``slots`` decode slots in interval ``k`` (1: at the target)."""
+        table = self.tables.get(k)
+        if table is None:
+            table = self.tables[k] = self.exact(k, self.grid)
+        return np.interp(slots, self.grid, table)
+
+    def exact(self, k: int, slots: np.ndarray) -> np.ndarray:
+        """:meth:`utilisation` off the grid."""
         slots = np.maximum(np.asarray(slots, dtype=float), 1e-9)
         per_gpu = self.sequences[k] / (slots * self.spec.slot_gpus)
         step = self.spec.decode_step_ratio(
             per_gpu, float(self.context_tokens[k]), self.target_batch_per_gpu
         )
         return np.maximum(step, self.kv_slots[k] / slots)
+
+    @cached_property
+    def grid(self) -> np.ndarray:
+        points = PACE_POINTS_PER_SLOT * self.spec.num_slots
+        return np.arange(1, points + 1) / PACE_POINTS_PER_SLOT
 
 
 def decode_demand(
@@ -287,9 +319,10 @@ def prefill_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: in
     """Slot-seconds of prefill needed to rebuild the prefix caches of the ``slots``
     prefill slots the controller would move first (the least loaded), were they switched
     to decode: the contexts cached there for the trajectories' next turns are dropped
-    with the role, and those turns are prefilled again in full elsewhere."""
-    if slots <= 0:
-        return 0.0
+    with the role, and those turns are prefilled again in full elsewhere (re-prefill
+    only: a prefill engine that pulls or reads a KV store copies them instead)."""
+    if slots <= 0 or spec.reuse_mode != "reprefill":
+        return 0.0  # under pull or a KV store a prefill engine copies what it lacks
     prefill = sorted(
         (s for s in obs.slots if s.role == "prefill"),
         key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
@@ -481,12 +514,14 @@ def prefill_cache_overflow_slots(
     prefill_slots: np.ndarray,
     at_s: np.ndarray,
     window_s: float = TURN_CYCLE_S,
+    target_util: float = 1.0,
 ) -> np.ndarray:
     """Prefill slots that re-prefilling what the prefill engines' prefix caches cannot
     hold adds at ``prefill_slots`` prefill slots, over what it adds at the current split
     (whose cost the measured work ratio already holds), ``at_s`` seconds ahead
-    [len(at_s), len(prefill_slots)]. Zero unless re-prefill (the only reuse a prefill
-    engine has is its own prefix cache).
+    [len(at_s), len(prefill_slots)], in slots run at ``target_util`` (as a policy sizes
+    prefill). Zero unless re-prefill (the only reuse a prefill engine has is its own
+    prefix cache).
 
     The live trajectories' contexts (growing by a turn's new and output tokens per turn
     cycle, up to the workload's final context) come back once per ``window_s``; what
@@ -513,7 +548,7 @@ def prefill_cache_overflow_slots(
         ceiling = max(live * shape.final_context_tokens, float(tokens))
     working = np.minimum(tokens + growth * np.asarray(at_s, dtype=float), ceiling)
     cache = float(np.mean(caches))
-    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
     now = current_load(obs).prefill_slots
 
     def overflow(x: np.ndarray) -> np.ndarray:

@@ -65,6 +65,11 @@ class MPCPolicy(ModeChoosingPolicy):
             applied to the horizon's average demand over the horizon's length).
         prefill_fraction: split used until the first forecast arrives with ``start="split"``.
         local_prefill_threshold: if set, applied on every tick.
+        tail_s: cost-to-go: the split the plan ends in is priced for this many seconds
+            more at the last interval's demand (0: the plan ends with the forecast).
+            Without it a plan cannot see a cost that starts just past its horizon: in
+            Qwen3-30B-A3B mixed sync 64/GPU the contexts outgrow one prefill slot's
+            cache ~50 s after a move that looked free within 30 s.
     """
 
     needs_forecast = True
@@ -83,6 +88,7 @@ class MPCPolicy(ModeChoosingPolicy):
         target_batch_per_gpu: float = 64.0,
         kv_target_fraction: float = 0.85,
         prefill_target_util: float = 0.8,
+        tail_s: float = 30.0,
     ) -> None:
         self.drain_s = drain_s
         self.switch_cost_s = switch_cost_s
@@ -96,6 +102,7 @@ class MPCPolicy(ModeChoosingPolicy):
         self.target_batch_per_gpu = target_batch_per_gpu
         self.kv_target_fraction = kv_target_fraction
         self.prefill_target_util = prefill_target_util
+        self.tail_s = tail_s
 
     @classmethod
     def search_space(cls, trial) -> dict:
@@ -107,13 +114,15 @@ class MPCPolicy(ModeChoosingPolicy):
             "target_batch_per_gpu": trial.suggest_float(
                 "target_batch_per_gpu", 16.0, 256.0, log=True
             ),
+            "tail_s": trial.suggest_float("tail_s", 0.0, 120.0),
             **cls.start_space(trial),
         }
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
-        if min(self.drain_s, self.switch_cost_s, self.prefill_weight, self.decode_weight) < 0:
-            raise ConfigError("mpc: drain_s, switch_cost_s and weights must be >= 0")
+        weights = (self.prefill_weight, self.decode_weight)
+        if min(self.drain_s, self.switch_cost_s, self.tail_s, *weights) < 0:
+            raise ConfigError("mpc: drain_s, switch_cost_s, weights and tail_s must be >= 0")
         if self.max_step < 0:
             raise ConfigError("mpc: max_step must be >= 0")
         self.sizing_ = Sizing(
@@ -151,6 +160,9 @@ class MPCPolicy(ModeChoosingPolicy):
         # the contexts between turns unless prefill is bound over the whole horizon.
         seqs[0] = max(seqs[0], load.decode_sequences)
         kv[0] = max(kv[0], load.decode_kv_tokens)
+        # A step's cost follows the contexts that decode, not the idle ones decode also
+        # caches (which decode_demand adds to the KV).
+        context = kv / np.maximum(seqs, 1.0)
         bound = sizing.prefill_bound(spec, load, float(lengths.sum()))
         seqs, kv = decode_demand(load, seqs, kv, bound, floor_now=False)
         cap = kv_capacity_per_slot(obs)
@@ -162,7 +174,7 @@ class MPCPolicy(ModeChoosingPolicy):
             pace = DecodePace(
                 spec,
                 seqs,
-                kv / np.maximum(seqs, 1.0),
+                context,
                 kv / max(cap * sizing.kv_target_fraction, 1.0),
                 sizing.target_batch_per_gpu,
             )
@@ -354,6 +366,14 @@ class MPCPolicy(ModeChoosingPolicy):
         current = min(max(current, 1), slots - 1)
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1)
         drains = self.decode_drains(obs, float(lengths.sum()))
+        horizons = len(lengths)
+        if self.tail_s > 0:
+            # The split the plan ends in stays for ``tail_s`` more, at the last interval's
+            # demand: a cost-to-go, so that what a split costs just past the horizon
+            # (contexts outgrowing a smaller prefill pool's caches) counts.
+            lengths = np.append(lengths, self.tail_s)
+            need_p, need_d = np.append(need_p, need_p[-1]), np.append(need_d, need_d[-1])
+            pace = None if pace is None else pace.held_for_one_more()
         self.last_plan_ = self.plan(
             current,
             lengths,
@@ -365,16 +385,22 @@ class MPCPolicy(ModeChoosingPolicy):
             pace,
             prefill_slot_rebuild_s(obs, self.cluster_, 1),
             prefill_cache_overflow_slots(
-                obs, self.cluster_, np.arange(1, slots), np.cumsum(lengths) - lengths / 2
+                obs,
+                self.cluster_,
+                np.arange(1, slots),
+                np.cumsum(lengths) - lengths / 2,
+                target_util=self.sizing_.prefill_target_util,
             ),
-        )
+        )[:horizons]
         target = self.last_plan_[0]
         return self.split(target, f"mpc: plan {self.last_plan_}")
 
 
 @POLICIES.register("oracle")
 class OraclePolicy(MPCPolicy):
-    """MPC fed the oracle forecaster (simulation only): the upper bound of prediction."""
+    """MPC fed the oracle forecaster (simulation only): what MPC's plan makes of the true
+    future. It bounds what better forecasts could give MPC, not every policy: where the
+    plan's model of the cluster is off, a policy that plans differently can beat it."""
 
     #: The forecaster this policy must run with.
     forecaster_name = "oracle"

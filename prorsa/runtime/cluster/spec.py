@@ -95,7 +95,12 @@ def cluster_spec(config: ClusterConfig, profiles: dict, min_dwell_s: float) -> C
         role_tp=dict(config.role_tp),
         prefill_tokens_per_s_per_gpu=chunk / prefill_s / p_tp,
         decode_tokens_per_s_per_gpu=batch / decode_s / d_tp,
-        decode_tokens_per_s_by_load=_profile_decode_by_load(decode_profile, d_tp),
+        decode_tokens_per_s_by_load=decode_by_load(
+            d_tp,
+            config.max_batch or decode_profile.max_batch,
+            config.kv_capacity_tokens or decode_profile.kv_capacity_tokens,
+            lambda b, ctx: b / float(decode_profile.decode_step_time_s(b, b * ctx)) / d_tp,
+        ),
         switch_latency_s=config.switch_latency_s,
         min_dwell_s=min_dwell_s,
         dp_attention_ranks=config.dp_attention_ranks,
@@ -139,9 +144,12 @@ def _layout_spec(config: ClusterConfig, costs: dict, min_dwell_s: float) -> Clus
         ),
         colocated_decode_tokens_per_s_per_gpu=colocated_tps,
         colocated_decode_ratio_by_load=_decode_ratio_by_load(decode, colocated),
-        decode_tokens_per_s_by_load=tuple(
-            (per_gpu, context, decode_tokens_per_s_per_gpu(decode, point))
-            for per_gpu, context, point in _decode_grid()
+        decode_tokens_per_s_by_load=decode_by_load(
+            decode.tp,
+            decode.max_batch,
+            # per rank; the layout's step model prices no more than its own capacity
+            min(config.kv_capacity_tokens or decode.kv_capacity_tokens, decode.kv_capacity_tokens),
+            decode.decode_tokens_per_s_per_gpu,
         ),
         # As the simulator's engines hold it (topology: per-rank KV times the ranks).
         colocated_kv_tokens_per_engine=float(
@@ -163,28 +171,20 @@ RATIO_CONTEXT_TOKENS = (2048, 8192, 32768)
 DECODE_LOADS_PER_GPU = (*RATIO_LOADS_PER_GPU, 256, 512)
 
 
-def _decode_grid() -> list[tuple[float, float, OperatingPoint]]:
-    return [
-        (
-            float(per_gpu),
-            float(context),
-            OperatingPoint(batch_per_gpu=per_gpu, context_tokens=context),
-        )
-        for context in RATIO_CONTEXT_TOKENS
-        for per_gpu in DECODE_LOADS_PER_GPU
-    ]
-
-
-def _profile_decode_by_load(profile, tp: int) -> tuple[tuple[float, float, float], ...]:
-    """(sequences per GPU, context, decode tokens/s per GPU) of a TP engine's profile, its
-    batch held to the profile's batch and KV limits."""
+def decode_by_load(
+    tp: int, max_batch: int, kv_tokens: int, tokens_per_s_per_gpu
+) -> tuple[tuple[float, float, float], ...]:
+    """(sequences per GPU, context, decode tokens/s per GPU) over the policies' grid for an
+    engine (or rank) of ``tp`` GPUs holding at most ``max_batch`` sequences and
+    ``kv_tokens`` KV tokens, as the simulator's engines are limited (overrides of the
+    cluster configuration included); ``tokens_per_s_per_gpu(batch, context)`` prices a
+    step. Sequences past the limits wait: throughput stays at the limit's."""
     table = []
-    for per_gpu, context, _ in _decode_grid():
-        ctx = max(min(int(context), profile.kv_capacity_tokens), 1)
-        batch = min(max(round(per_gpu * tp), 1), profile.max_batch)
-        batch = min(batch, max(profile.kv_capacity_tokens // ctx, 1))
-        step_s = float(profile.decode_step_time_s(batch, batch * ctx))
-        table.append((per_gpu, context, batch / step_s / tp))
+    for context in RATIO_CONTEXT_TOKENS:
+        ctx = max(min(int(context), kv_tokens), 1)
+        for per_gpu in DECODE_LOADS_PER_GPU:
+            batch = min(max(round(per_gpu * tp), 1), max_batch, max(kv_tokens // ctx, 1))
+            table.append((float(per_gpu), float(context), tokens_per_s_per_gpu(batch, ctx)))
     return tuple(table)
 
 
