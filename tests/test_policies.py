@@ -220,21 +220,25 @@ def _mpc_path_cost(
     pace=None,
     cache=None,
     prefill_rebuild=0.0,
+    hold_last=False,
 ):
     """MPC's model, written out interval by interval: a move blocks its slots for
     ``blocked(prev, x)`` seconds from its interval's start, into later intervals too,
     and no other move may start before they are through (``inf``: such a path); a
     switch under way (``(to prefill, to decode, seconds left)``) blocks from the start.
     ``pace``: decode's load on its slots (else ``need_d`` over them); ``cache[k][x-1]``:
-    prefill slots added at split ``x``; ``prefill_rebuild``: per slot moved to decode."""
+    prefill slots added at split ``x`` (while a move is under way, at the side of it
+    with fewer prefill slots); ``prefill_rebuild``: per slot moved to decode;
+    ``hold_last``: no move in the last interval."""
     starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
-    total, prev, until, gained = 0.0, start, 0.0, (0, 0)
+    total, prev, until, gained, origin = 0.0, start, 0.0, (0, 0), start
     if switching is not None:
         until, gained = switching[2], switching[:2]
     for k, x in enumerate(path):
         if x != prev:
-            if starts[k] < until:
+            if starts[k] < until or (hold_last and k == len(path) - 1):
                 return np.inf
+            origin = prev
             until = starts[k] + blocked(prev, x)
             gained = (max(x - prev, 0), max(prev - x, 0))
             total += switch_cost_s * abs(x - prev) + prefill_rebuild * max(prev - x, 0)
@@ -242,7 +246,12 @@ def _mpc_path_cost(
         eff_p = x - lost * gained[0]
         eff_d = (n - x) - lost * gained[1]
         load_d = need_d[k] / eff_d if pace is None else pace.utilisation(k, [eff_d])[0]
-        need = need_p[k] + (0.0 if cache is None else cache[k][x - 1])
+        if cache is None:
+            need = need_p[k]
+        elif lost > 0:
+            need = need_p[k] + max(cache[k][origin - 1], cache[k][x - 1])
+        else:
+            need = need_p[k] + cache[k][x - 1]
         total += n * max(max(need / eff_p, load_d) - 1, 0) * lengths[k]
         prev = x
     return total
@@ -286,13 +295,14 @@ def test_mpc_dp_matches_brute_force(drains, switching, priced):
         plan = policy.plan(
             2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching,
             pace=pace, prefill_rebuild_s_per_slot=rebuild, cache_need_p=cache,
+            hold_last=priced,
         )  # fmt: skip
 
         def cost(path, need_p=need_p, need_d=need_d, pace=pace, cache=cache, rebuild=rebuild):
             return _mpc_path_cost(
                 path, lengths, need_p, need_d, n=6, start=2, blocked=blocked,
                 switch_cost_s=0.5, switching=switching, pace=pace, cache=cache,
-                prefill_rebuild=rebuild,
+                prefill_rebuild=rebuild, hold_last=priced,
             )  # fmt: skip
 
         best = min(itertools.product(range(1, 6), repeat=5), key=cost)
@@ -339,11 +349,36 @@ def test_cluster_specs_quote_decode_by_load(layouts):
     assert np.all(np.diff(ratio) > 0)
     # Memory-bound decode: twice the batch costs less than twice the step.
     assert ratio[2] < 2.0
-    # The configuration's batch limit holds too: past it the extra sequences wait.
-    capped = cluster_spec(replace(config, max_batch=32), load_profiles(config), 10.0)
+    # The configuration's KV limit holds too (and a TP engine's batch limit; layout
+    # engines batch by their own, as the simulator's do): past it the extra sequences
+    # wait, so the time per token doubles with the load.
+    overrides = [{"kv_capacity_tokens": 64 * 8192}]
     if layouts is None:
+        overrides.append({"max_batch": 64})
+    for override in overrides:
+        capped = cluster_spec(replace(config, **override), load_profiles(config), 10.0)
         over = capped.decode_step_ratio(np.array([64.0, 128.0]), 8192.0, 16.0)
-        assert over[1] == pytest.approx(2 * over[0], rel=1e-9)
+        assert over[1] == pytest.approx(2 * over[0], rel=1e-9), override
+
+
+def test_mpc_paces_decode_at_the_context_of_what_decodes():
+    # 100 sequences of 2k context decode; 10M tokens of context wait in tools. The KV
+    # decode must hold counts them; the step's cost does not.
+    two_contexts = tuple(
+        (float(b), float(ctx), b / (0.010 + 0.00001 * b * ctx / 2048))
+        for ctx in (2048, 32768)
+        for b in (1, 16, 64, 256)
+    )
+    cluster = replace(spec(4), decode_tokens_per_s_by_load=two_contexts)
+    obs = observation(30.0, ["prefill", "decode", "decode", "decode"], decoding=100)
+    obs = replace(obs, trajectory_tokens={**obs.trajectory_tokens, "decoding": 204_800})
+    tokens = {**obs.trajectory_tokens, "in_tool": 10_000_000}
+    obs = replace(obs, trajectory_tokens=tokens)
+    policy = make_policy("mpc", quantile=None)
+    policy.reset(cluster)
+    pace = policy.requirements(obs, forecast(30.0, 1_000.0, decoding=100, kv=204_800))[3]
+    assert pace.context_tokens == pytest.approx(np.full(len(HORIZONS), 2048.0))
+    assert pace.kv_slots[0] > 10_000_000 / 1_000_000  # the idle contexts in the KV
 
 
 def test_mpc_paces_decode_by_its_step_not_a_target_batch():
@@ -382,6 +417,9 @@ def test_prefill_cache_overflow_counts_what_a_smaller_pool_cannot_hold():
     assert extra[0] == pytest.approx([1e6 / per_slot_s, 0.0, -1e6 / per_slot_s])
     # Without the workload's shape the contexts are not grown ahead.
     assert np.allclose(extra[1], extra[0])
+    # In slots run at a target utilisation, as policies size prefill.
+    at_target = prefill_cache_overflow_slots(obs, cluster, np.array([1, 2, 3]), at, target_util=0.8)
+    assert at_target == pytest.approx(extra / 0.8)
     assert not prefill_cache_overflow_slots(
         obs, replace(cluster, reuse_mode="kv-store"), np.array([1, 2, 3]), at
     ).any()

@@ -68,8 +68,9 @@ class MPCPolicy(ModeChoosingPolicy):
         tail_s: cost-to-go: the split the plan ends in is priced for this many seconds
             more at the last interval's demand (0: the plan ends with the forecast).
             Without it a plan cannot see a cost that starts just past its horizon: in
-            Qwen3-30B-A3B mixed sync 64/GPU the contexts outgrow one prefill slot's
-            cache ~50 s after a move that looked free within 30 s.
+            Qwen3-30B-A3B mixed sync 64/GPU the contexts, grown as the workload's shape
+            says, outgrow one prefill slot's cache only past 30 s, so a move to one
+            prefill slot looked free (the run then collapsed; docs/results.md).
     """
 
     needs_forecast = True
@@ -192,6 +193,7 @@ class MPCPolicy(ModeChoosingPolicy):
         pace: DecodePace | None = None,
         prefill_rebuild_s_per_slot: float = 0.0,
         cache_need_p: np.ndarray | None = None,
+        hold_last: bool = False,
     ) -> list[int]:
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan.
 
@@ -205,7 +207,11 @@ class MPCPolicy(ModeChoosingPolicy):
         they serve)``; ``current`` counts them in their new roles (see
         :meth:`switching_now`). With ``pace``, decode's load on its slots is its step
         and KV pressure (:class:`~prorsa.policy.demand.DecodePace`), not ``need_d`` over
-        the slots.
+        the slots. ``cache_need_p[k][x - 1]``: prefill slots added at split ``x`` in
+        interval ``k``; while a move is under way the split with the fewer prefill slots
+        counts (the caches of slots joining prefill are cold). ``hold_last``: the last
+        interval only holds the split (a cost-to-go, see ``tail_s``), so the plan cannot
+        escape what its end state costs by a move no interval after it prices in full.
         """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
@@ -230,7 +236,11 @@ class MPCPolicy(ModeChoosingPolicy):
             eff_d = (n - xs[None, :]) - lost * gained_d
             load_d = need_d[k] / eff_d if pace is None else pace.utilisation(k, eff_d)
             # Prefill's need at the split moved to (what its caches cannot hold added).
-            need = need_p[k] if cache_need_p is None else need_p[k] + cache_need_p[k][None, :]
+            if cache_need_p is None:
+                need = need_p[k]
+            else:
+                c = cache_need_p[k]
+                need = need_p[k] + np.where(lost > 0, np.maximum(c[:, None], c[None, :]), c)
             busier = np.maximum(self.prefill_weight * need / eff_p, self.decode_weight * load_d)
             return n * np.maximum(busier - 1.0, 0.0)
 
@@ -260,7 +270,8 @@ class MPCPolicy(ModeChoosingPolicy):
                 + prefill_rebuild_s_per_slot * gained_d
             )
             free = cost[: k + 1].min(axis=0)  # states free to move at k
-            total = np.where(allowed, free[:, None] + booked, np.inf)
+            may = (moved == 0) if hold_last and k == stages - 1 else allowed
+            total = np.where(may, free[:, None] + booked, np.inf)
             nxt = np.full_like(cost, np.inf)
             came_from = np.full(cost.shape, -1)
             for u in np.unique(free_from):
@@ -391,6 +402,7 @@ class MPCPolicy(ModeChoosingPolicy):
                 np.cumsum(lengths) - lengths / 2,
                 target_util=self.sizing_.prefill_target_util,
             ),
+            hold_last=self.tail_s > 0,
         )[:horizons]
         target = self.last_plan_[0]
         return self.split(target, f"mpc: plan {self.last_plan_}")
