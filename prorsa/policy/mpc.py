@@ -65,8 +65,9 @@ class MPCPolicy(ModeChoosingPolicy):
             applied to the horizon's average demand over the horizon's length).
         prefill_fraction: split used until the first forecast arrives with ``start="split"``.
         local_prefill_threshold: if set, applied on every tick.
-        tail_s: cost-to-go: the split the plan ends in is priced for this many seconds
-            more at the last interval's demand (0: the plan ends with the forecast).
+        tail_s: cost-to-go: the split the plan ends in is held and priced for this many
+            seconds more at the last interval's demand (0: the plan ends with the
+            forecast).
             Without it a plan cannot see a cost that starts just past its horizon: in
             Qwen3-30B-A3B mixed sync 64/GPU the contexts, grown as the workload's shape
             says, outgrow one prefill slot's cache only past 30 s, so a move to one
