@@ -30,6 +30,7 @@ pytestmark = [
 ]
 
 TIMEOUT_S = 5.0
+POLL_S = 0.5  # how often the queued test polls the decode engine's load
 HANGS, HEALTHY, DECODE = 0, 1, 2  # engine ids
 
 
@@ -160,14 +161,18 @@ def test_a_hung_handoff_is_given_up_while_the_decode_engine_has_a_queue(fleet):
         async def poll() -> None:
             while not stop.is_set():
                 queued_polls.append(int((await decode.load())["waiting"]))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(POLL_S)
 
         await asyncio.gather(*(one(i) for i in range(14)), poll())
 
     result, waited = _serve_hung_turn_beside(router, hanging, load)
     _check_given_up(router, hanging, result, expected)
     assert TIMEOUT_S <= waited < TIMEOUT_S + 40
-    assert sum(n > 0 for n in queued_polls) >= 0.8 * len(queued_polls)  # a queue throughout
+    # A queue seen within every timeout's span: the counts alone would have restarted the
+    # leg's clock for ever. (A share of polls is not that condition; a slower machine saw
+    # a queue at 13 of 17 polls, under the 80% this asked for before.)
+    runs_without_queue = "".join("q" if n > 0 else "." for n in queued_polls).split("q")
+    assert max(len(run) for run in runs_without_queue) < TIMEOUT_S / POLL_S, queued_polls
 
 
 def test_a_hung_handoff_is_given_up_while_other_handoffs_succeed(fleet):
