@@ -293,12 +293,14 @@ def decode_slots_moved_first(obs: ClusterObservation, slots: int) -> list[SlotVi
     return _decode_side_by_load(obs)[: max(slots, 0)]
 
 
+def _by_load(slot: SlotView) -> tuple[float, int]:
+    """The controller's order of donors: least loaded first (``plan_switches``)."""
+    return (slot.running_sequences + slot.queued_prefill_tokens / 1000.0, slot.slot_id)
+
+
 @_kept_for_last_observation
 def _decode_side_by_load(obs: ClusterObservation) -> list[SlotView]:
-    return sorted(
-        (s for s in obs.slots if s.role in ("decode", "colocated")),
-        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
-    )
+    return sorted((s for s in obs.slots if s.role in ("decode", "colocated")), key=_by_load)
 
 
 def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
@@ -323,10 +325,7 @@ def prefill_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: in
     only: a prefill engine that pulls or reads a KV store copies them instead)."""
     if slots <= 0 or spec.reuse_mode != "reprefill":
         return 0.0  # under pull or a KV store a prefill engine copies what it lacks
-    prefill = sorted(
-        (s for s in obs.slots if s.role == "prefill"),
-        key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
-    )[:slots]
+    prefill = sorted((s for s in obs.slots if s.role == "prefill"), key=_by_load)[:slots]
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
     return sum(s.cached_tokens for s in prefill) / max(per_slot, 1e-9)
 

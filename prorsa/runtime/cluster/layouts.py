@@ -48,9 +48,19 @@ def typical_decode(cost, point: OperatingPoint = QUOTED) -> tuple[int, int]:
         batch = max(cost.max_batch // 2, 1)
         context = min(point.context_tokens, cost.kv_capacity_tokens // batch)
         return batch, max(context, 1)
-    context = max(min(int(point.context_tokens), cost.kv_capacity_tokens), 1)
-    batch = round(point.batch_per_gpu * cost.tp)
-    batch = min(max(batch, 1), cost.max_batch, max(cost.kv_capacity_tokens // context, 1))
+    return decode_batch(
+        cost.tp, cost.max_batch, cost.kv_capacity_tokens, point.batch_per_gpu, point.context_tokens
+    )
+
+
+def decode_batch(
+    tp: int, max_batch: int, kv_tokens: int, per_gpu: float, context_tokens: float
+) -> tuple[int, int]:
+    """(sequences, context per sequence) an engine (or rank) of ``tp`` GPUs decodes with
+    ``per_gpu`` sequences per GPU waiting, held to ``max_batch`` sequences and
+    ``kv_tokens`` KV tokens; the rest wait."""
+    context = max(min(int(context_tokens), kv_tokens), 1)
+    batch = min(max(round(per_gpu * tp), 1), max_batch, max(kv_tokens // context, 1))
     return batch, context
 
 

@@ -17,6 +17,7 @@ from prorsa.runtime.cluster.layouts import (
     OperatingPoint,
     colocated_gpu_s_per_prefill_token,
     colocated_packed_prefill_tokens_per_s_per_gpu,
+    decode_batch,
     decode_tokens_per_s_per_gpu,
     typical_decode,
 )
@@ -181,9 +182,8 @@ def decode_by_load(
     step. Sequences past the limits wait: throughput stays at the limit's."""
     table = []
     for context in RATIO_CONTEXT_TOKENS:
-        ctx = max(min(int(context), kv_tokens), 1)
         for per_gpu in DECODE_LOADS_PER_GPU:
-            batch = min(max(round(per_gpu * tp), 1), max_batch, max(kv_tokens // ctx, 1))
+            batch, ctx = decode_batch(tp, max_batch, kv_tokens, per_gpu, context)
             table.append((float(per_gpu), float(context), tokens_per_s_per_gpu(batch, ctx)))
     return tuple(table)
 
