@@ -174,5 +174,10 @@ def test_colocated_decode_ratio_follows_the_decode_load():
     assert between <= max(spec.colocated_decode_ratio_at(2), spec.colocated_decode_ratio_at(4))
     # 32 sequences decoding on 32 GPUs, 1 decode slot's worth of demand: stay colocated.
     obs = observation(20.0, ["colocated"] * 4, decoding=32, decode_kv=32 * 8192)
-    kwargs = {"current_prefill": 1, "payback_s": 300.0, "switch_cost_weight": 1.0}
+    kwargs = {
+        "current_prefill": 1,
+        "payback_s": 300.0,
+        "switch_cost_weight": 1.0,
+        "prefill_target_util": 0.8,
+    }
     assert choose_mode(obs, spec, 0.1, 1.0, **kwargs) is None

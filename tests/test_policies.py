@@ -740,20 +740,43 @@ def test_mode_choice_colocates_dense_models_and_splits_under_dp_attention():
     # Pooled capacity always serves at least as much as a split: stay colocated.
     assert (
         choose_mode(
-            colocated, dense, 3.0, 4.0, current_prefill=1, payback_s=30, switch_cost_weight=1.0
+            colocated,
+            dense,
+            3.0,
+            4.0,
+            current_prefill=1,
+            payback_s=30,
+            switch_cost_weight=1.0,
+            prefill_target_util=0.8,
         )
         is None
     )
     # With DP8 attention each prefill slot-second stalls 8 ranks: a split pays.
     moe = replace(dense, dp_attention_ranks=8)
     x = choose_mode(
-        colocated, moe, 1.5, 4.0, current_prefill=1, payback_s=30, switch_cost_weight=1.0
+        colocated,
+        moe,
+        1.5,
+        4.0,
+        current_prefill=1,
+        payback_s=30,
+        switch_cost_weight=1.0,
+        prefill_target_util=0.8,
     )
     assert isinstance(x, int) and 1 <= x <= 7
     # A split short of prefill on a dense model colocates when the saving pays the switch.
     split = observation(5.0, ROLES8, decode_kv=10_000)
     assert (
-        choose_mode(split, dense, 5.0, 2.0, current_prefill=2, payback_s=30, switch_cost_weight=1.0)
+        choose_mode(
+            split,
+            dense,
+            5.0,
+            2.0,
+            current_prefill=2,
+            payback_s=30,
+            switch_cost_weight=1.0,
+            prefill_target_util=0.8,
+        )
         == "colocated"
     )
 
@@ -778,7 +801,7 @@ def test_colocated_prefill_costs_less_per_token_when_every_rank_prefills():
     assert replace(moe, colocated_packed_prefill_factor=None).prefill_interference_at(50) == 3.5
     # A start-up burst (every rank prefilling) no longer reads as a reason to split...
     colocated = observation(5.0, ["colocated"] * 8, decode_kv=0)
-    burst = dict(current_prefill=1, payback_s=30, switch_cost_weight=1.0)
+    burst = dict(current_prefill=1, payback_s=30, switch_cost_weight=1.0, prefill_target_util=0.8)
     assert choose_mode(colocated, moe, 7.0, 1.0, **burst) is None
     one_rank = replace(moe, colocated_packed_prefill_factor=None)
     assert isinstance(choose_mode(colocated, one_rank, 7.0, 1.0, **burst), int)
@@ -862,7 +885,7 @@ def test_a_prefill_bound_split_holds_when_colocated_kv_would_starve_prefill():
     state, tokens = dict(obs.trajectory_state), dict(obs.trajectory_tokens)
     state["queued"], tokens["queued"] = 4096, 4096 * 6000
     split = replace(obs, trajectory_state=state, trajectory_tokens=tokens)
-    kwargs = dict(current_prefill=3, payback_s=30, switch_cost_weight=1.0)
+    kwargs = dict(current_prefill=3, payback_s=30, switch_cost_weight=1.0, prefill_target_util=0.8)
     assert choose_mode(split, moe, 17.0, 1.7, **kwargs) == "colocated"
     assert choose_mode(replace(split, workload=shape), moe, 17.0, 1.7, **kwargs) is None
 

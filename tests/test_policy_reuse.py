@@ -39,15 +39,33 @@ def colocated(idle_tokens: int) -> ClusterObservation:
 
 def test_recompute_counts_live_contexts_only_under_reprefill():
     obs = colocated(idle_tokens=2_900_000)  # + 100,000 decoding
-    assert split_recompute_slots(obs, spec("reprefill"), 30.0) == pytest.approx(10.0)
-    assert split_recompute_slots(obs, spec("reprefill")) == pytest.approx(30.0)  # 10 s cycle
-    assert split_recompute_slots(obs, spec("kv-store"), 30.0) == 0.0
-    assert split_recompute_slots(obs, spec("pull"), 30.0) == 0.0
+    assert split_recompute_slots(obs, spec("reprefill"), 1.0, 30.0) == pytest.approx(10.0)
+    assert split_recompute_slots(obs, spec("reprefill"), 1.0) == pytest.approx(30.0)  # 10 s
+    # in slots run at 80%, as a policy sizes prefill
+    assert split_recompute_slots(obs, spec("reprefill"), 0.8) == pytest.approx(37.5)
+    assert split_recompute_slots(obs, spec("kv-store"), 1.0, 30.0) == 0.0
+    assert split_recompute_slots(obs, spec("pull"), 1.0, 30.0) == 0.0
+
+
+def test_recompute_adds_to_prefill_need_at_the_utilisation_it_is_sized_at():
+    # Found reading the mode choice: the need was in slots at 80% and the recompute in
+    # slots at 100%, so the split's prefill looked 20% lighter than it is.
+    from dataclasses import replace
+
+    obs = replace(colocated(idle_tokens=0), trajectory_tokens={"in_tool": 0, "decoding": 40_000})
+    kwargs = dict(current_prefill=1, payback_s=30.0, switch_cost_weight=1.0)
+    # colocated: 1.6 x 1.5 + 1.7 = 4.1 slots of demand on 4, short 0.1
+    # at 100%: recompute 0.4 slots, 2.0P/1.7D on a 2/2 split, none short: split
+    assert choose_mode(obs, spec("reprefill"), 1.6, 1.7, prefill_target_util=1.0, **kwargs) == 2
+    # at 80%: 0.5 slots, 2.1P on 2 prefill slots, short 0.2 > 0.1: stay
+    assert choose_mode(obs, spec("reprefill"), 1.6, 1.7, prefill_target_util=0.8, **kwargs) is None
 
 
 def test_reprefill_keeps_colocation_where_a_kv_store_would_split():
     # prefill needs 1.6 slots, decode 1.8: colocated short 0.2 slots, a 2/2 split none
-    kwargs = dict(current_prefill=1, payback_s=30.0, switch_cost_weight=1.0)
+    kwargs = dict(
+        current_prefill=1, payback_s=30.0, switch_cost_weight=1.0, prefill_target_util=0.8
+    )
     obs = colocated(idle_tokens=100_000)  # two more prefill slots in a 10 s turn cycle
     assert choose_mode(obs, spec("kv-store"), 1.6, 1.8, **kwargs) == 2
     assert choose_mode(obs, spec("reprefill"), 1.6, 1.8, **kwargs) is None
@@ -59,7 +77,9 @@ def test_leaving_colocation_counts_every_slot_that_reshards():
     base = replace(spec("kv-store"), switch_latency_s=1.0, reshard_latency_s=1.0)
     same = replace(base, role_layouts={"prefill": "tp1", "decode": "dp8", "colocated": "dp8"})
     other = replace(base, role_layouts={"prefill": "tp1", "decode": "dp8", "colocated": "tp4"})
-    kwargs = dict(current_prefill=1, payback_s=30.0, switch_cost_weight=1.0)
+    kwargs = dict(
+        current_prefill=1, payback_s=30.0, switch_cost_weight=1.0, prefill_target_util=0.8
+    )
     obs = colocated(idle_tokens=0)
     # saves 0.2 slots x 30 s = 6 slot-s; two prefill slots reshard (2 x 2 s = 4): split
     assert choose_mode(obs, same, 1.6, 1.8, **kwargs) == 2

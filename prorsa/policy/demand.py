@@ -490,9 +490,14 @@ TURN_CYCLE_S = 10.0
 
 
 def split_recompute_slots(
-    obs: ClusterObservation, spec: ClusterSpec, window_s: float = TURN_CYCLE_S
+    obs: ClusterObservation,
+    spec: ClusterSpec,
+    target_util: float,
+    window_s: float = TURN_CYCLE_S,
 ) -> float:
-    """Prefill slots a split would add under re-prefill (stock vLLM + NIXL).
+    """Prefill slots a split would add under re-prefill (stock vLLM + NIXL), run at
+    ``target_util`` (the utilisation the policy sizes prefill to, so that they add to
+    its prefill need in the same unit).
 
     Colocated (and decode) engines keep a trajectory's context between turns; a prefill
     engine reuses only its own prefix cache. Moving to a split, every live trajectory
@@ -503,7 +508,7 @@ def split_recompute_slots(
     if spec.reuse_mode != "reprefill":
         return 0.0
     _, tokens = live_trajectories(obs)
-    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
     return float(tokens) / max(window_s, 1e-9) / max(per_slot, 1e-9)
 
 
@@ -572,6 +577,7 @@ def choose_mode(
     current_prefill: int,
     payback_s: float,
     switch_cost_weight: float,
+    prefill_target_util: float,
     colocated_need_p: float | None = None,
 ) -> str | int | None:
     """Whether to change between colocation and disaggregation.
@@ -586,9 +592,10 @@ def choose_mode(
     Leaving colocation under re-prefill, the split's prefill also recomputes the live
     trajectories' contexts (:func:`split_recompute_slots`). When decode and colocated run
     different layouts, every slot reshards, not only the prefill ones.
-    ``colocated_need_p`` is the prefill need were the slots colocated (a split's prefill
-    engines may compute more per appended token, :class:`PrefillWorkMeter`); default
-    ``need_p``.
+    ``prefill_target_util`` is the utilisation ``need_p`` is sized at (the recompute is
+    counted at it too). ``colocated_need_p`` is the prefill need were the slots colocated
+    (a split's prefill engines may compute more per appended token,
+    :class:`PrefillWorkMeter`); default ``need_p``.
     """
     n = spec.num_slots
     load = current_load(obs)
@@ -599,7 +606,7 @@ def choose_mode(
     c_short = colocated_shortage(spec, c_need_p, need_d, per_gpu, context, cap)
     if colocated_now(obs):
         # A split must also recompute what the colocated engines cache (re-prefill).
-        need_p = need_p + split_recompute_slots(obs, spec)
+        need_p = need_p + split_recompute_slots(obs, spec, prefill_target_util)
     best_x = best_split(n, need_p, need_d)
     pd_short = split_shortage(best_x, n, need_p, need_d)
     # Decode <-> colocated is a relabel only when both roles run one layout; otherwise

@@ -370,6 +370,7 @@ class MPCPolicy(ModeChoosingPolicy):
             current_prefill=max(current, 1),
             payback_s=float(lengths.sum()),
             switch_cost_weight=1.0,
+            prefill_target_util=self.sizing_.prefill_target_util,
             colocated_need_p=float(colocated_p @ weights),
         )
         changed = self.apply_mode(obs, mode, "mpc")

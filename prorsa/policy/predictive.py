@@ -186,6 +186,7 @@ class PredictivePolicy(ModeChoosingPolicy):
                 current_prefill=max(current, 1),
                 payback_s=self.payback_s,
                 switch_cost_weight=self.switch_cost_weight,
+                prefill_target_util=self.sizing_.prefill_target_util,
                 colocated_need_p=colocated_p,
             )
             for window_p, window_d, colocated_p in ends
