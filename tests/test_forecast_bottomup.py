@@ -115,6 +115,25 @@ def test_kernel_rows_do_not_depend_on_their_neighbours():
     np.testing.assert_array_equal(bottomup.bottom_up(part, HORIZONS), whole[rows])
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_shared_work_gives_the_same_terms_whichever_threads_take_which_rows(monkeypatch, compiled):
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(bottomup, "COMPILED", compiled)
+    monkeypatch.setattr(bottomup_kernel, "CHUNK_ROWS", 7)  # many chunks, a short last one
+    live = random_live(2_000, 11)
+    alone = bottomup.shared_bottom_up(live, HORIZONS)
+    alone.run()
+    shared = bottomup.shared_bottom_up(live, HORIZONS)
+    with ThreadPoolExecutor(3) as pool:
+        for job in [pool.submit(shared.run) for _ in range(3)]:
+            job.result()
+    shared.run()  # nothing left to claim: a no-op
+    assert alone.out.shape == (2_000, 4, len(HORIZONS))
+    np.testing.assert_array_equal(shared.out, alone.out)
+    np.testing.assert_array_equal(alone.out, bottomup.bottom_up(live, HORIZONS))
+
+
 def test_inverse_normal_cdf_matches_scipy():
     low = np.logspace(-300, -1, 400)
     p = np.concatenate([low, np.linspace(0.01, 0.99, 400), 1.0 - np.logspace(-15, -1, 200)])

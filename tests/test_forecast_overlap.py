@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prorsa.forecast import build_dataset, make_forecaster
+from prorsa.forecast import bottomup_kernel, build_dataset, make_forecaster
 from prorsa.forecast import trajectory as trajectory_module
 from tests.sim_helpers import random_specs, run
 
@@ -45,6 +45,8 @@ def test_overlapped_scoring_gives_the_sequential_forecasts_bit_for_bit(monkeypat
     sequential, none = _forecasts(model, held_out, 12)
     assert none == 0
     monkeypatch.setattr(trajectory_module, "forecast_threads", lambda: 2)
+    # Rows in chunks of 3: both threads take some of each shared sum.
+    monkeypatch.setattr(bottomup_kernel, "CHUNK_ROWS", 3)
     overlapped, used = _forecasts(model, held_out, 12)
     assert used >= 8  # the first tick has no horizons to sum yet; some ticks start no turn
     # A tick whose forecast nobody read is not summed ahead at the next update.

@@ -26,6 +26,7 @@ accounts for them. Everything is vectorised over trajectories x horizons.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,10 +215,38 @@ def row_groups(live: Live) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
     """Expected contributions [rows, 4 targets, horizons] (targets in ``TARGETS`` order)."""
+    work = shared_bottom_up(live, horizons)
+    work.run()
+    return work.out
+
+
+def shared_bottom_up(live: Live, horizons: np.ndarray) -> bottomup_kernel.SharedRows | _Whole:
+    """:func:`bottom_up` as work that several threads may share: each calls ``run()``,
+    and ``out`` holds the terms once all of them have returned. The compiled kernel cuts
+    it in chunks of rows (:class:`~prorsa.forecast.bottomup_kernel.SharedRows`); the
+    numpy path is one piece, as it holds the interpreter lock anyway."""
     if COMPILED:
         waiting, running, in_tool = row_groups(live)
         group = np.select([waiting, running, in_tool], bottomup_kernel.GROUPS, 0)
-        return bottomup_kernel.bottom_up(live, group, np.asarray(horizons, float))
+        return bottomup_kernel.SharedRows(live, group, np.asarray(horizons, float))
+    return _Whole(live, horizons)
+
+
+class _Whole:
+    """The numpy path as shared work: the first thread to call :meth:`run` computes it."""
+
+    def __init__(self, live: Live, horizons: np.ndarray) -> None:
+        self._live, self._horizons = live, horizons
+        self._claims = itertools.count()  # next() is atomic under the interpreter lock
+        self.out = np.zeros((0, 4, len(horizons)))
+
+    def run(self) -> None:
+        if next(self._claims) == 0:
+            self.out = _numpy_bottom_up(self._live, self._horizons)
+
+
+def _numpy_bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
+    """:func:`bottom_up` in numpy, over all rows at once."""
     # float32 halves the cost of the transcendental functions over 10^4-10^5 elements and
     # is ample for token counts and seconds; the sums are taken in float64. Each group of
     # rows (current turn, in a tool) is taken out once and worked on densely: indexing the

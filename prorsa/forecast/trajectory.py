@@ -39,7 +39,7 @@ from prorsa.forecast.aggregate import (
     subsample,
 )
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
-from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
+from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up, shared_bottom_up
 from prorsa.forecast.compiled_trees import MIN_ROWS
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import PER_GPU_FEATURES, aggregate_feature_names
@@ -394,21 +394,44 @@ class LightGBMTrajectoryForecaster(Forecaster):
     ) -> None:
         """Score the new turns on a worker thread while this one sums the bottom-up terms
         of every other live trajectory (their scores are already in place), then add the
-        new turns' terms: the two halves of a tick's forecast overlap on two cores.
+        new turns' terms: the two halves of a tick's forecast overlap on two cores. Each
+        sum is shared work (:func:`~prorsa.forecast.bottomup.shared_bottom_up`): the
+        worker joins the first once its scoring is done, and the second as it starts.
 
         The sums are the ones :meth:`bottom_up_now` computes at those horizons, bit for
         bit: every row's terms are computed alone and summed in the same order.
         """
-        job = scoring_pool().submit(self._score_turns, x, max(forecast_threads() - 1, 1))
-        waiting = np.isin(self.tracker_.snapshot["slot"], slots)
-        terms = np.empty((len(waiting), len(TARGETS), len(horizons)))
+        pool = scoring_pool()
+        shared = []  # the first sum, once built: the worker helps with it after scoring
+
+        def score_then_help() -> list:
+            scores = self._score_turns(x, max(forecast_threads() - 1, 1))
+            for work in list(shared):
+                work.run()
+            return scores
+
+        job = pool.submit(score_then_help)
+        tr = self.tracker_
+        is_new = np.zeros(len(tr.alive), bool)
+        is_new[slots] = True
+        waiting = is_new[tr.snapshot["slot"]]
         try:
-            terms[~waiting] = self._bottom_up_terms(np.flatnonzero(~waiting), horizons)
-        except BaseException:
-            wait([job])  # the worker finishes before this error leaves; its own is dropped
-            raise
+            others = self._bottom_up_work(np.flatnonzero(~waiting), horizons)
+            shared.append(others)
+            others.run()
+        finally:
+            wait([job])  # on an error here, the worker finishes first; its own is dropped
         self._store_scores(slots, job.result())
-        terms[waiting] = self._bottom_up_terms(np.flatnonzero(waiting), horizons)
+        new = self._bottom_up_work(np.flatnonzero(waiting), horizons)
+        helper = pool.submit(new.run)
+        try:
+            new.run()
+        finally:
+            wait([helper])
+        helper.result()
+        terms = np.empty((len(waiting), len(TARGETS), len(horizons)))
+        terms[~waiting] = others.out
+        terms[waiting] = new.out
         sums = terms.sum(axis=0)
         sums.setflags(write=False)  # handed out by bottom_up_now, maybe more than once
         self._sums_at = (horizons, sums)
@@ -453,6 +476,12 @@ class LightGBMTrajectoryForecaster(Forecaster):
     def _bottom_up_terms(self, rows: np.ndarray | None, horizons: Sequence[float]) -> np.ndarray:
         """Per live trajectory terms [rows, targets, horizons] at the last tick (``rows``
         of the snapshot, or all)."""
+        work = self._bottom_up_work(rows, horizons)
+        work.run()
+        return work.out
+
+    def _bottom_up_work(self, rows: np.ndarray | None, horizons: Sequence[float]):
+        """:meth:`_bottom_up_terms` as work threads can share (``run()``, then ``out``)."""
         tr = self.tracker_
         snap = tr.snapshot
         if rows is not None:
@@ -460,7 +489,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         slots = snap["slot"]
         mus = {n: tr.slot_array(n)[slots] for n in _SLOT_ARRAYS}
         live = self._live(snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s)
-        return bottom_up(live, np.asarray(horizons, float))
+        return shared_bottom_up(live, np.asarray(horizons, float))
 
     def _calibration_index(self) -> tuple[np.ndarray, dict[float, np.ndarray]]:
         """Columns of the aggregate features the calibration reads (and lags per horizon)."""
