@@ -424,10 +424,12 @@ def test_prefill_cache_overflow_counts_what_a_smaller_pool_cannot_hold():
         obs, replace(cluster, reuse_mode="kv-store"), np.array([1, 2, 3]), at
     ).any()
     # Moving one prefill slot to decode drops the 900k tokens it caches.
-    assert prefill_slot_rebuild_s(obs, cluster, 1) == pytest.approx(900_000 / 20_000.0)
-    assert prefill_slot_rebuild_s(obs, cluster, 0) == 0.0
+    assert prefill_slot_rebuild_s(obs, cluster, 1, 1.0) == pytest.approx(900_000 / 20_000.0)
+    # in slots run at 80%, the unit of the prefill need it is weighed against
+    assert prefill_slot_rebuild_s(obs, cluster, 1, 0.8) == pytest.approx(900_000 / 16_000.0)
+    assert prefill_slot_rebuild_s(obs, cluster, 0, 1.0) == 0.0
     # A prefill engine that reads a KV store copies the contexts instead.
-    assert prefill_slot_rebuild_s(obs, replace(cluster, reuse_mode="kv-store"), 1) == 0.0
+    assert prefill_slot_rebuild_s(obs, replace(cluster, reuse_mode="kv-store"), 1, 1.0) == 0.0
 
 
 def test_decode_pace_is_exact_at_whole_slots_and_close_between():
@@ -807,6 +809,38 @@ def test_colocated_prefill_costs_less_per_token_when_every_rank_prefills():
     assert isinstance(choose_mode(colocated, one_rank, 7.0, 1.0, **burst), int)
     # ...while light prefill, which stalls seven ranks for one, still does.
     assert isinstance(choose_mode(colocated, moe, 1.5, 6.5, **burst), int)
+
+
+def test_colocated_interference_follows_the_work_whatever_utilisation_it_is_sized_at():
+    # How often a rank prefills is the prefill work over the packed capacity: a need of
+    # 4.0 slots sized at 80% is 3.2 slots of work, and interferes as 3.2 slots at 100%.
+    from prorsa.policy.demand import colocated_shortage
+
+    moe = replace(
+        spec(8),
+        dp_attention_ranks=8,
+        colocated_prefill_factor=3.5,
+        colocated_packed_prefill_factor=0.9,
+        colocated_packed_prefill_ratio=0.9,
+    )
+
+    def per_slot_of_need(need_p: float, util: float) -> float:
+        short = colocated_shortage(moe, need_p, 10.0, prefill_target_util=util)
+        return (short - 10.0 + 8) / need_p  # need_d 10 on 8 slots keeps it short
+
+    assert per_slot_of_need(4.0, 0.8) == pytest.approx(moe.prefill_interference_at(3.2))
+    assert per_slot_of_need(3.2, 1.0) == pytest.approx(moe.prefill_interference_at(3.2))
+    assert moe.prefill_interference_at(3.2) != pytest.approx(moe.prefill_interference_at(4.0))
+
+
+def test_decode_slot_rebuild_is_priced_in_slots_at_the_target_utilisation():
+    from prorsa.policy.demand import decode_slot_rebuild_s
+
+    obs = observation(5.0, ["prefill", "decode", "decode", "decode"], decode_kv=600_000)
+    # the least-loaded decode slot holds 200,000 tokens; 20,000 prefill tokens/s a slot
+    assert decode_slot_rebuild_s(obs, spec(4), 1, 1.0) == pytest.approx(10.0)
+    assert decode_slot_rebuild_s(obs, spec(4), 1, 0.8) == pytest.approx(12.5)
+    assert decode_slot_rebuild_s(obs, spec(4), 0, 0.8) == 0.0
 
 
 def _kv_bound_moe():

@@ -66,7 +66,7 @@ def test_reprefill_keeps_colocation_where_a_kv_store_would_split():
     kwargs = dict(
         current_prefill=1, payback_s=30.0, switch_cost_weight=1.0, prefill_target_util=0.8
     )
-    obs = colocated(idle_tokens=100_000)  # two more prefill slots in a 10 s turn cycle
+    obs = colocated(idle_tokens=100_000)  # 2.5 more prefill slots (10 s turn cycle, 80%)
     assert choose_mode(obs, spec("kv-store"), 1.6, 1.8, **kwargs) == 2
     assert choose_mode(obs, spec("reprefill"), 1.6, 1.8, **kwargs) is None
 

@@ -350,6 +350,7 @@ class SharedRows:
             self._rows[:, column] = getattr(live, name)
         self._group = np.ascontiguousarray(group, np.int64)
         self._horizons = np.ascontiguousarray(horizons, np.float64)
+        self._chunk_rows = CHUNK_ROWS
         self._chunks = -(-n // CHUNK_ROWS)
         self._claims = itertools.count()  # next() is atomic under the interpreter lock
 
@@ -357,7 +358,8 @@ class SharedRows:
         """Compute chunks until none is left; :attr:`out` is complete once every thread
         that called this has returned."""
         while (i := next(self._claims)) < self._chunks:
-            lo, hi = i * CHUNK_ROWS, min((i + 1) * CHUNK_ROWS, len(self._group))
+            lo = i * self._chunk_rows
+            hi = min(lo + self._chunk_rows, len(self._group))
             _kernel(self._group[lo:hi], self._rows[lo:hi], self._horizons, self.out[lo:hi])
 
 

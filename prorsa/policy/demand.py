@@ -303,9 +303,13 @@ def _decode_side_by_load(obs: ClusterObservation) -> list[SlotView]:
     return sorted((s for s in obs.slots if s.role in ("decode", "colocated")), key=_by_load)
 
 
-def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
+def decode_slot_rebuild_s(
+    obs: ClusterObservation, spec: ClusterSpec, slots: int, target_util: float
+) -> float:
     """Slot-seconds of prefill needed to rebuild the KV of the ``slots`` decode slots the
-    controller would move first (the least loaded), were they switched away.
+    controller would move first (the least loaded), were they switched away, in slots
+    run at ``target_util`` (the unit of the prefill need and shortages it is weighed
+    against).
 
     Their trajectories' contexts (in use and cached between turns) are lost with the role,
     and every one of those trajectories must be prefilled again on its next turn.
@@ -313,20 +317,23 @@ def decode_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int
     if slots <= 0:
         return 0.0
     tokens = sum(s.kv_used_tokens + s.cached_tokens for s in decode_slots_moved_first(obs, slots))
-    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
     return tokens / max(per_slot, 1e-9)
 
 
-def prefill_slot_rebuild_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
-    """Slot-seconds of prefill needed to rebuild the prefix caches of the ``slots``
-    prefill slots the controller would move first (the least loaded), were they switched
-    to decode: the contexts cached there for the trajectories' next turns are dropped
-    with the role, and those turns are prefilled again in full elsewhere (re-prefill
-    only: a prefill engine that pulls or reads a KV store copies them instead)."""
+def prefill_slot_rebuild_s(
+    obs: ClusterObservation, spec: ClusterSpec, slots: int, target_util: float
+) -> float:
+    """Slot-seconds of prefill (in slots run at ``target_util``) needed to rebuild the
+    prefix caches of the ``slots`` prefill slots the controller would move first (the
+    least loaded), were they switched to decode: the contexts cached there for the
+    trajectories' next turns are dropped with the role, and those turns are prefilled
+    again in full elsewhere (re-prefill only: a prefill engine that pulls or reads a KV
+    store copies them instead)."""
     if slots <= 0 or spec.reuse_mode != "reprefill":
         return 0.0  # under pull or a KV store a prefill engine copies what it lacks
     prefill = sorted((s for s in obs.slots if s.role == "prefill"), key=_by_load)[:slots]
-    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
     return sum(s.cached_tokens for s in prefill) / max(per_slot, 1e-9)
 
 
@@ -429,8 +436,11 @@ def colocated_shortage(
     decode_sequences_per_gpu: float | None = None,
     decode_context_tokens: float | None = None,
     prefilling_ranks_cap: float | None = None,
+    *,
+    prefill_target_util: float,
 ) -> float:
-    """Slots of demand left unserved with every slot colocated.
+    """Slots of demand left unserved with every slot colocated (``need_p`` in prefill
+    slots run at ``prefill_target_util``).
 
     Colocation pools capacity, but with data-parallel attention a prefill chunk holds every
     rank of its engine, so prefill costs :meth:`ClusterSpec.prefill_interference_at` times
@@ -438,11 +448,12 @@ def colocated_shortage(
     prefills (a sync step's opening burst). Decode runs at the colocated layout's
     throughput relative to decode's at ``decode_sequences_per_gpu``
     (:meth:`ClusterSpec.colocated_decode_ratio_at`). ``prefilling_ranks_cap`` bounds the
-    ranks that prefill together (:func:`colocated_prefill_ranks`).
+    ranks that prefill together (:func:`colocated_prefill_ranks`). How often a rank
+    prefills follows the work itself, the need at full utilisation.
     """
     ratio = spec.colocated_decode_ratio_at(decode_sequences_per_gpu, decode_context_tokens)
     need_d = need_d / ratio
-    interference = spec.prefill_interference_at(need_p, prefilling_ranks_cap)
+    interference = spec.prefill_interference_at(need_p * prefill_target_util, prefilling_ranks_cap)
     return max(need_p * interference + need_d - spec.num_slots, 0.0)
 
 
@@ -603,7 +614,9 @@ def choose_mode(
     context = load.decode_kv_tokens / load.decode_sequences if load.decode_sequences else None
     c_need_p = need_p if colocated_need_p is None else colocated_need_p
     cap = colocated_prefill_ranks(obs, spec)
-    c_short = colocated_shortage(spec, c_need_p, need_d, per_gpu, context, cap)
+    c_short = colocated_shortage(
+        spec, c_need_p, need_d, per_gpu, context, cap, prefill_target_util=prefill_target_util
+    )
     if colocated_now(obs):
         # A split must also recompute what the colocated engines cache (re-prefill).
         need_p = need_p + split_recompute_slots(obs, spec, prefill_target_util)
@@ -624,7 +637,7 @@ def choose_mode(
         # The colocated slots that leave drain their running sequences first.
         done_s += decode_drain_s(obs, spec, moved)
         saved = (c_short - pd_short) * paying_s(payback_s, done_s)
-        lost = latency + decode_slot_rebuild_s(obs, spec, moved)
+        lost = latency + decode_slot_rebuild_s(obs, spec, moved, prefill_target_util)
         return best_x if saved > switch_cost_weight * lost else None
     current_short = split_shortage(current_prefill, n, need_p, need_d)
     # Prefill slots move (decode slots only change how the router uses them, if relabelled).
@@ -636,12 +649,14 @@ def choose_mode(
         done_s = max(done_s, spec.switch_latency_between("decode", "colocated"))
         moved = n
     saved = (current_short - c_short) * paying_s(payback_s, done_s)
-    colocate_net = saved - switch_cost_weight * (latency + decode_slot_rebuild_s(obs, spec, moved))
+    colocate_net = saved - switch_cost_weight * (
+        latency + decode_slot_rebuild_s(obs, spec, moved, prefill_target_util)
+    )
     # Colocate only if that nets more than re-sizing the split would (the split policy
     # does that itself when this returns None).
     resize_s = spec.switch_latency_between("decode", "prefill")
     resized = abs(best_x - current_prefill) * resize_s
-    resized += decode_slot_rebuild_s(obs, spec, best_x - current_prefill)
+    resized += decode_slot_rebuild_s(obs, spec, best_x - current_prefill, prefill_target_util)
     resize_net = (current_short - pd_short) * paying_s(
         payback_s, resize_s
     ) - switch_cost_weight * resized

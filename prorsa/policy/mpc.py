@@ -377,7 +377,8 @@ class MPCPolicy(ModeChoosingPolicy):
         if changed is not None:
             return changed
         current = min(max(current, 1), slots - 1)
-        rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1)
+        util = self.sizing_.prefill_target_util
+        rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1, util)
         drains = self.decode_drains(obs, float(lengths.sum()))
         horizons = len(lengths)
         if self.tail_s > 0:
@@ -396,13 +397,13 @@ class MPCPolicy(ModeChoosingPolicy):
             drains,
             self.switching_now(obs),
             pace,
-            prefill_slot_rebuild_s(obs, self.cluster_, 1),
+            prefill_slot_rebuild_s(obs, self.cluster_, 1, util),
             prefill_cache_overflow_slots(
                 obs,
                 self.cluster_,
                 np.arange(1, slots),
                 np.cumsum(lengths) - lengths / 2,
-                target_util=self.sizing_.prefill_target_util,
+                target_util=util,
             ),
             hold_last=self.tail_s > 0,
         )[:horizons]

@@ -224,7 +224,9 @@ class PredictivePolicy(ModeChoosingPolicy):
         )
         # A switch costs the slots' service while they switch, and moving decode slots to
         # prefill also throws away the contexts they cache (re-prefilled next turn).
-        rebuild = decode_slot_rebuild_s(obs, self.cluster_, target - current)
+        rebuild = decode_slot_rebuild_s(
+            obs, self.cluster_, target - current, self.sizing_.prefill_target_util
+        )
         lost = self.switch_cost_weight * (abs(target - current) * latency + rebuild)
         if gain >= self.min_gain and saved >= lost:
             return self.split(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
