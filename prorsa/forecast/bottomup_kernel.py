@@ -361,11 +361,3 @@ class SharedRows:
             lo = i * self._chunk_rows
             hi = min(lo + self._chunk_rows, len(self._group))
             _kernel(self._group[lo:hi], self._rows[lo:hi], self._horizons, self.out[lo:hi])
-
-
-def bottom_up(live, group: np.ndarray, horizons: np.ndarray) -> np.ndarray:
-    """:func:`prorsa.forecast.bottomup.bottom_up` in the kernel: [rows, 4, horizons];
-    ``group`` says which terms each row gets (:data:`GROUPS`, 0: none)."""
-    work = SharedRows(live, group, horizons)
-    work.run()
-    return work.out
