@@ -410,7 +410,7 @@ def test_prefill_cache_overflow_counts_what_a_smaller_pool_cannot_hold():
     obs = replace(obs, slots=cached)
     cluster = spec(4)  # 1M-token caches; re-prefill; 20k prefill tokens/s per slot
     at = np.array([0.5, 20.0])
-    extra = prefill_cache_overflow_slots(obs, cluster, np.array([1, 2, 3]), at)
+    extra = prefill_cache_overflow_slots(obs, cluster, np.array([1, 2, 3]), at, target_util=1.0)
     # 3M live context tokens: 1M over two caches, 2M over one, none over three; what
     # overflows comes back once per 10 s turn cycle, relative to today's two slots.
     per_slot_s = 10.0 * 20_000.0
@@ -421,7 +421,7 @@ def test_prefill_cache_overflow_counts_what_a_smaller_pool_cannot_hold():
     at_target = prefill_cache_overflow_slots(obs, cluster, np.array([1, 2, 3]), at, target_util=0.8)
     assert at_target == pytest.approx(extra / 0.8)
     assert not prefill_cache_overflow_slots(
-        obs, replace(cluster, reuse_mode="kv-store"), np.array([1, 2, 3]), at
+        obs, replace(cluster, reuse_mode="kv-store"), np.array([1, 2, 3]), at, target_util=1.0
     ).any()
     # Moving one prefill slot to decode drops the 900k tokens it caches.
     assert prefill_slot_rebuild_s(obs, cluster, 1, 1.0) == pytest.approx(900_000 / 20_000.0)

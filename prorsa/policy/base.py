@@ -168,11 +168,13 @@ class ClusterSpec:
         return float(self.dp_attention_ranks)
 
     def prefill_interference_at(
-        self, prefill_slots_needed: float, prefilling_ranks_cap: float | None = None
+        self, prefill_work_slots: float, prefilling_ranks_cap: float | None = None
     ) -> float:
-        """:attr:`prefill_interference` when colocated engines carry a prefill demand of
-        ``prefill_slots_needed`` prefill slots, at most ``prefilling_ranks_cap`` ranks of
-        an engine prefilling in one step (None: all of them may).
+        """:attr:`prefill_interference` when colocated engines carry ``prefill_work_slots``
+        slots of prefill work (tokens/s over one slot's quoted prefill tokens/s, at full
+        utilisation: not a need sized at a target utilisation), at most
+        ``prefilling_ranks_cap`` ranks of an engine prefilling in one step (None: all of
+        them may).
 
         One rank prefilling stalls the others (``colocated_prefill_factor``, f1); all
         ``r`` ranks prefilling share that stall (``colocated_packed_prefill_factor``,
@@ -189,7 +191,7 @@ class ClusterSpec:
         ratio = self.colocated_packed_prefill_ratio
         if fr is None or ratio is None or ranks <= 1 or f1 <= fr:
             return f1
-        q = min(max(prefill_slots_needed, 0.0) / (self.num_slots * ratio), 1.0)
+        q = min(max(prefill_work_slots, 0.0) / (self.num_slots * ratio), 1.0)
         if q <= 1e-9:
             return f1
         stall = (f1 - fr) * ranks / (ranks - 1)

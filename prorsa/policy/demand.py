@@ -529,7 +529,8 @@ def prefill_cache_overflow_slots(
     prefill_slots: np.ndarray,
     at_s: np.ndarray,
     window_s: float = TURN_CYCLE_S,
-    target_util: float = 1.0,
+    *,
+    target_util: float,
 ) -> np.ndarray:
     """Prefill slots that re-prefilling what the prefill engines' prefix caches cannot
     hold adds at ``prefill_slots`` prefill slots, over what it adds at the current split
@@ -603,10 +604,12 @@ def choose_mode(
     Leaving colocation under re-prefill, the split's prefill also recomputes the live
     trajectories' contexts (:func:`split_recompute_slots`). When decode and colocated run
     different layouts, every slot reshards, not only the prefill ones.
-    ``prefill_target_util`` is the utilisation ``need_p`` is sized at (the recompute is
-    counted at it too). ``colocated_need_p`` is the prefill need were the slots colocated
-    (a split's prefill engines may compute more per appended token,
-    :class:`PrefillWorkMeter`); default ``need_p``.
+    ``prefill_target_util`` is the utilisation ``need_p`` and ``colocated_need_p`` are
+    sized at; the recompute and the rebuilds are counted in that unit too, and the
+    colocated interference reads the work itself (the need times it).
+    ``colocated_need_p`` is the prefill need were the slots colocated (a split's prefill
+    engines may compute more per appended token, :class:`PrefillWorkMeter`); default
+    ``need_p``.
     """
     n = spec.num_slots
     load = current_load(obs)

@@ -43,8 +43,10 @@ class MPCPolicy(ModeChoosingPolicy):
     their running sequences take to end (:func:`prorsa.policy.demand.decode_drains_s`),
     else ``drain_s``; a switch that outlasts its interval idles its slots in the next
     ones too, and the plan starts no other move before it is through;
-    each switched slot also costs ``switch_cost_s``, and each decode slot moved to prefill
-    the prefill slot-seconds needed to rebuild the contexts it caches. The stage cost
+    each switched slot also costs ``switch_cost_s``, each decode slot moved to prefill
+    the prefill slot-seconds needed to rebuild the contexts it caches, and under
+    re-prefill each prefill slot moved to decode those that rebuild its prefix cache
+    (prefill priced in slots at the target utilisation, the unit of the need). The stage cost
     depends only on ``(x_prev, x)`` and when the last switch ends, so dynamic programming
     over ``x`` and that interval finds the exact optimum of this model; the first
     interval's allocation is applied and the plan is redone next tick.
@@ -198,6 +200,9 @@ class MPCPolicy(ModeChoosingPolicy):
     ) -> list[int]:
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan.
 
+        ``need_p``, ``cache_need_p`` and the rebuilds (``rebuild_s_per_slot`` for a decode
+        slot moved to prefill, ``prefill_rebuild_s_per_slot`` for a prefill slot moved to
+        decode) are in prefill slots run at the sizing's target utilisation.
         Slots that switch serve nothing until their switch ends, in whichever later
         intervals that falls, and the plan makes no other move before then (the
         controller does not move switching slots either). Each state is the split and
