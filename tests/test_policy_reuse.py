@@ -85,3 +85,48 @@ def test_leaving_colocation_counts_every_slot_that_reshards():
     assert choose_mode(obs, same, 1.6, 1.8, **kwargs) == 2
     # the two decode slots reshard as well (4 more slot-s): not worth it
     assert choose_mode(obs, other, 1.6, 1.8, **kwargs) is None
+
+
+@pytest.mark.parametrize("name", ["predictive", "mpc"])
+def test_policies_price_every_prefill_term_at_their_own_target_utilisation(monkeypatch, name):
+    # The need, the recompute, the rebuilds, the cache overflow and the colocated
+    # interference must all be in one unit: the policy's prefill_target_util.
+    from dataclasses import replace
+
+    from prorsa.policy import demand, make_policy, mpc, predictive
+    from tests.policy_helpers import forecast, observation
+    from tests.policy_helpers import spec as policy_spec
+
+    seen: dict[str, list[float]] = {}
+
+    def recording(module, fn_name: str, position: int | None) -> None:
+        inner = getattr(module, fn_name)
+
+        def wrapper(*args, **kwargs):
+            util = (
+                kwargs["target_util" if "target_util" in kwargs else "prefill_target_util"]
+                if position is None
+                else args[position]
+            )
+            seen.setdefault(fn_name, []).append(util)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(module, fn_name, wrapper)
+
+    for module in (demand, predictive, mpc):
+        for fn_name in ("decode_slot_rebuild_s", "prefill_slot_rebuild_s"):
+            if hasattr(module, fn_name):
+                recording(module, fn_name, 3)
+    recording(demand, "split_recompute_slots", 2)
+    recording(demand, "colocated_shortage", None)
+    recording(mpc, "prefill_cache_overflow_slots", None)
+    policy = make_policy(name, prefill_target_util=0.5)
+    # Switches slow enough that from the split no mode change pays: the split is planned.
+    policy.reset(replace(policy_spec(4), switch_latency_s=1_000.0))
+    roles = (["colocated"] * 4, ["prefill", "decode", "decode", "decode"])
+    for t, slot_roles in zip((50.0, 100.0), roles, strict=True):
+        policy.decide(observation(t, slot_roles), forecast(t, 60_000.0))
+    assert {"split_recompute_slots", "colocated_shortage", "decode_slot_rebuild_s"} <= set(seen)
+    if name == "mpc":
+        assert {"prefill_slot_rebuild_s", "prefill_cache_overflow_slots"} <= set(seen)
+    assert all(util == 0.5 for utils in seen.values() for util in utils), seen
