@@ -134,6 +134,32 @@ def test_shared_work_gives_the_same_terms_whichever_threads_take_which_rows(monk
     np.testing.assert_array_equal(alone.out, bottomup.bottom_up(live, HORIZONS))
 
 
+def test_parts_with_rewritten_rows_give_the_terms_of_the_rewritten_state(monkeypatch):
+    # The overlapped tick builds every row once, runs the scored rows, then rewrites the
+    # new turns' scores and runs those: the terms must be those of the final state.
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(bottomup, "COMPILED", True)
+    monkeypatch.setattr(bottomup_kernel, "CHUNK_ROWS", 7)
+    before, after = random_live(2_000, 13), random_live(2_000, 13)
+    late = np.arange(5, 2_000, 4)
+    scored = {"mu_out": 1.0, "q_cont": 0.3, "p_instant": 0.1, "mu_tool": -1.0, "mu_next": 7.0}
+    for name, value in scored.items():
+        getattr(after, name)[late] = value
+    work = bottomup.shared_bottom_up(before, HORIZONS)
+    first = work.part(np.setdiff1d(np.arange(2_000), late))
+    with ThreadPoolExecutor(2) as pool:
+        for job in [pool.submit(first.run) for _ in range(2)]:
+            job.result()
+        work.set_rows(late, {name: getattr(after, name)[late] for name in scored})
+        second = work.part(late)
+        for job in [pool.submit(second.run) for _ in range(2)]:
+            job.result()
+    expected = bottomup.bottom_up(after, HORIZONS)
+    np.testing.assert_array_equal(work.out, expected)
+    assert not np.array_equal(expected[late], bottomup.bottom_up(before, HORIZONS)[late])
+
+
 def test_inverse_normal_cdf_matches_scipy():
     low = np.logspace(-300, -1, 400)
     p = np.concatenate([low, np.linspace(0.01, 0.99, 400), 1.0 - np.logspace(-15, -1, 200)])

@@ -299,8 +299,10 @@ def _in_tool(out, i, horizons, row):
     _later(out, i, horizons, rem, first, base + mean_out, mean_out, size, row)
 
 
-def _kernel(group, rows, horizons, out):
-    for i in range(len(group)):
+def _kernel(group, rows, horizons, out, index):
+    """The terms of rows ``index`` (of ``group``, ``rows`` and ``out``)."""
+    for k in range(len(index)):
+        i = index[k]
         g = group[i]
         if g in (_WAITING, _RUNNING):
             _current(out, i, horizons, g == _WAITING, rows[i])
@@ -340,6 +342,10 @@ class SharedRows:
     :meth:`run` claims one at a time. The forecaster's scoring thread joins in once its
     own work is done, so both cores share the sum however long the scoring took.
     Every row is computed alone, so :attr:`out` is the same whoever computed which rows.
+
+    :meth:`part` shares out only some rows, and :meth:`set_rows` rewrites columns of some
+    rows before their part runs: the forecaster builds the rows of every live trajectory
+    once, runs those whose scores are known, and runs the others once scored.
     """
 
     def __init__(self, live, group: np.ndarray, horizons: np.ndarray) -> None:
@@ -350,14 +356,35 @@ class SharedRows:
             self._rows[:, column] = getattr(live, name)
         self._group = np.ascontiguousarray(group, np.int64)
         self._horizons = np.ascontiguousarray(horizons, np.float64)
+        self._all = self.part(np.arange(n))
+
+    def run(self) -> None:
+        """Compute chunks of every row until none is left; :attr:`out` is complete once
+        every thread that called this has returned."""
+        self._all.run()
+
+    def part(self, index: np.ndarray) -> _Part:
+        """Shared work over rows ``index`` only (their terms land in :attr:`out`)."""
+        return _Part(self, np.ascontiguousarray(index, np.int64))
+
+    def set_rows(self, index: np.ndarray, columns: dict[str, np.ndarray]) -> None:
+        """Rewrite columns (:data:`FIELDS` names) of rows ``index``; before their part runs."""
+        for name, values in columns.items():
+            self._rows[index, FIELDS.index(name)] = values
+
+
+class _Part:
+    """Rows of a :class:`SharedRows`, claimed in chunks by whichever threads call run()."""
+
+    def __init__(self, whole: SharedRows, index: np.ndarray) -> None:
+        self._whole, self._index = whole, index
         self._chunk_rows = CHUNK_ROWS
-        self._chunks = -(-n // CHUNK_ROWS)
+        self._chunks = -(-len(index) // CHUNK_ROWS)
         self._claims = itertools.count()  # next() is atomic under the interpreter lock
 
     def run(self) -> None:
-        """Compute chunks until none is left; :attr:`out` is complete once every thread
-        that called this has returned."""
+        whole = self._whole
         while (i := next(self._claims)) < self._chunks:
             lo = i * self._chunk_rows
-            hi = min(lo + self._chunk_rows, len(self._group))
-            _kernel(self._group[lo:hi], self._rows[lo:hi], self._horizons, self.out[lo:hi])
+            index = self._index[lo : lo + self._chunk_rows]
+            _kernel(whole._group, whole._rows, whole._horizons, whole.out, index)

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from prorsa.errors import InputError
-from prorsa.forecast import lgbm
+from prorsa.forecast import bottomup, lgbm
 from prorsa.forecast.aggregate import (
     LOSSES,
     conformal_shift,
@@ -371,6 +371,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             and read[0] == self._ticks - 1
             and len(x) >= MIN_ROWS
             and forecast_threads() >= 2
+            and bottomup.COMPILED  # the numpy path holds the interpreter lock anyway
         ):
             self._score_beside_bottom_up(slots, x, read[1])
         else:
@@ -394,15 +395,16 @@ class LightGBMTrajectoryForecaster(Forecaster):
     ) -> None:
         """Score the new turns on a worker thread while this one sums the bottom-up terms
         of every other live trajectory (their scores are already in place), then add the
-        new turns' terms: the two halves of a tick's forecast overlap on two cores. Each
-        sum is shared work (:func:`~prorsa.forecast.bottomup.shared_bottom_up`): the
-        worker joins the first once its scoring is done, and the second as it starts.
+        new turns' terms: the two halves of a tick's forecast overlap on two cores. The
+        rows of every live trajectory are built once, before the scores are known
+        (:class:`~prorsa.forecast.bottomup_kernel.SharedRows`); each half is shared work:
+        the worker joins the first once its scoring is done, and the second as it starts.
 
         The sums are the ones :meth:`bottom_up_now` computes at those horizons, bit for
         bit: every row's terms are computed alone and summed in the same order.
         """
         pool = scoring_pool()
-        shared = []  # the first sum, once built: the worker helps with it after scoring
+        shared = []  # the first half, once built: the worker helps with it after scoring
 
         def score_then_help() -> list:
             scores = self._score_turns(x, max(forecast_threads() - 1, 1))
@@ -416,31 +418,44 @@ class LightGBMTrajectoryForecaster(Forecaster):
         is_new[slots] = True
         waiting = is_new[tr.snapshot["slot"]]
         try:
-            others = self._bottom_up_work(np.flatnonzero(~waiting), horizons)
+            work = self._bottom_up_work(horizons)
+            others = work.part(np.flatnonzero(~waiting))
             shared.append(others)
             others.run()
         finally:
             wait([job])  # on an error here, the worker finishes first; its own is dropped
         self._store_scores(slots, job.result())
-        new = self._bottom_up_work(np.flatnonzero(waiting), horizons)
+        rows = np.flatnonzero(waiting)
+        mus = {n: tr.slot_array(n)[tr.snapshot["slot"][rows]] for n in _SLOT_ARRAYS}
+        work.set_rows(rows, self._scored(mus))
+        new = work.part(rows)
         helper = pool.submit(new.run)
         try:
             new.run()
         finally:
             wait([helper])
         helper.result()
-        terms = np.empty((len(waiting), len(TARGETS), len(horizons)))
-        terms[~waiting] = others.out
-        terms[waiting] = new.out
-        sums = terms.sum(axis=0)
+        sums = work.out.sum(axis=0)
         sums.setflags(write=False)  # handed out by bottom_up_now, maybe more than once
         self._sums_at = (horizons, sums)
 
-    def _live(self, snap: dict, mus: dict, task: np.ndarray, rate, ttft) -> Live:
+    def _scored(self, mus: dict) -> dict[str, np.ndarray]:
+        """The bottom-up inputs the per-turn models' scores ``mus`` give (unscored turns,
+        NaN, take the model's default)."""
+
         def mu(name: str, model: str) -> np.ndarray:
             values = np.asarray(mus[name], float)
             return np.where(np.isnan(values), self.default_[model], values)
 
+        return {
+            "mu_out": mu("mu_output", "output"),
+            "q_cont": np.clip(mu("mu_continues", "continues"), 0.0, 1.0),
+            "p_instant": np.clip(mu("mu_instant", "instant"), 0.0, 1.0),
+            "mu_tool": mu("mu_tool", "tool"),
+            "mu_next": mu("mu_next", "next"),
+        }
+
+    def _live(self, snap: dict, mus: dict, task: np.ndarray, rate, ttft) -> Live:
         def spread(model: str) -> np.ndarray:
             table = np.asarray(self.spread_.get(model, [1.0]), float)
             return table[np.minimum(task, len(table) - 1)]
@@ -454,16 +469,12 @@ class LightGBMTrajectoryForecaster(Forecaster):
             decoded=np.asarray(snap["decoded"], float),
             tool_elapsed=np.asarray(snap["tool_elapsed"], float),
             out_last=np.asarray(snap["out_last"], float),
-            mu_out=mu("mu_output", "output"),
             sd_out=spread("output"),
-            q_cont=np.clip(mu("mu_continues", "continues"), 0.0, 1.0),
-            p_instant=np.clip(mu("mu_instant", "instant"), 0.0, 1.0),
-            mu_tool=mu("mu_tool", "tool"),
             sd_tool=spread("tool"),
-            mu_next=mu("mu_next", "next"),
             sd_next=spread("next"),
             rate=np.broadcast_to(np.asarray(rate, float), (n,)),
             ttft=np.broadcast_to(np.asarray(ttft, float), (n,)),
+            **self._scored(mus),
         )
 
     def bottom_up_now(self, horizons: Sequence[float]) -> np.ndarray:
@@ -471,21 +482,15 @@ class LightGBMTrajectoryForecaster(Forecaster):
         key = tuple(float(h) for h in horizons)
         if self._sums_at is not None and self._sums_at[0] == key:
             return self._sums_at[1]  # summed during the tick's update
-        return self._bottom_up_terms(None, key).sum(axis=0)
-
-    def _bottom_up_terms(self, rows: np.ndarray | None, horizons: Sequence[float]) -> np.ndarray:
-        """Per live trajectory terms [rows, targets, horizons] at the last tick (``rows``
-        of the snapshot, or all)."""
-        work = self._bottom_up_work(rows, horizons)
+        work = self._bottom_up_work(key)
         work.run()
-        return work.out
+        return work.out.sum(axis=0)
 
-    def _bottom_up_work(self, rows: np.ndarray | None, horizons: Sequence[float]):
-        """:meth:`_bottom_up_terms` as work threads can share (``run()``, then ``out``)."""
+    def _bottom_up_work(self, horizons: Sequence[float]):
+        """Every live trajectory's bottom-up terms at the last tick as work threads can
+        share (``run()``, then ``out``: [rows, targets, horizons])."""
         tr = self.tracker_
         snap = tr.snapshot
-        if rows is not None:
-            snap = {name: values[rows] for name, values in snap.items()}
         slots = snap["slot"]
         mus = {n: tr.slot_array(n)[slots] for n in _SLOT_ARRAYS}
         live = self._live(snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s)
