@@ -130,3 +130,82 @@ def test_policies_price_every_prefill_term_at_their_own_target_utilisation(monke
     if name == "mpc":
         assert {"prefill_slot_rebuild_s", "prefill_cache_overflow_slots"} <= set(seen)
     assert all(util == 0.5 for utils in seen.values() for util in utils), seen
+
+
+def split(prefill_cached: int, decode_kv: int) -> ClusterObservation:
+    """One prefill slot caching ``prefill_cached`` tokens, three decode slots holding
+    ``decode_kv`` tokens each."""
+    slots = (SlotView(0, "prefill", None, 1, 1, 0, 0, 0, 1_000_000, True, 0.0, prefill_cached),)
+    slots += tuple(
+        SlotView(i, "decode", None, 1, 1, 0, 8, decode_kv, 1_000_000, True, 0.0)
+        for i in range(1, 4)
+    )
+    return ClusterObservation(
+        time_s=10.0,
+        slots=slots,
+        trajectory_state={"in_tool": 100, "decoding": 24},
+        trajectory_tokens={"in_tool": 0, "decoding": 3 * decode_kv},
+        prefill_tokens_per_s={},
+        decode_tokens_per_s={},
+    )
+
+
+def test_leaving_a_split_prices_the_contexts_of_the_slots_that_move():
+    # Prefill needs 1.2 slots, decode 2.4: the 1/3 split (already the best) is short 0.8
+    # slots, colocation 0.2, so colocating saves 0.6 x 30 s = 18 slot-s.
+    kwargs = dict(
+        current_prefill=1, payback_s=30.0, switch_cost_weight=1.0, prefill_target_util=0.8
+    )
+    # Decode slots relabel to colocated and keep their 300k-token contexts: free.
+    assert choose_mode(split(0, 300_000), spec("reprefill"), 1.2, 2.4, **kwargs) == "colocated"
+    # The prefill slot's cache is dropped with its role: 200k tokens (25 slot-s at 80%)
+    # to re-prefill outweigh the 18 saved, under re-prefill only.
+    assert choose_mode(split(200_000, 300_000), spec("reprefill"), 1.2, 2.4, **kwargs) is None
+    assert choose_mode(split(200_000, 300_000), spec("kv-store"), 1.2, 2.4, **kwargs) == (
+        "colocated"
+    )
+
+
+def test_resizing_a_split_loses_what_the_moved_slots_hold():
+    from prorsa.policy.demand import (
+        decode_slot_rebuild_s,
+        prefill_slot_rebuild_s,
+        resize_rebuild_s,
+    )
+
+    obs = split(200_000, 300_000)
+    cluster = spec("reprefill")
+    # Shrinking prefill drops the prefill slot's cache; growing it a decode slot's KV.
+    assert resize_rebuild_s(obs, cluster, 1, 0, 0.8) == pytest.approx(200_000 / 8_000)
+    assert resize_rebuild_s(obs, cluster, 1, 0, 0.8) == prefill_slot_rebuild_s(obs, cluster, 1, 0.8)
+    assert resize_rebuild_s(obs, cluster, 1, 2, 0.8) == pytest.approx(300_000 / 8_000)
+    assert resize_rebuild_s(obs, cluster, 1, 2, 0.8) == decode_slot_rebuild_s(obs, cluster, 1, 0.8)
+    assert resize_rebuild_s(obs, cluster, 1, 1, 0.8) == 0.0
+    # A prefill engine that reads a KV store copies what it lacks: nothing to rebuild.
+    assert resize_rebuild_s(obs, spec("kv-store"), 1, 0, 0.8) == 0.0
+
+
+def test_predictive_holds_a_split_whose_prefill_cache_would_cost_more_than_it_saves():
+    from dataclasses import replace
+
+    from prorsa.policy import make_policy
+    from tests.policy_helpers import forecast, observation
+    from tests.policy_helpers import spec as policy_spec
+
+    # 4 prefill / 4 decode, demand for 2.0 prefill and 6.2 decode slots: shrinking to 2
+    # prefill slots pays, unless (re-prefill) the two moved drop 1.5M cached tokens each.
+    roles = ["prefill"] * 4 + ["decode"] * 4
+    base = observation(30.0, roles, decoding=400, decode_kv=800_000, kv_capacity=2_000_000)
+    cluster = replace(policy_spec(8), colocated_prefill_factor=3.0)
+    fc = forecast(30.0, 32_000.0, decoding=400, kv=800_000)
+
+    def decide(cached: int) -> dict[str, int]:
+        slots = tuple(
+            replace(s, cached_tokens=cached) if s.role == "prefill" else s for s in base.slots
+        )
+        policy = make_policy("predictive", start="split", quantile=None, robust=False)
+        policy.reset(cluster)
+        return policy.decide(replace(base, slots=slots), fc).gpus
+
+    assert decide(0)["prefill"] == 2
+    assert decide(1_500_000)["prefill"] == 4

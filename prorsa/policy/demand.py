@@ -337,6 +337,18 @@ def prefill_slot_rebuild_s(
     return sum(s.cached_tokens for s in prefill) / max(per_slot, 1e-9)
 
 
+def resize_rebuild_s(
+    obs: ClusterObservation, spec: ClusterSpec, current: int, target: int, target_util: float
+) -> float:
+    """Slot-seconds of prefill (in slots run at ``target_util``) that resizing a split from
+    ``current`` to ``target`` prefill slots costs in lost contexts: growing prefill throws
+    away what the decode slots it takes hold (:func:`decode_slot_rebuild_s`), shrinking
+    it what the prefill slots it gives up cache (:func:`prefill_slot_rebuild_s`)."""
+    if target > current:
+        return decode_slot_rebuild_s(obs, spec, target - current, target_util)
+    return prefill_slot_rebuild_s(obs, spec, current - target, target_util)
+
+
 def decode_drain_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> float:
     """Seconds until the ``slots`` decode slots the controller would move first (the least
     loaded) have drained their running sequences, were they switched away in drain mode
@@ -597,7 +609,7 @@ def choose_mode(
     Returns ``"colocated"`` to colocate every slot, a prefill slot count to disaggregate,
     or None to stay in the current mode (a split policy then tunes its split). A change
     must save more unserved slot-seconds over ``payback_s`` than it costs: the switching
-    slots' latency plus rebuilding the contexts cached on the decode-side slots it moves;
+    slots' latency plus rebuilding the contexts the moved slots hold or cache;
     from a split it must also net more than re-sizing the split would. Savings start
     only once the switch completes (:func:`paying_s`): a reshard that outlasts the window
     saves nothing.
@@ -643,23 +655,22 @@ def choose_mode(
         lost = latency + decode_slot_rebuild_s(obs, spec, moved, prefill_target_util)
         return best_x if saved > switch_cost_weight * lost else None
     current_short = split_shortage(current_prefill, n, need_p, need_d)
-    # Prefill slots move (decode slots only change how the router uses them, if relabelled).
+    # Prefill slots move and drop what they cache (decode slots only change how the
+    # router uses them, if relabelled; otherwise they restart and lose their contexts too).
     done_s = spec.switch_latency_between("prefill", "colocated")
     latency = current_prefill * done_s
-    moved = current_prefill
+    rebuild = prefill_slot_rebuild_s(obs, spec, current_prefill, prefill_target_util)
     if not relabel:
         latency += (n - current_prefill) * spec.switch_latency_between("decode", "colocated")
         done_s = max(done_s, spec.switch_latency_between("decode", "colocated"))
-        moved = n
+        rebuild += decode_slot_rebuild_s(obs, spec, n - current_prefill, prefill_target_util)
     saved = (current_short - c_short) * paying_s(payback_s, done_s)
-    colocate_net = saved - switch_cost_weight * (
-        latency + decode_slot_rebuild_s(obs, spec, moved, prefill_target_util)
-    )
+    colocate_net = saved - switch_cost_weight * (latency + rebuild)
     # Colocate only if that nets more than re-sizing the split would (the split policy
     # does that itself when this returns None).
     resize_s = spec.switch_latency_between("decode", "prefill")
     resized = abs(best_x - current_prefill) * resize_s
-    resized += decode_slot_rebuild_s(obs, spec, best_x - current_prefill, prefill_target_util)
+    resized += resize_rebuild_s(obs, spec, current_prefill, best_x, prefill_target_util)
     resize_net = (current_short - pd_short) * paying_s(
         payback_s, resize_s
     ) - switch_cost_weight * resized

@@ -15,10 +15,10 @@ from prorsa.policy.demand import (
     current_load,
     decode_demand,
     decode_drain_s,
-    decode_slot_rebuild_s,
     forecast_rate,
     kv_capacity_per_slot,
     paying_s,
+    resize_rebuild_s,
     split_shortage,
     split_slots,
 )
@@ -222,10 +222,10 @@ class PredictivePolicy(ModeChoosingPolicy):
             * paying
             for window_p, window_d, _ in ends
         )
-        # A switch costs the slots' service while they switch, and moving decode slots to
-        # prefill also throws away the contexts they cache (re-prefilled next turn).
-        rebuild = decode_slot_rebuild_s(
-            obs, self.cluster_, target - current, self.sizing_.prefill_target_util
+        # A switch costs the slots' service while they switch, and throws away the contexts
+        # the moved slots cache (re-prefilled next turn).
+        rebuild = resize_rebuild_s(
+            obs, self.cluster_, current, target, self.sizing_.prefill_target_util
         )
         lost = self.switch_cost_weight * (abs(target - current) * latency + rebuild)
         if gain >= self.min_gain and saved >= lost:
