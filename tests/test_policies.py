@@ -394,10 +394,7 @@ def test_mpc_paces_decode_by_its_step_not_a_target_batch():
     moved = {}
     for paced in (False, True):
         policy = make_policy("mpc", start="split", quantile=None)
-        # Colocated prefill stalls three ranks' worth of decode: the split stays a split
-        # (colocating loses no context here), only its size is in question.
-        cluster = replace(_paced_spec(4) if paced else spec(4), colocated_prefill_factor=3.0)
-        policy.reset(cluster)
+        policy.reset(_paced_spec(4) if paced else spec(4))
         moved[paced] = policy.decide(obs, fc).gpus["prefill"]
     assert moved == {False: 1, True: 2}
 

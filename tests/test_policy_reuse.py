@@ -150,20 +150,21 @@ def split(prefill_cached: int, decode_kv: int) -> ClusterObservation:
     )
 
 
-def test_leaving_a_split_prices_the_contexts_of_the_slots_that_move():
+def test_leaving_a_split_prices_the_contexts_the_router_moves_not_the_prefill_caches():
     # Prefill needs 1.2 slots, decode 2.4: the 1/3 split (already the best) is short 0.8
-    # slots, colocation 0.2, so colocating saves 0.6 x 30 s = 18 slot-s.
+    # slots, colocation 0.2, so colocating saves 0.6 x 30 s = 18 slot-s. Colocated, each
+    # turn prefills where its context lives: the prefill slot's cache is not missed, but
+    # about one decode slot's contexts are spread onto the slot that joins the decode side.
     kwargs = dict(
         current_prefill=1, payback_s=30.0, switch_cost_weight=1.0, prefill_target_util=0.8
     )
-    # Decode slots relabel to colocated and keep their 300k-token contexts: free.
-    assert choose_mode(split(0, 300_000), spec("reprefill"), 1.2, 2.4, **kwargs) == "colocated"
-    # The prefill slot's cache is dropped with its role: 200k tokens (25 slot-s at 80%)
-    # to re-prefill outweigh the 18 saved, under re-prefill only.
-    assert choose_mode(split(200_000, 300_000), spec("reprefill"), 1.2, 2.4, **kwargs) is None
-    assert choose_mode(split(200_000, 300_000), spec("kv-store"), 1.2, 2.4, **kwargs) == (
-        "colocated"
-    )
+    for reuse in ("reprefill", "kv-store"):
+        # 100k tokens per decode slot: 12.5 slot-s at 80%, less than the 18 saved.
+        assert choose_mode(split(200_000, 100_000), spec(reuse), 1.2, 2.4, **kwargs) == (
+            "colocated"
+        )
+        # 300k: 37.5 slot-s, more than it saves.
+        assert choose_mode(split(0, 300_000), spec(reuse), 1.2, 2.4, **kwargs) is None
 
 
 def test_resizing_a_split_loses_what_the_moved_slots_hold():
@@ -192,7 +193,7 @@ def test_predictive_holds_a_split_whose_prefill_cache_would_cost_more_than_it_sa
     from tests.policy_helpers import forecast, observation
     from tests.policy_helpers import spec as policy_spec
 
-    # 4 prefill / 4 decode, demand for 2.0 prefill and 6.2 decode slots: shrinking to 2
+    # 4 prefill / 4 decode, demand for 2.0 prefill and 6.25 decode slots: shrinking to 2
     # prefill slots pays, unless (re-prefill) the two moved drop 1.5M cached tokens each.
     roles = ["prefill"] * 4 + ["decode"] * 4
     base = observation(30.0, roles, decoding=400, decode_kv=800_000, kv_capacity=2_000_000)

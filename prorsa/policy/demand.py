@@ -341,9 +341,10 @@ def resize_rebuild_s(
     obs: ClusterObservation, spec: ClusterSpec, current: int, target: int, target_util: float
 ) -> float:
     """Slot-seconds of prefill (in slots run at ``target_util``) that resizing a split from
-    ``current`` to ``target`` prefill slots costs in lost contexts: growing prefill throws
-    away what the decode slots it takes hold (:func:`decode_slot_rebuild_s`), shrinking
-    it what the prefill slots it gives up cache (:func:`prefill_slot_rebuild_s`)."""
+    ``current`` to ``target`` prefill slots costs in lost contexts: growing prefill takes
+    decode slots and what they hold (:func:`decode_slot_rebuild_s`, as before), shrinking
+    it drops what the prefill slots it gives up cache (:func:`prefill_slot_rebuild_s`:
+    the trajectories cached there prefill in full elsewhere, under re-prefill)."""
     if target > current:
         return decode_slot_rebuild_s(obs, spec, target - current, target_util)
     return prefill_slot_rebuild_s(obs, spec, current - target, target_util)
@@ -609,7 +610,8 @@ def choose_mode(
     Returns ``"colocated"`` to colocate every slot, a prefill slot count to disaggregate,
     or None to stay in the current mode (a split policy then tunes its split). A change
     must save more unserved slot-seconds over ``payback_s`` than it costs: the switching
-    slots' latency plus rebuilding the contexts the moved slots hold or cache;
+    slots' latency plus rebuilding the contexts it loses (cached on the decode-side slots
+    it moves; from a split, those the router spreads over the slots that join decode);
     from a split it must also net more than re-sizing the split would. Savings start
     only once the switch completes (:func:`paying_s`): a reshard that outlasts the window
     saves nothing.
@@ -655,17 +657,22 @@ def choose_mode(
         lost = latency + decode_slot_rebuild_s(obs, spec, moved, prefill_target_util)
         return best_x if saved > switch_cost_weight * lost else None
     current_short = split_shortage(current_prefill, n, need_p, need_d)
-    # Prefill slots move and drop what they cache (decode slots only change how the
-    # router uses them, if relabelled; otherwise they restart and lose their contexts too).
+    # Prefill slots move (decode slots only change how the router uses them, if relabelled).
+    # Colocated, every turn prefills where its context lives, so the prefill slots' caches
+    # are not missed; but the router spreads the decode side's contexts over the slots
+    # that join it, and those are re-prefilled: about as many as the moved slots' share
+    # (all of them when the decode slots restart resharded too).
     done_s = spec.switch_latency_between("prefill", "colocated")
     latency = current_prefill * done_s
-    rebuild = prefill_slot_rebuild_s(obs, spec, current_prefill, prefill_target_util)
+    moved = current_prefill
     if not relabel:
         latency += (n - current_prefill) * spec.switch_latency_between("decode", "colocated")
         done_s = max(done_s, spec.switch_latency_between("decode", "colocated"))
-        rebuild += decode_slot_rebuild_s(obs, spec, n - current_prefill, prefill_target_util)
+        moved = n
     saved = (current_short - c_short) * paying_s(payback_s, done_s)
-    colocate_net = saved - switch_cost_weight * (latency + rebuild)
+    colocate_net = saved - switch_cost_weight * (
+        latency + decode_slot_rebuild_s(obs, spec, moved, prefill_target_util)
+    )
     # Colocate only if that nets more than re-sizing the split would (the split policy
     # does that itself when this returns None).
     resize_s = spec.switch_latency_between("decode", "prefill")
