@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prorsa.forecast import bottomup_kernel, build_dataset, make_forecaster
+from prorsa.forecast import bottomup, bottomup_kernel, build_dataset, make_forecaster
 from prorsa.forecast import trajectory as trajectory_module
 from tests.sim_helpers import random_specs, run
 
@@ -41,6 +41,9 @@ def test_overlapped_scoring_gives_the_sequential_forecasts_bit_for_bit(monkeypat
     model.fit(data).set_drift_check(False)
     held_out = _telemetry(120, 9, "held-out")
     monkeypatch.setattr(trajectory_module, "MIN_ROWS", 1)  # every tick's new turns qualify
+    # Both paths on the row kernel, which the overlap needs (numba-compiled where installed;
+    # plain Python otherwise: slower, the same values).
+    monkeypatch.setattr(bottomup, "COMPILED", True)
     monkeypatch.setattr(trajectory_module, "forecast_threads", lambda: 1)
     sequential, none = _forecasts(model, held_out, 12)
     assert none == 0
