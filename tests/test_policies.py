@@ -1018,6 +1018,44 @@ def test_predictive_switches_only_when_both_ends_of_the_forecast_band_pay():
     assert make_policy("predictive").robust is False  # off unless asked for
 
 
+def test_the_band_agrees_on_a_move_only_in_one_direction_and_by_the_smaller_step():
+    from prorsa.policy.demand import agreed_mode, agreed_move
+
+    assert agreed_move(2, [3, 5]) == 3
+    assert agreed_move(3, [1, 2]) == 2
+    assert agreed_move(2, [1, 3]) == 2  # opposite directions: hold
+    assert agreed_move(2, [2, 4]) == 2  # one end holds
+    assert agreed_move(2, [4]) == 4  # one end only: its own move
+    assert agreed_mode(["colocated", "colocated"]) == "colocated"
+    assert agreed_mode([2, 3]) == 3  # both disaggregate: the last end's split
+    assert agreed_mode([None, 3]) is None
+    assert agreed_mode(["colocated", 3]) is None
+
+
+def test_mpc_robust_moves_only_where_both_ends_of_the_band_plan_to():
+    roles = ["prefill", "decode", "decode", "decode"]
+    obs = observation(30.0, roles, decoding=100)
+    cluster = replace(spec(4), role_layouts={"prefill": "tp1", "decode": "tp1", "colocated": "tp4"})
+    high, low = forecast(30.0, 18_000.0), forecast(30.0, 4_000.0)
+
+    def banded(p10: Forecast, p90: Forecast) -> Forecast:
+        return replace(p90, quantiles={0.1: p10.point, 0.5: p90.point, 0.9: p90.point})
+
+    moved = {}
+    for case, fc, robust in (
+        ("wide band", banded(low, high), True),
+        ("wide band, P90 only", banded(low, high), False),
+        ("narrow band", banded(high, high), True),
+    ):
+        policy = make_policy("mpc", robust=robust, start="split")
+        policy.reset(cluster)
+        moved[case] = policy.decide(obs, fc).gpus.get("prefill", 0)
+    assert moved["wide band"] == 1
+    assert moved["wide band, P90 only"] > 1
+    assert moved["narrow band"] == moved["wide band, P90 only"]
+    assert make_policy("mpc").robust is False  # off unless asked for
+
+
 def test_best_split_is_the_least_short_then_most_balanced_then_smallest_split():
     from prorsa.policy.demand import best_split, busier_utilisation, split_shortage
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TypeVar
@@ -591,6 +591,31 @@ def paying_s(payback_s: float, switch_s: float) -> float:
     """Seconds of the payback window a switch taking ``switch_s`` still pays back over:
     its slots serve their new role only once it completes."""
     return max(payback_s - switch_s, 0.0)
+
+
+#: The two ends of the forecast band a switch must pay back at (a policy's ``robust``).
+ROBUST_QUANTILES = (0.1, 0.9)
+
+
+def agreed_mode(modes: Sequence[str | int | None]) -> str | int | None:
+    """The change :func:`choose_mode` asks for at every end of the forecast band (the last
+    answer: its split count when all disaggregate), or None (stay) where they differ:
+    both colocate, both disaggregate, or both stay."""
+
+    def same(a: str | int | None, b: str | int | None) -> bool:
+        return (isinstance(a, int) and isinstance(b, int)) or a == b
+
+    last = modes[-1]
+    return last if all(same(m, last) for m in modes) else None
+
+
+def agreed_move(current: int, targets: Sequence[int]) -> int:
+    """The split every end of the forecast band moves toward from ``current``, by the
+    smallest of their moves; ``current`` where any end holds or they disagree."""
+    moves = [t - current for t in targets]
+    if all(m > 0 for m in moves) or all(m < 0 for m in moves):
+        return current + min(moves, key=abs)
+    return current
 
 
 def choose_mode(

@@ -8,9 +8,12 @@ import numpy as np
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
+    ROBUST_QUANTILES,
     DecodePace,
     PrefillWorkMeter,
     Sizing,
+    agreed_mode,
+    agreed_move,
     choose_mode,
     current_load,
     decode_demand,
@@ -24,6 +27,7 @@ from prorsa.policy.demand import (
 from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
 
 _HELD = -2  # a plan state carried over unchanged from the interval before
+_OWN = object()  # requirements(): the policy's own planning quantile
 
 
 @POLICIES.register("mpc")
@@ -61,6 +65,11 @@ class MPCPolicy(ModeChoosingPolicy):
         prefill_weight / decode_weight: relative cost of a short slot-second per side.
         max_step: at most this many slots change in one interval (0: unlimited).
         quantile: plan on this demand quantile when available (None: point forecast).
+        robust: plan at both ends of the forecast's band instead (P10 and P90, where the
+            forecaster gives them) and move only where both plans move the same way, by
+            the smaller of their moves; the mode choice likewise (as
+            :class:`PredictivePolicy`'s ``robust``, and off by default for the same
+            reason: docs/decisions.md).
         start: ``"auto"``, ``"colocated"`` or ``"split"`` before the first forecast (as in
             :class:`PredictivePolicy`); colocation stays in
             the action space either way (see :func:`prorsa.policy.demand.choose_mode`,
@@ -93,6 +102,7 @@ class MPCPolicy(ModeChoosingPolicy):
         kv_target_fraction: float = 0.85,
         prefill_target_util: float = 0.8,
         tail_s: float = 30.0,
+        robust: bool = False,
     ) -> None:
         self.drain_s = drain_s
         self.switch_cost_s = switch_cost_s
@@ -107,6 +117,7 @@ class MPCPolicy(ModeChoosingPolicy):
         self.kv_target_fraction = kv_target_fraction
         self.prefill_target_util = prefill_target_util
         self.tail_s = tail_s
+        self.robust = robust
 
     @classmethod
     def search_space(cls, trial) -> dict:
@@ -119,6 +130,7 @@ class MPCPolicy(ModeChoosingPolicy):
                 "target_batch_per_gpu", 16.0, 256.0, log=True
             ),
             "tail_s": trial.suggest_float("tail_s", 0.0, 120.0),
+            "robust": trial.suggest_categorical("robust", [False, True]),
             **cls.start_space(trial),
         }
 
@@ -136,16 +148,22 @@ class MPCPolicy(ModeChoosingPolicy):
         self.work_ = PrefillWorkMeter()
 
     def requirements(
-        self, obs: ClusterObservation, forecast: Forecast, work_ratio: float | None = None
+        self,
+        obs: ClusterObservation,
+        forecast: Forecast,
+        work_ratio: float | None = None,
+        quantile: float | object | None = _OWN,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, DecodePace | None]:
         """Interval lengths, the prefill / decode slots each interval needs, with engines
         computing ``work_ratio`` tokens per appended one (default: as measured), and
-        decode's pace on any number of slots (None: the spec quotes no decode loads)."""
+        decode's pace on any number of slots (None: the spec quotes no decode loads); at
+        demand ``quantile`` (default: the policy's own)."""
         spec, sizing = self.cluster_, self.sizing_
         horizons = np.asarray(forecast.horizons_s, dtype=float)
         if len(horizons) == 0 or (horizons <= 0).any() or (np.diff(horizons) <= 0).any():
             raise ConfigError("mpc: forecast horizons must be positive and increasing")
-        q = self.quantile if self.quantile in forecast.quantiles else None
+        wanted = self.quantile if quantile is _OWN else quantile
+        q = wanted if wanted in forecast.quantiles else None
         table = forecast.quantiles[q] if q is not None else forecast.point
         load = current_load(obs)
         lengths = np.diff(np.concatenate([[0.0], horizons]))
@@ -352,22 +370,52 @@ class MPCPolicy(ModeChoosingPolicy):
         return drains
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
-        slots = self.cluster_.num_slots
         current = current_load(obs).prefill_slots
         self.work_.update(obs)
         if forecast is None:
             return self.before_forecast(obs, current, "mpc")
-        lengths, need_p, need_d, pace = self.requirements(obs, forecast)
+        levels: list[float | None] = [self.quantile]
+        if self.robust and self.quantile is not None:
+            levels = [q for q in ROBUST_QUANTILES if q in forecast.quantiles] or levels
+        ends = [self.requirements(obs, forecast, quantile=q) for q in levels]
         # Colocation versus disaggregation on the horizon's average demand; within a split,
         # the DP below plans the split itself.
+        modes = [
+            self._mode(obs, forecast, q, lengths, need_p, need_d, current)
+            for q, (lengths, need_p, need_d, _) in zip(levels, ends, strict=True)
+        ]
+        changed = self.apply_mode(obs, agreed_mode(modes), "mpc")
+        if changed is not None:
+            return changed
+        current = min(max(current, 1), self.cluster_.num_slots - 1)
+        plans = [self._plan_ahead(obs, current, *end) for end in ends]
+        target = agreed_move(current, [plan[0] for plan in plans])
+        chosen = [plan for plan in plans if plan[0] == target]
+        if not chosen:  # the ends' plans move in opposite directions (or one holds)
+            self.last_plan_ = [current]
+            return self.split(current, f"mpc: hold (plans {plans} disagree)")
+        self.last_plan_ = chosen[-1]
+        return self.split(target, f"mpc: plan {self.last_plan_}")
+
+    def _mode(
+        self,
+        obs: ClusterObservation,
+        forecast: Forecast,
+        quantile: float | None,
+        lengths: np.ndarray,
+        need_p: np.ndarray,
+        need_d: np.ndarray,
+        current: int,
+    ) -> str | int | None:
+        """:func:`choose_mode` on the horizon's average demand at one quantile."""
         weights = lengths / lengths.sum()
         colocated_ratio = self.work_.ratio_for(colocated=True)
         colocated_p = (
             need_p
             if colocated_ratio == self.work_.ratio
-            else self.requirements(obs, forecast, colocated_ratio)[1]
+            else self.requirements(obs, forecast, colocated_ratio, quantile=quantile)[1]
         )
-        mode = choose_mode(
+        return choose_mode(
             obs,
             self.cluster_,
             float(need_p @ weights),
@@ -378,10 +426,18 @@ class MPCPolicy(ModeChoosingPolicy):
             prefill_target_util=self.sizing_.prefill_target_util,
             colocated_need_p=float(colocated_p @ weights),
         )
-        changed = self.apply_mode(obs, mode, "mpc")
-        if changed is not None:
-            return changed
-        current = min(max(current, 1), slots - 1)
+
+    def _plan_ahead(
+        self,
+        obs: ClusterObservation,
+        current: int,
+        lengths: np.ndarray,
+        need_p: np.ndarray,
+        need_d: np.ndarray,
+        pace: DecodePace | None,
+    ) -> list[int]:
+        """The plan over the forecast's intervals from ``current`` prefill slots."""
+        slots = self.cluster_.num_slots
         util = self.sizing_.prefill_target_util
         rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1, util)
         drains = self.decode_drains(obs, float(lengths.sum()))
@@ -393,7 +449,7 @@ class MPCPolicy(ModeChoosingPolicy):
             lengths = np.append(lengths, self.tail_s)
             need_p, need_d = np.append(need_p, need_p[-1]), np.append(need_d, need_d[-1])
             pace = None if pace is None else pace.held_for_one_more()
-        self.last_plan_ = self.plan(
+        return self.plan(
             current,
             lengths,
             need_p,
@@ -412,8 +468,6 @@ class MPCPolicy(ModeChoosingPolicy):
             ),
             hold_last=self.tail_s > 0,
         )[:horizons]
-        target = self.last_plan_[0]
-        return self.split(target, f"mpc: plan {self.last_plan_}")
 
 
 @POLICIES.register("oracle")

@@ -8,8 +8,10 @@ from collections.abc import Sequence
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
+    ROBUST_QUANTILES,
     PrefillWorkMeter,
     Sizing,
+    agreed_mode,
     busier_utilisation,
     choose_mode,
     current_load,
@@ -192,7 +194,7 @@ class PredictivePolicy(ModeChoosingPolicy):
             )
             for window_p, window_d, colocated_p in ends
         ]
-        mode = modes[-1] if all(_same_mode(m, modes[-1]) for m in modes) else None
+        mode = agreed_mode(modes)
         changed = self.apply_mode(obs, mode, "predictive", f" (need {need_p:.1f}P/{need_d:.1f}D)")
         if changed is not None:
             return changed
@@ -272,18 +274,6 @@ class PredictivePolicy(ModeChoosingPolicy):
             )
             ends.append((window_p, window_d, colocated_p))
         return ends
-
-
-#: The two ends of the forecast band a switch must pay back at (``robust=True``).
-ROBUST_QUANTILES = (0.1, 0.9)
-
-
-def _same_mode(a: str | int | None, b: str | int | None) -> bool:
-    """Whether two answers of ``choose_mode`` ask for the same kind of change: both
-    colocate, both disaggregate (a split count each), or both stay."""
-    if isinstance(a, int) and isinstance(b, int):
-        return True
-    return a == b
 
 
 def payback_horizon_s(
