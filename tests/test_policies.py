@@ -127,15 +127,20 @@ def test_predictive_weighs_switch_cost_and_lost_cache():
     cheap.reset(spec(8))
     gpus = cheap.decide(observation(1.0, ROLES8), forecast(1.0, 40_000.0)).gpus
     assert gpus.get("prefill", 0) + gpus.get("colocated", 0) > 2
-    # ...but not when the decode slots to move cache many contexts (rebuilt next turn),
-    # and colocation (which would serve it all) runs another layout: reaching it would
-    # reshard every slot and lose every cached context.
-    costly = make_policy("predictive")
+    # ...but not when prefill reads the contexts the decode slots to move cache (pull:
+    # rebuilt next turn), and colocation (which would serve it all) runs another layout:
+    # reaching it would reshard every slot and lose every cached context.
     layouts = {"prefill": "tp1", "decode": "tp1", "colocated": "tp2"}
-    costly.reset(replace(spec(8), role_layouts=layouts, reshard_latency_s=20.0))
+    cluster = replace(spec(8), role_layouts=layouts, reshard_latency_s=20.0)
     obs = observation(1.0, ROLES8, decode_kv=5_000_000, kv_capacity=10_000_000)
-    alloc = costly.decide(obs, forecast(1.0, 40_000.0, kv=5_000_000))
-    assert alloc.gpus["prefill"] == 2 and "hold" in alloc.reason
+    moved = {}
+    for reuse in ("pull", "reprefill"):
+        costly = make_policy("predictive")
+        costly.reset(replace(cluster, reuse_mode=reuse))
+        moved[reuse] = costly.decide(obs, forecast(1.0, 40_000.0, kv=5_000_000))
+    assert moved["pull"].gpus["prefill"] == 2 and "hold" in moved["pull"].reason
+    # Under re-prefill a split's prefill engines never read the decode slots' caches.
+    assert moved["reprefill"].gpus["prefill"] > 2
 
 
 @pytest.mark.parametrize("name", ["predictive", "mpc"])

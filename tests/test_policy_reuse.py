@@ -167,23 +167,32 @@ def test_leaving_a_split_prices_the_contexts_the_router_moves_not_the_prefill_ca
         assert choose_mode(split(0, 300_000), spec(reuse), 1.2, 2.4, **kwargs) is None
 
 
-def test_resizing_a_split_loses_what_the_moved_slots_hold():
-    from prorsa.policy.demand import (
-        decode_slot_rebuild_s,
-        prefill_slot_rebuild_s,
-        resize_rebuild_s,
-    )
+def test_resizing_a_split_loses_only_what_prefill_would_have_read():
+    from dataclasses import replace
+
+    from prorsa.policy.demand import prefill_slot_rebuild_s, resize_rebuild_s
 
     obs = split(200_000, 300_000)
-    cluster = spec("reprefill")
-    # Shrinking prefill drops the prefill slot's cache; growing it a decode slot's KV.
-    assert resize_rebuild_s(obs, cluster, 1, 0, 0.8) == pytest.approx(200_000 / 8_000)
-    assert resize_rebuild_s(obs, cluster, 1, 0, 0.8) == prefill_slot_rebuild_s(obs, cluster, 1, 0.8)
-    assert resize_rebuild_s(obs, cluster, 1, 2, 0.8) == pytest.approx(300_000 / 8_000)
-    assert resize_rebuild_s(obs, cluster, 1, 2, 0.8) == decode_slot_rebuild_s(obs, cluster, 1, 0.8)
-    assert resize_rebuild_s(obs, cluster, 1, 1, 0.8) == 0.0
-    # A prefill engine that reads a KV store copies what it lacks: nothing to rebuild.
-    assert resize_rebuild_s(obs, spec("kv-store"), 1, 0, 0.8) == 0.0
+    reprefill, pull, store = spec("reprefill"), spec("pull"), spec("kv-store")
+    # Shrinking prefill drops the prefill slot's cache, which re-prefill must recompute;
+    # a prefill engine that pulls or reads a KV store copies it instead.
+    assert resize_rebuild_s(obs, reprefill, 1, 0, 0.8) == pytest.approx(200_000 / 8_000)
+    assert resize_rebuild_s(obs, reprefill, 1, 0, 0.8) == prefill_slot_rebuild_s(
+        obs, reprefill, 1, 0.8
+    )
+    assert resize_rebuild_s(obs, store, 1, 0, 0.8) == 0.0
+    assert resize_rebuild_s(obs, pull, 1, 0, 0.8) == 0.0
+    # Growing it takes a decode slot: only a pulling prefill engine read its 300k tokens.
+    assert resize_rebuild_s(obs, pull, 1, 2, 0.8) == pytest.approx(300_000 / 8_000)
+    assert resize_rebuild_s(obs, reprefill, 1, 2, 0.8) == 0.0
+    assert resize_rebuild_s(obs, store, 1, 2, 0.8) == 0.0
+    # A colocated slot on the decode side (a mode change under way) prefills its own
+    # turns: moving it loses its contexts whatever the reuse mode.
+    first = replace(obs.slots[1], role="colocated")  # the one moved first (ties: lowest id)
+    mixed = replace(obs, slots=(obs.slots[0], first, *obs.slots[2:]))
+    colocated_kv = 300_000 / 8_000
+    assert resize_rebuild_s(mixed, reprefill, 1, 2, 0.8) == pytest.approx(colocated_kv)
+    assert resize_rebuild_s(obs, reprefill, 1, 1, 0.8) == 0.0
 
 
 def test_predictive_holds_a_split_whose_prefill_cache_would_cost_more_than_it_saves():

@@ -321,6 +321,31 @@ def decode_slot_rebuild_s(
     return tokens / max(per_slot, 1e-9)
 
 
+def split_growth_rebuild_s(
+    obs: ClusterObservation, spec: ClusterSpec, slots: int, target_util: float
+) -> float:
+    """Slot-seconds of prefill (in slots run at ``target_util``) that a split growing its
+    prefill side by the ``slots`` decode-side slots the controller would move first costs
+    in contexts to rebuild.
+
+    A colocated slot's contexts are lost as when leaving colocation (its turns prefill
+    where their context lives). A decode slot's are read by prefill only under
+    ``reuse_mode="pull"``: under re-prefill a split's prefill engine computes what its
+    own cache lacks, and a KV store keeps its copy, so there the decode slot's cache only
+    shortened KV transfers (not priced). Leaving colocation, or colocating a split, the
+    turns prefill where their contexts live: :func:`decode_slot_rebuild_s` prices those.
+    """
+    if slots <= 0:
+        return 0.0
+    tokens = sum(
+        s.kv_used_tokens + s.cached_tokens
+        for s in decode_slots_moved_first(obs, slots)
+        if s.role == "colocated" or spec.reuse_mode == "pull"
+    )
+    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
+    return tokens / max(per_slot, 1e-9)
+
+
 def prefill_slot_rebuild_s(
     obs: ClusterObservation, spec: ClusterSpec, slots: int, target_util: float
 ) -> float:
@@ -341,12 +366,13 @@ def resize_rebuild_s(
     obs: ClusterObservation, spec: ClusterSpec, current: int, target: int, target_util: float
 ) -> float:
     """Slot-seconds of prefill (in slots run at ``target_util``) that resizing a split from
-    ``current`` to ``target`` prefill slots costs in lost contexts: growing prefill takes
-    decode slots and what they hold (:func:`decode_slot_rebuild_s`, as before), shrinking
-    it drops what the prefill slots it gives up cache (:func:`prefill_slot_rebuild_s`:
-    the trajectories cached there prefill in full elsewhere, under re-prefill)."""
+    ``current`` to ``target`` prefill slots costs in lost contexts: growing prefill
+    (:func:`split_growth_rebuild_s`) loses what prefill would have read of the decode
+    slots it takes, shrinking it what the prefill slots it gives up cache
+    (:func:`prefill_slot_rebuild_s`: those trajectories prefill in full elsewhere, under
+    re-prefill)."""
     if target > current:
-        return decode_slot_rebuild_s(obs, spec, target - current, target_util)
+        return split_growth_rebuild_s(obs, spec, target - current, target_util)
     return prefill_slot_rebuild_s(obs, spec, current - target, target_util)
 
 

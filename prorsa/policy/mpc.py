@@ -18,11 +18,11 @@ from prorsa.policy.demand import (
     current_load,
     decode_demand,
     decode_drains_s,
-    decode_slot_rebuild_s,
     kv_capacity_per_slot,
     prefill_cache_overflow_slots,
     prefill_slot_rebuild_s,
     slot_drain_s,
+    split_growth_rebuild_s,
 )
 from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
 
@@ -48,7 +48,9 @@ class MPCPolicy(ModeChoosingPolicy):
     else ``drain_s``; a switch that outlasts its interval idles its slots in the next
     ones too, and the plan starts no other move before it is through;
     each switched slot also costs ``switch_cost_s``, each decode slot moved to prefill
-    the prefill slot-seconds needed to rebuild the contexts it caches, and under
+    the prefill slot-seconds needed to rebuild what prefill read of its contexts
+    (:func:`prorsa.policy.demand.split_growth_rebuild_s`: its own under re-prefill, only
+    a colocated slot's), and under
     re-prefill each prefill slot moved to decode those that rebuild its prefix cache
     (prefill priced in slots at the target utilisation, the unit of the need). The stage cost
     depends only on ``(x_prev, x)`` and when the last switch ends, so dynamic programming
@@ -439,7 +441,7 @@ class MPCPolicy(ModeChoosingPolicy):
         """The plan over the forecast's intervals from ``current`` prefill slots."""
         slots = self.cluster_.num_slots
         util = self.sizing_.prefill_target_util
-        rebuild = decode_slot_rebuild_s(obs, self.cluster_, 1, util)
+        rebuild = split_growth_rebuild_s(obs, self.cluster_, 1, util)
         drains = self.decode_drains(obs, float(lengths.sum()))
         horizons = len(lengths)
         if self.tail_s > 0:

@@ -39,8 +39,8 @@ class PredictivePolicy(ModeChoosingPolicy):
     utilisations; it is applied only if it lowers the busier side's utilisation by at least
     ``min_gain`` and the slot-seconds it saves over ``payback_s`` exceed
     ``switch_cost_weight`` times those a switch costs: the switching slots' service, plus
-    the prefill needed to rebuild the contexts the moved slots hold or cache (decode slots
-    moved to prefill; prefill slots moved to decode, under re-prefill). Decode need counts
+    the prefill needed to rebuild the contexts the moved slots hold or cache that prefill
+    would have read (:func:`prorsa.policy.demand.resize_rebuild_s`). Decode need counts
     those cached contexts (trajectories between turns) too, except while no split's
     prefill could clear the backlog within the horizon: then
     decode is sized for the KV of what decodes (:func:`prorsa.policy.demand.decode_demand`).
