@@ -49,10 +49,10 @@ class MPCPolicy(ModeChoosingPolicy):
     ones too, and the plan starts no other move before it is through;
     each switched slot also costs ``switch_cost_s``, each decode slot moved to prefill
     the prefill slot-seconds needed to rebuild what prefill read of its contexts
-    (:func:`prorsa.policy.demand.split_growth_rebuild_s`: its own under re-prefill, only
-    a colocated slot's), and under
-    re-prefill each prefill slot moved to decode those that rebuild its prefix cache
-    (prefill priced in slots at the target utilisation, the unit of the need). The stage cost
+    (:func:`prorsa.policy.demand.split_growth_rebuild_s`; under re-prefill, a colocated
+    slot's only), and under re-prefill each prefill slot moved to decode those that
+    rebuild its prefix cache (prefill priced in slots at the target utilisation, the unit
+    of the need). The stage cost
     depends only on ``(x_prev, x)`` and when the last switch ends, so dynamic programming
     over ``x`` and that interval finds the exact optimum of this model; the first
     interval's allocation is applied and the plan is redone next tick.
