@@ -1058,7 +1058,7 @@ def test_mpc_robust_moves_only_where_both_ends_of_the_band_plan_to():
     assert moved["wide band"] == 1
     assert moved["wide band, P90 only"] > 1
     assert moved["narrow band"] == moved["wide band, P90 only"]
-    assert make_policy("mpc").robust is False  # off unless asked for
+    assert make_policy("mpc").robust is True  # on by default (docs/decisions.md)
 
 
 def test_best_split_is_the_least_short_then_most_balanced_then_smallest_split():
