@@ -1037,6 +1037,18 @@ def test_the_band_agrees_on_a_move_only_in_one_direction_and_by_the_smaller_step
     assert agreed_mode(["colocated", 3]) is None
 
 
+def test_the_band_is_both_ends_or_the_policys_own_quantile():
+    from prorsa.policy.demand import band_levels
+
+    both = forecast(30.0, 1_000.0)
+    both = replace(both, quantiles={**both.quantiles, 0.1: both.point})
+    assert band_levels(both, 0.5, robust=True) == [0.1, 0.9]
+    assert band_levels(both, 0.5, robust=False) == [0.5]
+    # One end only (this helper's forecast has P50 and P90): not a band.
+    assert band_levels(forecast(30.0, 1_000.0), 0.5, robust=True) == [0.5]
+    assert band_levels(both, None, robust=True) == [None]  # point forecasts stay point
+
+
 def test_mpc_robust_moves_only_where_both_ends_of_the_band_plan_to():
     roles = ["prefill", "decode", "decode", "decode"]
     obs = observation(30.0, roles, decoding=100)

@@ -192,6 +192,9 @@ def test_resizing_a_split_loses_only_what_prefill_would_have_read():
     mixed = replace(obs, slots=(obs.slots[0], first, *obs.slots[2:]))
     colocated_kv = 300_000 / 8_000
     assert resize_rebuild_s(mixed, reprefill, 1, 2, 0.8) == pytest.approx(colocated_kv)
+    # Decode engines that prefill short turns themselves keep contexts prefill lacks.
+    local = replace(obs, local_prefill_threshold=512)
+    assert resize_rebuild_s(local, reprefill, 1, 2, 0.8) == pytest.approx(300_000 / 8_000)
     assert resize_rebuild_s(obs, reprefill, 1, 1, 0.8) == 0.0
 
 

@@ -330,17 +330,21 @@ def split_growth_rebuild_s(
 
     A colocated slot's contexts are lost as when leaving colocation (its turns prefill
     where their context lives). A decode slot's are read by prefill only under
-    ``reuse_mode="pull"``: under re-prefill a split's prefill engine computes what its
-    own cache lacks, and a KV store keeps its copy, so there the decode slot's cache only
+    ``reuse_mode="pull"``, or where decode engines prefill short turns themselves
+    (``local_prefill_threshold``): otherwise a split's prefill engine computes what its
+    own cache lacks (re-prefill) or reads a KV store, and the decode slot's cache only
     shortened KV transfers (not priced). Leaving colocation, or colocating a split, the
     turns prefill where their contexts live: :func:`decode_slot_rebuild_s` prices those.
     """
     if slots <= 0:
         return 0.0
+    # A decode engine that prefills short turns itself (local_prefill_threshold) keeps
+    # contexts the prefill side then lacks: charged in full, an upper bound.
+    read = spec.reuse_mode == "pull" or obs.local_prefill_threshold > 0
     tokens = sum(
         s.kv_used_tokens + s.cached_tokens
         for s in decode_slots_moved_first(obs, slots)
-        if s.role == "colocated" or spec.reuse_mode == "pull"
+        if read or s.role == "colocated"
     )
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
     return tokens / max(per_slot, 1e-9)
@@ -621,6 +625,14 @@ def paying_s(payback_s: float, switch_s: float) -> float:
 
 #: The two ends of the forecast band a switch must pay back at (a policy's ``robust``).
 ROBUST_QUANTILES = (0.1, 0.9)
+
+
+def band_levels(forecast: Forecast, quantile: float | None, robust: bool) -> list[float | None]:
+    """The demand quantiles a policy plans at: both ends of the band (``ROBUST_QUANTILES``)
+    when ``robust`` and the forecast gives both, else its own ``quantile``."""
+    if robust and quantile is not None and all(q in forecast.quantiles for q in ROBUST_QUANTILES):
+        return list(ROBUST_QUANTILES)
+    return [quantile]
 
 
 def agreed_mode(modes: Sequence[str | int | None]) -> str | int | None:

@@ -8,12 +8,12 @@ import numpy as np
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
-    ROBUST_QUANTILES,
     DecodePace,
     PrefillWorkMeter,
     Sizing,
     agreed_mode,
     agreed_move,
+    band_levels,
     choose_mode,
     current_load,
     decode_demand,
@@ -49,11 +49,11 @@ class MPCPolicy(ModeChoosingPolicy):
     ones too, and the plan starts no other move before it is through;
     each switched slot also costs ``switch_cost_s``, each decode slot moved to prefill
     the prefill slot-seconds needed to rebuild what prefill read of its contexts
-    (:func:`prorsa.policy.demand.split_growth_rebuild_s`; under re-prefill, a colocated
-    slot's only), and under re-prefill each prefill slot moved to decode those that
-    rebuild its prefix cache (prefill priced in slots at the target utilisation, the unit
-    of the need). The stage cost
-    depends only on ``(x_prev, x)`` and when the last switch ends, so dynamic programming
+    (:func:`prorsa.policy.demand.split_growth_rebuild_s`: a colocated slot's, a decode
+    slot's only where prefill reads it), and under re-prefill each prefill slot moved to
+    decode those that rebuild its prefix cache (prefill priced in slots at the target
+    utilisation, the unit of the need). The stage cost depends only on ``(x_prev, x)``
+    and when the last switch ends, so dynamic programming
     over ``x`` and that interval finds the exact optimum of this model; the first
     interval's allocation is applied and the plan is redone next tick.
 
@@ -377,9 +377,7 @@ class MPCPolicy(ModeChoosingPolicy):
         self.work_.update(obs)
         if forecast is None:
             return self.before_forecast(obs, current, "mpc")
-        levels: list[float | None] = [self.quantile]
-        if self.robust and self.quantile is not None:
-            levels = [q for q in ROBUST_QUANTILES if q in forecast.quantiles] or levels
+        levels = band_levels(forecast, self.quantile, self.robust)
         ends = [self.requirements(obs, forecast, quantile=q) for q in levels]
         # Colocation versus disaggregation on the horizon's average demand; within a split,
         # the DP below plans the split itself.
@@ -391,11 +389,12 @@ class MPCPolicy(ModeChoosingPolicy):
         if changed is not None:
             return changed
         current = min(max(current, 1), self.cluster_.num_slots - 1)
-        plans = [self._plan_ahead(obs, current, *end) for end in ends]
+        terms = self._plan_terms(obs, ends[0][0])  # the same at every end
+        plans = [self._plan_ahead(current, terms, *end) for end in ends]
         target = agreed_move(current, [plan[0] for plan in plans])
         chosen = [plan for plan in plans if plan[0] == target]
-        if not chosen:  # the ends' plans move in opposite directions (or one holds)
-            self.last_plan_ = [current]
+        if not chosen:  # the ends' plans move in opposite directions
+            self.last_plan_ = [current] * len(plans[0])
             return self.split(current, f"mpc: hold (plans {plans} disagree)")
         self.last_plan_ = chosen[-1]
         return self.split(target, f"mpc: plan {self.last_plan_}")
@@ -430,20 +429,41 @@ class MPCPolicy(ModeChoosingPolicy):
             colocated_need_p=float(colocated_p @ weights),
         )
 
+    def _plan_terms(self, obs: ClusterObservation, lengths: np.ndarray) -> dict:
+        """What the plan prices besides demand (the same whichever quantile plans):
+        rebuilds per slot moved, decode drains, a switch under way, and the prefill the
+        caches cannot hold at each split over the intervals of ``lengths`` (the
+        cost-to-go's included)."""
+        slots = self.cluster_.num_slots
+        util = self.sizing_.prefill_target_util
+        drains = self.decode_drains(obs, float(lengths.sum()))
+        if self.tail_s > 0:
+            lengths = np.append(lengths, self.tail_s)
+        return {
+            "rebuild_s_per_slot": split_growth_rebuild_s(obs, self.cluster_, 1, util),
+            "decode_drains": drains,
+            "switching": self.switching_now(obs),
+            "prefill_rebuild_s_per_slot": prefill_slot_rebuild_s(obs, self.cluster_, 1, util),
+            "cache_need_p": prefill_cache_overflow_slots(
+                obs,
+                self.cluster_,
+                np.arange(1, slots),
+                np.cumsum(lengths) - lengths / 2,
+                target_util=util,
+            ),
+        }
+
     def _plan_ahead(
         self,
-        obs: ClusterObservation,
         current: int,
+        terms: dict,
         lengths: np.ndarray,
         need_p: np.ndarray,
         need_d: np.ndarray,
         pace: DecodePace | None,
     ) -> list[int]:
-        """The plan over the forecast's intervals from ``current`` prefill slots."""
-        slots = self.cluster_.num_slots
-        util = self.sizing_.prefill_target_util
-        rebuild = split_growth_rebuild_s(obs, self.cluster_, 1, util)
-        drains = self.decode_drains(obs, float(lengths.sum()))
+        """The plan over the forecast's intervals from ``current`` prefill slots
+        (``terms``: :meth:`_plan_terms`)."""
         horizons = len(lengths)
         if self.tail_s > 0:
             # The split the plan ends in stays for ``tail_s`` more, at the last interval's
@@ -453,23 +473,7 @@ class MPCPolicy(ModeChoosingPolicy):
             need_p, need_d = np.append(need_p, need_p[-1]), np.append(need_d, need_d[-1])
             pace = None if pace is None else pace.held_for_one_more()
         return self.plan(
-            current,
-            lengths,
-            need_p,
-            need_d,
-            rebuild,
-            drains,
-            self.switching_now(obs),
-            pace,
-            prefill_slot_rebuild_s(obs, self.cluster_, 1, util),
-            prefill_cache_overflow_slots(
-                obs,
-                self.cluster_,
-                np.arange(1, slots),
-                np.cumsum(lengths) - lengths / 2,
-                target_util=util,
-            ),
-            hold_last=self.tail_s > 0,
+            current, lengths, need_p, need_d, pace=pace, hold_last=self.tail_s > 0, **terms
         )[:horizons]
 
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from prorsa.errors import ConfigError
 from prorsa.policy.base import POLICIES, ClusterSpec, ModeChoosingPolicy
 from prorsa.policy.demand import (
-    ROBUST_QUANTILES,
     PrefillWorkMeter,
     Sizing,
     agreed_mode,
+    band_levels,
     busier_utilisation,
     choose_mode,
     current_load,
@@ -256,9 +256,7 @@ class PredictivePolicy(ModeChoosingPolicy):
         sync 64/GPU) it also held back the one move back to prefill that the run needed
         (1.15x -> 0.78x)."""
         ends = []
-        levels = [self.quantile]
-        if self.robust and self.quantile is not None:
-            levels = [q for q in ROBUST_QUANTILES if q in forecast.quantiles] or levels
+        levels = band_levels(forecast, self.quantile, self.robust)
         # Colocation is priced at the work ratio measured colocated (the same one unless a
         # split measured its own, see PrefillWorkMeter).
         colocated_ratio = self.work_.ratio_for(colocated=True)
