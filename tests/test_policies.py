@@ -996,7 +996,13 @@ def test_prefill_work_meter_keeps_a_ratio_per_mode():
     assert meter.ratio_for(colocated=False) == pytest.approx(30.0)
 
 
-def test_predictive_switches_only_when_both_ends_of_the_forecast_band_pay():
+@pytest.mark.parametrize(
+    ("name", "kwargs", "robust_by_default"),
+    [("predictive", {}, False), ("mpc", {"start": "split"}, True)],
+)
+def test_a_robust_policy_moves_only_where_both_ends_of_the_forecast_band_pay(
+    name, kwargs, robust_by_default
+):
     # A split resize that pays at the forecast's P90 but not at its P10 is held (found in
     # the regime map: 235B search sync 64/GPU, where sizing at the P90 of a sync step's
     # prefill waves resized a 4-slot split back and forth, 0.98x against 1.19x held).
@@ -1014,13 +1020,16 @@ def test_predictive_switches_only_when_both_ends_of_the_forecast_band_pay():
         ("wide band, P90 only", banded(low, high), False),
         ("narrow band", banded(high, high), True),
     ):
-        policy = make_policy("predictive", robust=robust)
+        policy = make_policy(name, robust=robust, **kwargs)
         policy.reset(cluster)
         moved[case] = policy.decide(obs, fc).gpus.get("prefill", 0)
     assert moved["wide band"] == 1
     assert moved["wide band, P90 only"] > 1
     assert moved["narrow band"] > 1
-    assert make_policy("predictive").robust is False  # off unless asked for
+    if name == "mpc":
+        assert moved["narrow band"] == moved["wide band, P90 only"]
+    # Predictive's band is off unless asked for, MPC's on (docs/decisions.md).
+    assert make_policy(name).robust is robust_by_default
 
 
 def test_the_band_agrees_on_a_move_only_in_one_direction_and_by_the_smaller_step():
@@ -1047,30 +1056,6 @@ def test_the_band_is_both_ends_or_the_policys_own_quantile():
     # One end only (this helper's forecast has P50 and P90): not a band.
     assert band_levels(forecast(30.0, 1_000.0), 0.5, robust=True) == [0.5]
     assert band_levels(both, None, robust=True) == [None]  # point forecasts stay point
-
-
-def test_mpc_robust_moves_only_where_both_ends_of_the_band_plan_to():
-    roles = ["prefill", "decode", "decode", "decode"]
-    obs = observation(30.0, roles, decoding=100)
-    cluster = replace(spec(4), role_layouts={"prefill": "tp1", "decode": "tp1", "colocated": "tp4"})
-    high, low = forecast(30.0, 18_000.0), forecast(30.0, 4_000.0)
-
-    def banded(p10: Forecast, p90: Forecast) -> Forecast:
-        return replace(p90, quantiles={0.1: p10.point, 0.5: p90.point, 0.9: p90.point})
-
-    moved = {}
-    for case, fc, robust in (
-        ("wide band", banded(low, high), True),
-        ("wide band, P90 only", banded(low, high), False),
-        ("narrow band", banded(high, high), True),
-    ):
-        policy = make_policy("mpc", robust=robust, start="split")
-        policy.reset(cluster)
-        moved[case] = policy.decide(obs, fc).gpus.get("prefill", 0)
-    assert moved["wide band"] == 1
-    assert moved["wide band, P90 only"] > 1
-    assert moved["narrow band"] == moved["wide band, P90 only"]
-    assert make_policy("mpc").robust is True  # on by default (docs/decisions.md)
 
 
 def test_best_split_is_the_least_short_then_most_balanced_then_smallest_split():

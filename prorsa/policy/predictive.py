@@ -226,7 +226,7 @@ class PredictivePolicy(ModeChoosingPolicy):
             for window_p, window_d, _ in ends
         )
         # A switch costs the slots' service while they switch, and throws away the contexts
-        # the moved slots cache (re-prefilled next turn).
+        # the moved slots cache that prefill would read again (re-prefilled next turn).
         rebuild = resize_rebuild_s(
             obs, self.cluster_, current, target, self.sizing_.prefill_target_util
         )
