@@ -226,6 +226,7 @@ def _mpc_path_cost(
     cache=None,
     prefill_rebuild=0.0,
     hold_last=False,
+    growth_rebuilds=None,
 ):
     """MPC's model, written out interval by interval: a move blocks its slots for
     ``blocked(prev, x)`` seconds from its interval's start, into later intervals too,
@@ -233,7 +234,8 @@ def _mpc_path_cost(
     switch under way (``(to prefill, to decode, seconds left)``) blocks from the start.
     ``pace``: decode's load on its slots (else ``need_d`` over them); ``cache[k][x-1]``:
     prefill slots added at split ``x`` (while a move is under way, at the side of it
-    with fewer prefill slots); ``prefill_rebuild``: per slot moved to decode;
+    with fewer prefill slots); ``prefill_rebuild``: per prefill slot of ``start`` moved
+    to decode; ``growth_rebuilds[m]``: the first ``m`` decode slots moved to prefill;
     ``hold_last``: no move in the last interval."""
     starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
     total, prev, until, gained, origin = 0.0, start, 0.0, (0, 0), start
@@ -246,7 +248,12 @@ def _mpc_path_cost(
             origin = prev
             until = starts[k] + blocked(prev, x)
             gained = (max(x - prev, 0), max(prev - x, 0))
-            total += switch_cost_s * abs(x - prev) + prefill_rebuild * max(prev - x, 0)
+            total += switch_cost_s * abs(x - prev)
+            # Slots leave each side in one order from the start: a returning one is free.
+            total += prefill_rebuild * max(min(prev, start) - min(x, start), 0)
+            if growth_rebuilds is not None and x > prev:
+                taken = max(x - start, 0), max(prev - start, 0)
+                total += growth_rebuilds[taken[0]] - growth_rebuilds[taken[1]]
         lost = min(max(until - starts[k], 0.0), lengths[k]) / lengths[k]
         eff_p = x - lost * gained[0]
         eff_d = (n - x) - lost * gained[1]
@@ -276,7 +283,8 @@ def _mpc_path_cost(
 def test_mpc_dp_matches_brute_force(drains, switching, priced):
     # Switch latency 2 s; moves to decode drain for drain_s (1 s), moves of m decode
     # slots to prefill for drains[m] when given. ``priced``: decode paced by its step,
-    # prefill's cache overflow per split, and its caches rebuilt when slots leave it.
+    # prefill's cache overflow per split, its caches rebuilt when slots leave it, and
+    # the decode contexts lost by a move to prefill, dearer per slot the more it takes.
     policy = make_policy("mpc", drain_s=1.0, switch_cost_s=0.5)
     policy.reset(spec(6))
 
@@ -289,7 +297,7 @@ def test_mpc_dp_matches_brute_force(drains, switching, priced):
         need_p = rng.uniform(0, 5, 5)
         need_d = rng.uniform(0, 5, 5)
         drain_arg = None if drains is None else np.asarray(drains)
-        pace = cache = None
+        pace = cache = grow = None
         rebuild = 0.0
         if priced:
             pace = DecodePace(
@@ -297,17 +305,21 @@ def test_mpc_dp_matches_brute_force(drains, switching, priced):
                 rng.uniform(0, 3, 5), 64.0,
             )  # fmt: skip
             cache, rebuild = rng.uniform(-1, 2, (5, 5)), 0.7
+            grow = np.concatenate([[0.0], np.cumsum(np.sort(rng.uniform(0, 3, 4)))])
         plan = policy.plan(
             2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching,
             pace=pace, prefill_rebuild_s_per_slot=rebuild, cache_need_p=cache,
-            hold_last=priced,
+            hold_last=priced, growth_rebuilds=grow,
         )  # fmt: skip
 
-        def cost(path, need_p=need_p, need_d=need_d, pace=pace, cache=cache, rebuild=rebuild):
+        def cost(
+            path, need_p=need_p, need_d=need_d, pace=pace, cache=cache, rebuild=rebuild,
+            grow=grow,
+        ):  # fmt: skip
             return _mpc_path_cost(
                 path, lengths, need_p, need_d, n=6, start=2, blocked=blocked,
                 switch_cost_s=0.5, switching=switching, pace=pace, cache=cache,
-                prefill_rebuild=rebuild, hold_last=priced,
+                prefill_rebuild=rebuild, hold_last=priced, growth_rebuilds=grow,
             )  # fmt: skip
 
         best = min(itertools.product(range(1, 6), repeat=5), key=cost)

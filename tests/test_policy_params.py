@@ -147,3 +147,16 @@ def test_a_policy_without_parameters_says_so():
     with pytest.raises(ConfigError, match="policy 'colocate' has no parameter 'x'") as info:
         check_policy_params("colocate", {"x": 1})
     assert info.value.hint == "'colocate' takes no parameters"
+
+
+def test_the_oracle_tunes_nothing_its_forecast_cannot_change():
+    # The oracle forecast has no quantiles: MPC's quantile and band would be dead knobs.
+    import optuna
+
+    drawn = {}
+    for name in ("mpc", "oracle"):
+        trial = optuna.create_study().ask()
+        POLICIES.get(name).search_space(trial)
+        drawn[name] = set(trial.params)
+    assert {"quantile", "robust"} <= drawn["mpc"]
+    assert drawn["oracle"] == drawn["mpc"] - {"quantile", "robust"}

@@ -114,7 +114,12 @@ def test_policies_price_every_prefill_term_at_their_own_target_utilisation(monke
         monkeypatch.setattr(module, fn_name, wrapper)
 
     for module in (demand, predictive, mpc):
-        for fn_name in ("decode_slot_rebuild_s", "prefill_slot_rebuild_s"):
+        for fn_name in (
+            "decode_slot_rebuild_s",
+            "prefill_slot_rebuild_s",
+            "prefill_slot_rebuilds_s",
+            "split_growth_rebuilds_s",
+        ):
             if hasattr(module, fn_name):
                 recording(module, fn_name, 3)
     recording(demand, "split_recompute_slots", 2)
@@ -128,7 +133,8 @@ def test_policies_price_every_prefill_term_at_their_own_target_utilisation(monke
         policy.decide(observation(t, slot_roles), forecast(t, 60_000.0))
     assert {"split_recompute_slots", "colocated_shortage", "decode_slot_rebuild_s"} <= set(seen)
     if name == "mpc":
-        assert {"prefill_slot_rebuild_s", "prefill_cache_overflow_slots"} <= set(seen)
+        planned = {"prefill_slot_rebuilds_s", "split_growth_rebuilds_s"}
+        assert planned | {"prefill_cache_overflow_slots"} <= set(seen)
     assert all(util == 0.5 for utils in seen.values() for util in utils), seen
 
 
@@ -222,3 +228,33 @@ def test_predictive_holds_a_split_whose_prefill_cache_would_cost_more_than_it_sa
 
     assert decide(0)["prefill"] == 2
     assert decide(1_500_000)["prefill"] == 4
+
+
+def test_mpc_prices_each_slot_a_larger_or_later_move_takes():
+    from dataclasses import replace
+
+    from prorsa.policy import make_policy
+    from tests.policy_helpers import forecast, observation
+    from tests.policy_helpers import spec as policy_spec
+
+    # 2 prefill / 6 decode slots under pull, prefill demand for about two more slots. The
+    # decode slot the controller moves first (slot 2) caches nothing; every other one
+    # caches ``cached`` tokens that a pulling prefill engine would read again.
+    roles = ["prefill"] * 2 + ["decode"] * 6
+    base = observation(30.0, roles, decoding=300, decode_kv=600_000, kv_capacity=2_000_000)
+    cluster = replace(policy_spec(8), reuse_mode="pull", colocated_prefill_factor=3.0)
+
+    def decide(cached: int) -> tuple[int, list[int]]:
+        slots = tuple(
+            replace(s, cached_tokens=cached) if s.role == "decode" and s.slot_id > 2 else s
+            for s in base.slots
+        )
+        policy = make_policy("mpc", start="split", quantile=None, robust=False)
+        policy.reset(cluster)
+        allocation = policy.decide(replace(base, slots=slots), forecast(30.0, 60_000.0))
+        return allocation.gpus["prefill"], policy.last_plan_
+
+    # 400k tokens (25 slot-s at 80%) are worth the second slot; 3M (188 slot-s) are not,
+    # now or later in the plan: priced at the first slot's rate, the second was free.
+    assert decide(400_000) == (4, [4] * 5)
+    assert decide(3_000_000) == (3, [3] * 5)

@@ -336,18 +336,38 @@ def split_growth_rebuild_s(
     shortened KV transfers (not priced). Leaving colocation, or colocating a split, the
     turns prefill where their contexts live: :func:`decode_slot_rebuild_s` prices those.
     """
-    if slots <= 0:
-        return 0.0
+    return float(split_growth_rebuilds_s(obs, spec, slots, target_util)[-1])
+
+
+def split_growth_rebuilds_s(
+    obs: ClusterObservation, spec: ClusterSpec, slots: int, target_util: float
+) -> np.ndarray:
+    """:func:`split_growth_rebuild_s` for every count at once: entry ``m`` (``0..slots``)
+    prices the ``m`` slots moved first, for planners that weigh moves of every size (the
+    slots moved first are the least loaded, so each further slot costs at least as much
+    as the one before it)."""
     # A decode engine that prefills short turns itself (local_prefill_threshold) keeps
     # contexts the prefill side then lacks: charged in full, an upper bound.
     read = spec.reuse_mode == "pull" or obs.local_prefill_threshold > 0
-    tokens = sum(
-        s.kv_used_tokens + s.cached_tokens
+    tokens = [
+        s.kv_used_tokens + s.cached_tokens if read or s.role == "colocated" else 0
         for s in decode_slots_moved_first(obs, slots)
-        if read or s.role == "colocated"
-    )
+    ]
+    return _rebuilds_by_count(tokens, slots, spec, target_util)
+
+
+def _rebuilds_by_count(
+    tokens: list[int], slots: int, spec: ClusterSpec, target_util: float
+) -> np.ndarray:
+    """Entry ``m`` (``0..slots``): the first ``m`` of ``tokens`` in prefill slot-seconds at
+    ``target_util``; moving more slots than there are adds nothing."""
+    out = np.zeros(max(slots, 0) + 1)
+    if slots <= 0 or not tokens:
+        return out
     per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
-    return tokens / max(per_slot, 1e-9)
+    out[1 : len(tokens) + 1] = np.cumsum(np.asarray(tokens, dtype=np.int64)) / max(per_slot, 1e-9)
+    out[len(tokens) + 1 :] = out[len(tokens)]
+    return out
 
 
 def prefill_slot_rebuild_s(
@@ -359,11 +379,18 @@ def prefill_slot_rebuild_s(
     trajectories' next turns are dropped with the role, and those turns are prefilled
     again in full elsewhere (re-prefill only: a prefill engine that pulls or reads a KV
     store copies them instead)."""
-    if slots <= 0 or spec.reuse_mode != "reprefill":
-        return 0.0  # under pull or a KV store a prefill engine copies what it lacks
-    prefill = sorted((s for s in obs.slots if s.role == "prefill"), key=_by_load)[:slots]
-    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
-    return sum(s.cached_tokens for s in prefill) / max(per_slot, 1e-9)
+    return float(prefill_slot_rebuilds_s(obs, spec, slots, target_util)[-1])
+
+
+def prefill_slot_rebuilds_s(
+    obs: ClusterObservation, spec: ClusterSpec, slots: int, target_util: float
+) -> np.ndarray:
+    """:func:`prefill_slot_rebuild_s` for every count at once (entry ``m``: the ``m``
+    prefill slots moved first)."""
+    if spec.reuse_mode != "reprefill":
+        return np.zeros(max(slots, 0) + 1)  # under pull or a KV store prefill copies it
+    prefill = sorted((s for s in obs.slots if s.role == "prefill"), key=_by_load)[: max(slots, 0)]
+    return _rebuilds_by_count([s.cached_tokens for s in prefill], slots, spec, target_util)
 
 
 def resize_rebuild_s(
@@ -636,9 +663,11 @@ def band_levels(forecast: Forecast, quantile: float | None, robust: bool) -> lis
 
 
 def agreed_mode(modes: Sequence[str | int | None]) -> str | int | None:
-    """The change :func:`choose_mode` asks for at every end of the forecast band (the last
-    answer: its split count when all disaggregate), or None (stay) where they differ:
-    both colocate, both disaggregate, or both stay."""
+    """The change :func:`choose_mode` asks for at every end of the forecast band, or None
+    (stay) where they differ: both colocate, both disaggregate, or both stay. When all
+    disaggregate, the last end's split count: the band's upper end (P90), sized for the
+    demand's high end as the policies' default ``quantile`` is; the split is tuned from
+    the next tick on, where both ends must agree on any move."""
 
     def same(a: str | int | None, b: str | int | None) -> bool:
         return (isinstance(a, int) and isinstance(b, int)) or a == b

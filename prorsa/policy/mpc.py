@@ -20,9 +20,9 @@ from prorsa.policy.demand import (
     decode_drains_s,
     kv_capacity_per_slot,
     prefill_cache_overflow_slots,
-    prefill_slot_rebuild_s,
+    prefill_slot_rebuilds_s,
     slot_drain_s,
-    split_growth_rebuild_s,
+    split_growth_rebuilds_s,
 )
 from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
 
@@ -49,10 +49,11 @@ class MPCPolicy(ModeChoosingPolicy):
     ones too, and the plan starts no other move before it is through;
     each switched slot also costs ``switch_cost_s``, each decode slot moved to prefill
     the prefill slot-seconds needed to rebuild what prefill read of its contexts
-    (:func:`prorsa.policy.demand.split_growth_rebuild_s`: a colocated slot's, a decode
+    (:func:`prorsa.policy.demand.split_growth_rebuilds_s`: a colocated slot's, a decode
     slot's only where prefill reads it), and under re-prefill each prefill slot moved to
     decode those that rebuild its prefix cache (prefill priced in slots at the target
-    utilisation, the unit of the need). The stage cost depends only on ``(x_prev, x)``
+    utilisation, the unit of the need); both by the slots a move of that size takes,
+    least loaded first. The stage cost depends only on ``(x_prev, x)``
     and when the last switch ends, so dynamic programming
     over ``x`` and that interval finds the exact optimum of this model; the first
     interval's allocation is applied and the plan is redone next tick.
@@ -122,20 +123,26 @@ class MPCPolicy(ModeChoosingPolicy):
         self.tail_s = tail_s
         self.robust = robust
 
+    #: Whether the forecasts it plans on carry quantiles (the oracle's do not), so that
+    #: ``quantile`` and ``robust`` are worth tuning.
+    banded_forecast = True
+
     @classmethod
     def search_space(cls, trial) -> dict:
-        return {
+        space = {
             "drain_s": trial.suggest_float("drain_s", 0.0, 5.0),
             "switch_cost_s": trial.suggest_float("switch_cost_s", 0.0, 10.0),
             "max_step": trial.suggest_categorical("max_step", [0, 1, 2, 4]),
-            "quantile": trial.suggest_categorical("quantile", [0.5, 0.9]),
-            "target_batch_per_gpu": trial.suggest_float(
-                "target_batch_per_gpu", 16.0, 256.0, log=True
-            ),
-            "tail_s": trial.suggest_float("tail_s", 0.0, 120.0),
-            "robust": trial.suggest_categorical("robust", [True, False]),
-            **cls.start_space(trial),
         }
+        if cls.banded_forecast:
+            space["quantile"] = trial.suggest_categorical("quantile", [0.5, 0.9])
+        space["target_batch_per_gpu"] = trial.suggest_float(
+            "target_batch_per_gpu", 16.0, 256.0, log=True
+        )
+        space["tail_s"] = trial.suggest_float("tail_s", 0.0, 120.0)
+        if cls.banded_forecast:
+            space["robust"] = trial.suggest_categorical("robust", [True, False])
+        return {**space, **cls.start_space(trial)}
 
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
         super().reset(cluster, seed)
@@ -218,6 +225,8 @@ class MPCPolicy(ModeChoosingPolicy):
         prefill_rebuild_s_per_slot: float = 0.0,
         cache_need_p: np.ndarray | None = None,
         hold_last: bool = False,
+        growth_rebuilds: np.ndarray | None = None,
+        shrink_rebuilds: np.ndarray | None = None,
     ) -> list[int]:
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan.
 
@@ -239,6 +248,13 @@ class MPCPolicy(ModeChoosingPolicy):
         counts (the caches of slots joining prefill are cold). ``hold_last``: the last
         interval only holds the split (a cost-to-go, see ``tail_s``), so the plan cannot
         escape what its end state costs by a move no interval after it prices in full.
+        ``growth_rebuilds[m]`` / ``shrink_rebuilds[m]`` (``m`` in ``0..N-2``), where given,
+        replace the per-slot rebuilds: the rebuild of the first ``m`` decode-side /
+        prefill slots the controller moves (the least loaded first). Slots are taken in
+        that order counted from ``current``, over the whole plan: a move pays for the
+        fuller slots a larger or later move takes, and a slot that returns to the role
+        it left rebuilds nothing (the per-slot prices are the same with every slot
+        alike).
         """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
@@ -252,6 +268,15 @@ class MPCPolicy(ModeChoosingPolicy):
             self.drain_s,
         )
         blocked = np.where(moved > 0, blocked, 0.0)
+        counts = np.arange(n - 1)
+        grow = counts * rebuild_s_per_slot if growth_rebuilds is None else growth_rebuilds
+        shrink = counts * prefill_rebuild_s_per_slot if shrink_rebuilds is None else shrink_rebuilds
+        # What a split has taken from each side so far, priced in the order slots go.
+        took_d = np.asarray(grow)[np.maximum(xs - current, 0)]
+        took_p = np.asarray(shrink)[np.maximum(current - xs, 0)]
+        rebuilt = np.maximum(took_d[None, :] - took_d[:, None], 0.0) + np.maximum(
+            took_p[None, :] - took_p[:, None], 0.0
+        )
         stages = len(lengths)
         starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
 
@@ -291,11 +316,7 @@ class MPCPolicy(ModeChoosingPolicy):
                     break
                 booked += np.where(reached, short(j, overlap / lengths[j]) * lengths[j], 0.0)
                 free_from = np.where(reached, j + 1, free_from)
-            booked += (
-                self.switch_cost_s * moved
-                + rebuild_s_per_slot * gained_p
-                + prefill_rebuild_s_per_slot * gained_d
-            )
+            booked += self.switch_cost_s * moved + rebuilt
             free = cost[: k + 1].min(axis=0)  # states free to move at k
             may = (moved == 0) if hold_last and k == stages - 1 else allowed
             total = np.where(may, free[:, None] + booked, np.inf)
@@ -431,19 +452,19 @@ class MPCPolicy(ModeChoosingPolicy):
 
     def _plan_terms(self, obs: ClusterObservation, lengths: np.ndarray) -> dict:
         """What the plan prices besides demand (the same whichever quantile plans):
-        rebuilds per slot moved, decode drains, a switch under way, and the prefill the
-        caches cannot hold at each split over the intervals of ``lengths`` (the
-        cost-to-go's included)."""
+        rebuilds and decode drains by the number of slots moved, a switch under way, and
+        the prefill the caches cannot hold at each split over the intervals of
+        ``lengths`` (the cost-to-go's included)."""
         slots = self.cluster_.num_slots
         util = self.sizing_.prefill_target_util
         drains = self.decode_drains(obs, float(lengths.sum()))
         if self.tail_s > 0:
             lengths = np.append(lengths, self.tail_s)
         return {
-            "rebuild_s_per_slot": split_growth_rebuild_s(obs, self.cluster_, 1, util),
+            "growth_rebuilds": split_growth_rebuilds_s(obs, self.cluster_, slots - 2, util),
             "decode_drains": drains,
             "switching": self.switching_now(obs),
-            "prefill_rebuild_s_per_slot": prefill_slot_rebuild_s(obs, self.cluster_, 1, util),
+            "shrink_rebuilds": prefill_slot_rebuilds_s(obs, self.cluster_, slots - 2, util),
             "cache_need_p": prefill_cache_overflow_slots(
                 obs,
                 self.cluster_,
@@ -485,3 +506,4 @@ class OraclePolicy(MPCPolicy):
 
     #: The forecaster this policy must run with.
     forecaster_name = "oracle"
+    banded_forecast = False  # the true future has no band
