@@ -34,6 +34,7 @@ ROLES = ["prefill", "prefill", "decode", "decode"]
 KV_CAPACITY = 1_000_000
 THRESHOLD = 64
 QUIET_AT_S = 9.0  # every trajectory started so far is in its first tool call
+LATE_AT_S = 30.0  # four trajectories have finished; the last is in its second tool call
 # The last trajectory arrives after the first switch, on the slot that became decode.
 ARRIVALS_S = [0.0, 2.5, 5.0, 7.5, 16.0]
 # (time, slot, role): a real switch (prefill -> decode), then a relabel (decode -> colocated)
@@ -86,8 +87,11 @@ def run_sim(specs):
     sim.start()
     sim.advance(QUIET_AT_S)
     quiet = sim.actuator.observe()
+    sim.advance(LATE_AT_S)
+    late = sim.actuator.observe()
+    cache_total = sum(e.cache.total for e in sim.cluster.engines.values())
     sim.advance()
-    return sim.finish().telemetry.to_pandas(), quiet, sim.spec
+    return sim.finish().telemetry.to_pandas(), (quiet, late, cache_total), sim.spec
 
 
 def run_ray(specs, sim_events, spec):
@@ -100,10 +104,12 @@ def run_ray(specs, sim_events, spec):
     prompts: dict[str, list[int]] = {}
 
     async def replay():
-        quiet = None
+        quiet = late = None
         for event in sim_events.itertuples():
             if quiet is None and event.time > QUIET_AT_S:
                 quiet = actuator.observe()
+            if late is None and event.time > LATE_AT_S:
+                late = actuator.observe()
             traj, turn, kind = event.trajectory_id, int(event.turn), event.kind
             if kind == "traj_start":
                 router.trajectory_event(EventKind.TRAJ_START, traj, 0, task="parity")
@@ -124,7 +130,7 @@ def run_ray(specs, sim_events, spec):
             ):
                 detail = json.loads(event.detail)
                 await router.switch_role(detail["slot"], detail["to"], drain_timeout_s=5)
-        return quiet
+        return quiet, late
 
     quiet = asyncio.run(replay())
     return router.telemetry.log.to_table().to_pandas(), quiet
@@ -150,14 +156,15 @@ def switch_stages(events):
 @pytest.fixture(scope="module")
 def both():
     specs = workload()
-    sim_events, sim_quiet, spec = run_sim(specs)
+    sim_events, (sim_quiet, sim_late, sim_cache_total), spec = run_sim(specs)
     ordered = sim_events.assign(kind=sim_events["kind"].astype(str))
-    ray_events, ray_quiet = run_ray(specs, ordered, spec)
-    return specs, sim_events, sim_quiet, ray_events, ray_quiet
+    ray_events, (ray_quiet, ray_late) = run_ray(specs, ordered, spec)
+    late = (sim_late, ray_late, sim_cache_total)
+    return specs, sim_events, sim_quiet, ray_events, ray_quiet, late
 
 
 def test_same_routing_decisions(both):
-    specs, sim_events, _, ray_events, _ = both
+    specs, sim_events, _, ray_events, _, _ = both
     sim, ray = decisions(sim_events), decisions(ray_events)
     assert len(sim) == sum(s.num_turns for s in specs)
     assert ray == sim
@@ -167,7 +174,7 @@ def test_same_routing_decisions(both):
 
 
 def test_same_switch_stages(both):
-    _, sim_events, _, ray_events, _ = both
+    _, sim_events, _, ray_events, _, _ = both
     stages = switch_stages(sim_events)
     assert stages == [
         (1, "stop_new_work"),
@@ -181,7 +188,7 @@ def test_same_switch_stages(both):
 
 
 def test_same_observation_every_field_filled(both):
-    _, _, sim_quiet, _, ray_quiet = both
+    _, _, sim_quiet, _, ray_quiet, _ = both
     clock_fields = {"time_s"}
     for field in dataclasses.fields(ClusterObservation):
         if field.name in clock_fields or field.name == "slots":
@@ -200,6 +207,17 @@ def test_same_observation_every_field_filled(both):
             assert getattr(s, field.name) == getattr(r, field.name), field.name
     assert sum(s.cached_tokens for s in sim_quiet.slots) > 0  # filled on both sides
     assert ray_quiet.time_s > 0 and sim_quiet.time_s > 0
+
+
+def test_finished_trajectories_leave_the_cached_count(both):
+    # The simulator's engines still hold the finished trajectories' contexts (evictable,
+    # as a real engine's do), but no turn will read them: a switch that drops them loses
+    # nothing, so neither side counts them in a slot's cached tokens.
+    *_, (sim_late, ray_late, sim_cache_total) = both
+    assert sim_late.completed_trajectories == ray_late.completed_trajectories == 4
+    assert [s.cached_tokens for s in sim_late.slots] == [s.cached_tokens for s in ray_late.slots]
+    assert sum(s.cached_tokens for s in sim_late.slots) > 0  # the live trajectory's context
+    assert sim_cache_total > sum(s.cached_tokens for s in sim_late.slots)
 
 
 def test_a_switching_slot_says_where_it_comes_from_and_when_it_drained():

@@ -49,8 +49,9 @@ class SlotView:
     kv_capacity_tokens: int
     busy: bool
     since_s: float  # time the slot entered its current role (or began switching)
-    # Prefix-cache tokens the slot holds beyond in-use KV (contexts of trajectories between
-    # turns); a role switch throws them away, so they price a switch.
+    # Prefix-cache tokens the slot holds beyond in-use KV for live trajectories (contexts
+    # between turns, not those of finished ones); a role switch throws them away, so they
+    # price a switch.
     cached_tokens: int = 0
     # A switching slot: the role it left, and when it finished draining (None while it
     # drains); it serves once the switch latency has passed from then.

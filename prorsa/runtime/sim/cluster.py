@@ -538,6 +538,9 @@ class SimCluster:
         tally.completion_s.append(now - traj.start_s)
         self.placement.move(traj.decode_engine, None)
         traj.decode_engine = None
+        for cached_on in traj.cached_on:
+            cached_on.cache.retire(traj.traj_key)
+        traj.cached_on.clear()
         del self.live[spec.trajectory_id]
         self.truth.remove(spec.trajectory_id)
         if store is not None:
@@ -630,14 +633,14 @@ class SimCluster:
             queued = e.queued_prefill_tokens
             running = len(e.running) + len(e.decode_waiting)
             kv_used, kv_capacity = e.kv_used, e.kv_capacity
-            busy, cached = e.phase != 0, e.cache.total
+            busy, cached = e.phase != 0, e.cache.total - e.cache.retired_tokens
         else:
             queued = sum(e.queued_prefill_tokens for e in engines)
             running = sum(len(e.running) + len(e.decode_waiting) for e in engines)
             kv_used = sum(e.kv_used for e in engines)
             kv_capacity = sum(e.kv_capacity for e in engines)
             busy = any(e.phase != 0 for e in engines)
-            cached = sum(e.cache.total for e in engines)
+            cached = sum(e.cache.live_tokens for e in engines)
         return SlotView(
             slot_id=slot.slot_id,
             role=slot.role,

@@ -370,7 +370,9 @@ class SimEngine:
         """The KV this prefill engine held for ``req``'s transfer has been copied out."""
         self.kv_used -= req.context
         self.held_for_transfer -= 1
-        self.cache.put(req.traj.traj_key, req.context)
+        traj = req.traj
+        self.cache.put(traj.traj_key, req.context)
+        traj.cached_on.add(self)
         self._after_free()
 
     # ---------------------------------------------------------------- scheduling
@@ -721,7 +723,9 @@ class SimEngine:
             ctx = leave(req)
             req.decoded = req.output
             self.kv_used -= ctx
-            cache.put(req.traj.traj_key, ctx)
+            traj = req.traj
+            cache.put(traj.traj_key, ctx)
+            traj.cached_on.add(self)
             on_decode_end(req, self)
         self.at_boundary = False
         if self.incoming:

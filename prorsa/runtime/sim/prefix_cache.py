@@ -2,7 +2,9 @@
 
 Entries are keyed by trajectory (its context so far) or by GRPO group (the shared
 prompt). A pinned entry leaves the cache while a request uses its blocks, as vLLM keeps
-referenced blocks out of the free (evictable) list.
+referenced blocks out of the free (evictable) list. A finished trajectory's entry stays
+until evicted, as in an engine, but is *retired*: it still takes space, and no turn
+will read it again.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections import OrderedDict
 class PrefixCache:
     """Evictable cached prefixes: key -> tokens, least recently used first."""
 
-    __slots__ = ("entries", "evicted_tokens", "total")
+    __slots__ = ("entries", "evicted_tokens", "retired", "retired_tokens", "total")
 
     def __init__(self) -> None:
         #: key -> tokens, least recently used first (hot paths read it directly: a
@@ -21,6 +23,27 @@ class PrefixCache:
         self.entries: OrderedDict[str, int] = OrderedDict()
         self.total = 0
         self.evicted_tokens = 0
+        #: keys of finished trajectories still cached, and their tokens (in ``total``)
+        self.retired: set[str] = set()
+        self.retired_tokens = 0
+
+    @property
+    def live_tokens(self) -> int:
+        """Cached tokens a later turn may still read (``total`` less the retired)."""
+        return self.total - self.retired_tokens
+
+    def retire(self, key: str) -> None:
+        """``key``'s trajectory has finished: its entry no longer counts as live."""
+        tokens = self.entries.get(key, 0)
+        if tokens and key not in self.retired:
+            self.retired.add(key)
+            self.retired_tokens += tokens
+
+    def _unretire(self, key: str) -> None:
+        """``key`` leaves the cache or is used again (a trajectory id run anew)."""
+        if key in self.retired:
+            self.retired.discard(key)
+            self.retired_tokens -= self.entries.get(key, 0)
 
     def peek(self, key: str) -> int:
         """Cached tokens under ``key`` without touching recency."""
@@ -28,12 +51,16 @@ class PrefixCache:
 
     def take(self, key: str) -> int:
         """Remove and return ``key``'s tokens (they become in-use, not evictable)."""
+        if self.retired_tokens:
+            self._unretire(key)
         tokens = self.entries.pop(key, 0)
         self.total -= tokens
         return tokens
 
     def put(self, key: str, tokens: int) -> None:
         """Insert or refresh ``key`` as most recently used with ``tokens`` (max of old/new)."""
+        if self.retired_tokens:
+            self._unretire(key)
         old = self.entries.pop(key, 0)
         if old > tokens:
             tokens = old
@@ -44,7 +71,10 @@ class PrefixCache:
         """Evict LRU entries until ``free_now`` (+ evicted) covers ``free_needed``."""
         entries = self.entries
         while free_now < free_needed and entries:
-            _, tokens = entries.popitem(last=False)
+            key, tokens = entries.popitem(last=False)
+            if self.retired_tokens and key in self.retired:
+                self.retired.discard(key)
+                self.retired_tokens -= tokens
             self.total -= tokens
             self.evicted_tokens += tokens
             free_now += tokens
@@ -54,6 +84,8 @@ class PrefixCache:
         self.evicted_tokens += self.total
         self.entries.clear()
         self.total = 0
+        self.retired.clear()
+        self.retired_tokens = 0
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -13,6 +13,7 @@ class TrajState:
     """
 
     __slots__ = (
+        "cached_on",
         "decode_engine",
         "done_turns",
         "group_key",
@@ -48,6 +49,9 @@ class TrajState:
         self.tokens = 0  # current context tokens (for cluster-state token sums)
         self.decode_engine = None  # SimEngine owning the full context (sticky)
         self.prefill_engine = None  # SimEngine that last prefilled it (prefix cache)
+        # Engines whose prefix cache got its context (evicted since or not): told when it
+        # finishes, so that they stop counting the entry as live.
+        self.cached_on: set = set()
         self.prev_context = 0
         self.prev_output = 0
 
