@@ -1121,3 +1121,16 @@ def test_mpc_sees_a_switch_under_way_and_waits_for_it():
     assert plan[:3] == [3, 3, 3] and max(plan) > 3
     policy.decide(observation(10.0, ["prefill"] * 3 + ["decode"] * 5), burst)
     assert policy.last_plan_[0] > 3  # the same cluster with no switch under way moves now
+
+
+def test_predictive_resizes_to_the_split_whose_busier_side_is_least_loaded():
+    # Needs of 2.36 prefill and 10.59 decode slots overload any split of 8. A proportional
+    # share rounds to 1 prefill slot (prefill at 2.36x); 2 prefill slots put the busier
+    # side at 1.76x (decode): the split the policy's own gain and shortage measure favour.
+    from tests.policy_helpers import forecast, observation
+
+    obs = observation(30.0, ["prefill"] + ["decode"] * 7, decoding=300, decode_kv=600_000)
+    policy = make_policy("predictive", start="split", quantile=None, robust=False)
+    policy.reset(replace(spec(8), colocated_prefill_factor=3.0))
+    policy.needs = lambda *args, **kwargs: (2.36, 10.59)  # the demand, given
+    assert policy.decide(obs, forecast(30.0, 40_000.0)).gpus == {"prefill": 2, "decode": 6}

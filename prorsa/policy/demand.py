@@ -281,13 +281,6 @@ def forecast_rate(
     return forecast.at(target, horizon_s, quantile if use_q else None) / horizon_s
 
 
-def split_slots(total: int, prefill_need: float, decode_need: float) -> int:
-    """Prefill slots out of ``total`` in proportion to the needs (at least one each side)."""
-    need = prefill_need + decode_need
-    share = 0.5 if need <= 0 else prefill_need / need
-    return int(min(max(round(total * share), 1), total - 1))
-
-
 def decode_slots_moved_first(obs: ClusterObservation, slots: int) -> list[SlotView]:
     """The ``slots`` decode-side slots the controller would move first: the least loaded."""
     return _decode_side_by_load(obs)[: max(slots, 0)]

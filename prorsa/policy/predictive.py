@@ -12,6 +12,7 @@ from prorsa.policy.demand import (
     Sizing,
     agreed_mode,
     band_levels,
+    best_split,
     busier_utilisation,
     choose_mode,
     current_load,
@@ -22,7 +23,6 @@ from prorsa.policy.demand import (
     paying_s,
     resize_rebuild_s,
     split_shortage,
-    split_slots,
 )
 from prorsa.policy.types import Allocation, ClusterObservation, Forecast
 
@@ -35,8 +35,10 @@ class PredictivePolicy(ModeChoosingPolicy):
 
     Each tick: prefill need = forecast prefill tokens over ``horizon_s`` (at ``quantile``
     when the forecaster gives quantiles) plus the backlog, over prefill throughput; decode
-    need = forecast live sequences and KV over decode capacity. The split equalises the two
-    utilisations; it is applied only if it lowers the busier side's utilisation by at least
+    need = forecast live sequences and KV over decode capacity. The split is the one whose
+    busier side is least utilised (:func:`prorsa.policy.demand.best_split`, as in the
+    resize that :func:`~prorsa.policy.demand.choose_mode` weighs a mode change against); it
+    is applied only if it lowers the busier side's utilisation by at least
     ``min_gain`` and the slot-seconds it saves over ``payback_s`` exceed
     ``switch_cost_weight`` times those a switch costs: the switching slots' service, plus
     the prefill needed to rebuild the contexts the moved slots hold or cache that prefill
@@ -198,7 +200,7 @@ class PredictivePolicy(ModeChoosingPolicy):
         changed = self.apply_mode(obs, mode, "predictive", f" (need {need_p:.1f}P/{need_d:.1f}D)")
         if changed is not None:
             return changed
-        target = split_slots(slots, need_p, need_d)
+        target = best_split(slots, need_p, need_d)
         if target == current:
             return self.split(current, "predictive: balanced")
         gain = busier_utilisation(current, slots, need_p, need_d) - busier_utilisation(
