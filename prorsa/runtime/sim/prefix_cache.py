@@ -40,10 +40,9 @@ class PrefixCache:
             self.retired_tokens += tokens
 
     def _unretire(self, key: str) -> None:
-        """``key`` leaves the cache or is used again (a trajectory id run anew)."""
-        if key in self.retired:
-            self.retired.discard(key)
-            self.retired_tokens -= self.entries.get(key, 0)
+        """Retired ``key`` leaves the cache or is used again (a trajectory id run anew)."""
+        self.retired.discard(key)
+        self.retired_tokens -= self.entries.get(key, 0)
 
     def peek(self, key: str) -> int:
         """Cached tokens under ``key`` without touching recency."""
@@ -51,7 +50,7 @@ class PrefixCache:
 
     def take(self, key: str) -> int:
         """Remove and return ``key``'s tokens (they become in-use, not evictable)."""
-        if self.retired_tokens:
+        if key in self.retired:
             self._unretire(key)
         tokens = self.entries.pop(key, 0)
         self.total -= tokens
@@ -59,7 +58,7 @@ class PrefixCache:
 
     def put(self, key: str, tokens: int) -> None:
         """Insert or refresh ``key`` as most recently used with ``tokens`` (max of old/new)."""
-        if self.retired_tokens:
+        if key in self.retired:
             self._unretire(key)
         old = self.entries.pop(key, 0)
         if old > tokens:
@@ -72,7 +71,7 @@ class PrefixCache:
         entries = self.entries
         while free_now < free_needed and entries:
             key, tokens = entries.popitem(last=False)
-            if self.retired_tokens and key in self.retired:
+            if key in self.retired:
                 self.retired.discard(key)
                 self.retired_tokens -= tokens
             self.total -= tokens
