@@ -227,6 +227,7 @@ def _mpc_path_cost(
     prefill_rebuild=0.0,
     hold_last=False,
     growth_rebuilds=None,
+    shrink_rebuilds=None,
 ):
     """MPC's model, written out interval by interval: a move blocks its slots for
     ``blocked(prev, x)`` seconds from its interval's start, into later intervals too,
@@ -235,8 +236,9 @@ def _mpc_path_cost(
     ``pace``: decode's load on its slots (else ``need_d`` over them); ``cache[k][x-1]``:
     prefill slots added at split ``x`` (while a move is under way, at the side of it
     with fewer prefill slots); ``prefill_rebuild``: per prefill slot of ``start`` moved
-    to decode; ``growth_rebuilds[m]``: the first ``m`` decode slots moved to prefill;
-    ``hold_last``: no move in the last interval."""
+    to decode; ``growth_rebuilds[m]`` / ``shrink_rebuilds[m]``: the first ``m`` decode /
+    prefill slots of ``start`` moved to the other side; ``hold_last``: no move in the
+    last interval."""
     starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
     total, prev, until, gained, origin = 0.0, start, 0.0, (0, 0), start
     if switching is not None:
@@ -250,7 +252,10 @@ def _mpc_path_cost(
             gained = (max(x - prev, 0), max(prev - x, 0))
             total += switch_cost_s * abs(x - prev)
             # Slots leave each side in one order from the start: a returning one is free.
-            total += prefill_rebuild * max(min(prev, start) - min(x, start), 0)
+            if shrink_rebuilds is None:
+                total += prefill_rebuild * max(min(prev, start) - min(x, start), 0)
+            elif x < prev:
+                total += shrink_rebuilds[max(start - x, 0)] - shrink_rebuilds[max(start - prev, 0)]
             if growth_rebuilds is not None and x > prev:
                 taken = max(x - start, 0), max(prev - start, 0)
                 total += growth_rebuilds[taken[0]] - growth_rebuilds[taken[1]]
@@ -279,7 +284,7 @@ def _mpc_path_cost(
         (None, (1, 0, 60.0)),  # past the horizon: nothing else may move
     ],
 )
-@pytest.mark.parametrize("priced", [False, True])
+@pytest.mark.parametrize("priced", [False, "per slot", "by count"])
 def test_mpc_dp_matches_brute_force(drains, switching, priced):
     # Switch latency 2 s; moves to decode drain for drain_s (1 s), moves of m decode
     # slots to prefill for drains[m] when given. ``priced``: decode paced by its step,
@@ -297,7 +302,7 @@ def test_mpc_dp_matches_brute_force(drains, switching, priced):
         need_p = rng.uniform(0, 5, 5)
         need_d = rng.uniform(0, 5, 5)
         drain_arg = None if drains is None else np.asarray(drains)
-        pace = cache = grow = None
+        pace = cache = grow = shrink = None
         rebuild = 0.0
         if priced:
             pace = DecodePace(
@@ -305,21 +310,25 @@ def test_mpc_dp_matches_brute_force(drains, switching, priced):
                 rng.uniform(0, 3, 5), 64.0,
             )  # fmt: skip
             cache, rebuild = rng.uniform(-1, 2, (5, 5)), 0.7
-            grow = np.concatenate([[0.0], np.cumsum(np.sort(rng.uniform(0, 3, 4)))])
+        if priced == "by count":
+            # Each slot's own price, in the order the controller moves them (not sorted).
+            grow = np.concatenate([[0.0], np.cumsum(rng.uniform(0, 3, 4))])
+            shrink = np.concatenate([[0.0], np.cumsum(rng.uniform(0, 3, 4))])
         plan = policy.plan(
             2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching,
             pace=pace, prefill_rebuild_s_per_slot=rebuild, cache_need_p=cache,
-            hold_last=priced, growth_rebuilds=grow,
+            hold_last=bool(priced), growth_rebuilds=grow, shrink_rebuilds=shrink,
         )  # fmt: skip
 
         def cost(
             path, need_p=need_p, need_d=need_d, pace=pace, cache=cache, rebuild=rebuild,
-            grow=grow,
+            grow=grow, shrink=shrink,
         ):  # fmt: skip
             return _mpc_path_cost(
                 path, lengths, need_p, need_d, n=6, start=2, blocked=blocked,
                 switch_cost_s=0.5, switching=switching, pace=pace, cache=cache,
-                prefill_rebuild=rebuild, hold_last=priced, growth_rebuilds=grow,
+                prefill_rebuild=rebuild, hold_last=bool(priced), growth_rebuilds=grow,
+                shrink_rebuilds=shrink,
             )  # fmt: skip
 
         best = min(itertools.product(range(1, 6), repeat=5), key=cost)

@@ -38,3 +38,33 @@ def test_clearing_forgets_retired_entries_too():
     cache.retire("t:b")
     cache.clear()
     assert (cache.total, cache.live_tokens, cache.evicted_tokens) == (0, 0, 130)
+
+
+def test_a_slot_counts_the_live_trajectories_contexts_once():
+    # Mid-run on a grouped workload: the slots' cached tokens are the entries of the
+    # trajectories still running, not the finished ones' nor the groups' shared prompts
+    # (each member's own entry already holds its prompt).
+    from prorsa.policy import make_policy
+    from prorsa.runtime.cluster.config import ClusterConfig
+    from prorsa.runtime.sim.drivers import SyncDriver
+    from prorsa.runtime.sim.simulation import Simulation
+    from prorsa.workload import get_scenario
+
+    specs = get_scenario("math-tool").sample(32, seed=0, group_size=4)
+    assert all(s.shared_prompt_tokens > 0 for s in specs)
+    config = ClusterConfig(profile="h200-qwen2.5-7b-tp1", num_slots=4)
+    sim = Simulation(config, make_policy("colocate"), SyncDriver([specs]), record=False)
+    sim.start()
+    engines = list(sim.cluster.engines.values())
+    checked = 0
+    for t in range(10, 400, 10):
+        sim.advance(float(t))
+        live = {"t:" + trajectory_id for trajectory_id in sim.cluster.live}
+        if not live:
+            break
+        held = sum(v for e in engines for k, v in e.cache.entries.items() if k in live)
+        views = sim.actuator.observe().slots
+        assert sum(s.cached_tokens for s in views) == held
+        stale = sum(e.cache.total for e in engines) - held
+        checked += stale > 0  # finished trajectories' or groups' entries were left out
+    assert checked >= 3

@@ -307,11 +307,8 @@ def decode_slot_rebuild_s(
     Their trajectories' contexts (in use and cached between turns) are lost with the role,
     and every one of those trajectories must be prefilled again on its next turn.
     """
-    if slots <= 0:
-        return 0.0
-    tokens = sum(s.kv_used_tokens + s.cached_tokens for s in decode_slots_moved_first(obs, slots))
-    per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * target_util
-    return tokens / max(per_slot, 1e-9)
+    tokens = [s.kv_used_tokens + s.cached_tokens for s in decode_slots_moved_first(obs, slots)]
+    return float(_rebuilds_by_count(tokens, slots, spec, target_util)[-1])
 
 
 def split_growth_rebuild_s(
@@ -336,9 +333,9 @@ def split_growth_rebuilds_s(
     obs: ClusterObservation, spec: ClusterSpec, slots: int, target_util: float
 ) -> np.ndarray:
     """:func:`split_growth_rebuild_s` for every count at once: entry ``m`` (``0..slots``)
-    prices the ``m`` slots moved first, for planners that weigh moves of every size (the
-    slots moved first are the least loaded, so each further slot costs at least as much
-    as the one before it)."""
+    prices the ``m`` slots moved first (the least loaded, in the controller's order),
+    for planners that weigh moves of every size. Non-decreasing in ``m``; a later slot
+    may add less than an earlier one (slots are ordered by load, priced by contexts)."""
     # A decode engine that prefills short turns itself (local_prefill_threshold) keeps
     # contexts the prefill side then lacks: charged in full, an upper bound.
     read = spec.reuse_mode == "pull" or obs.local_prefill_threshold > 0

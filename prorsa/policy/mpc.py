@@ -52,11 +52,11 @@ class MPCPolicy(ModeChoosingPolicy):
     (:func:`prorsa.policy.demand.split_growth_rebuilds_s`: a colocated slot's, a decode
     slot's only where prefill reads it), and under re-prefill each prefill slot moved to
     decode those that rebuild its prefix cache (prefill priced in slots at the target
-    utilisation, the unit of the need); both by the slots a move of that size takes,
-    least loaded first. The stage cost depends only on ``(x_prev, x)``
-    and when the last switch ends, so dynamic programming
-    over ``x`` and that interval finds the exact optimum of this model; the first
-    interval's allocation is applied and the plan is redone next tick.
+    utilisation, the unit of the need); both for the slots taken from each side,
+    counted from the current split in the controller's order (least loaded first).
+    The stage cost depends only on ``(x_prev, x)`` and when the last switch ends, so
+    dynamic programming over ``x`` and that interval finds the exact optimum of this
+    model; the first interval's allocation is applied and the plan is redone next tick.
 
     Args:
         drain_s: expected time a switching slot spends draining its old work, where the
@@ -253,8 +253,9 @@ class MPCPolicy(ModeChoosingPolicy):
         prefill slots the controller moves (the least loaded first). Slots are taken in
         that order counted from ``current``, over the whole plan: a move pays for the
         fuller slots a larger or later move takes, and a slot that returns to the role
-        it left rebuilds nothing (the per-slot prices are the same with every slot
-        alike).
+        it left rebuilds nothing on its way back (leaving again, it is priced as the
+        slot it replaced: the state is the split alone). The per-slot prices are the
+        same with every slot alike.
         """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
@@ -452,9 +453,9 @@ class MPCPolicy(ModeChoosingPolicy):
 
     def _plan_terms(self, obs: ClusterObservation, lengths: np.ndarray) -> dict:
         """What the plan prices besides demand (the same whichever quantile plans):
-        rebuilds and decode drains by the number of slots moved, a switch under way, and
-        the prefill the caches cannot hold at each split over the intervals of
-        ``lengths`` (the cost-to-go's included)."""
+        rebuilds by the slots taken from each side, decode drains by the number of slots
+        moved, a switch under way, and the prefill the caches cannot hold at each split
+        over the intervals of ``lengths`` (the cost-to-go's included)."""
         slots = self.cluster_.num_slots
         util = self.sizing_.prefill_target_util
         drains = self.decode_drains(obs, float(lengths.sum()))

@@ -387,7 +387,11 @@ class SimCluster:
                 )
             )
         if traj.group_key and req.turn == 0:
-            engine.cache.put(traj.group_key, traj.spec.shared_prompt_tokens)
+            cache = engine.cache
+            cache.put(traj.group_key, traj.spec.shared_prompt_tokens)
+            # Each member's own context includes the shared prompt and counts it (as the
+            # Ray router's record does); the group's entry is not counted twice.
+            cache.retire(traj.group_key)
         if local:
             count, held = self._state_count, self._state_tokens
             old = traj.state
@@ -633,7 +637,7 @@ class SimCluster:
             queued = e.queued_prefill_tokens
             running = len(e.running) + len(e.decode_waiting)
             kv_used, kv_capacity = e.kv_used, e.kv_capacity
-            busy, cached = e.phase != 0, e.cache.total - e.cache.retired_tokens
+            busy, cached = e.phase != 0, e.cache.live_tokens
         else:
             queued = sum(e.queued_prefill_tokens for e in engines)
             running = sum(len(e.running) + len(e.decode_waiting) for e in engines)

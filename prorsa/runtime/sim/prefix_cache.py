@@ -4,7 +4,8 @@ Entries are keyed by trajectory (its context so far) or by GRPO group (the share
 prompt). A pinned entry leaves the cache while a request uses its blocks, as vLLM keeps
 referenced blocks out of the free (evictable) list. A finished trajectory's entry stays
 until evicted, as in an engine, but is *retired*: it still takes space, and no turn
-will read it again.
+will read it again. A group's shared prompt is retired from the start: its members'
+own entries hold it too, and count it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class PrefixCache:
         self.entries: OrderedDict[str, int] = OrderedDict()
         self.total = 0
         self.evicted_tokens = 0
-        #: keys of finished trajectories still cached, and their tokens (in ``total``)
+        #: keys not counted as live (finished trajectories', groups' shared prompts) and
+        #: their tokens (in ``total``)
         self.retired: set[str] = set()
         self.retired_tokens = 0
 
@@ -33,7 +35,8 @@ class PrefixCache:
         return self.total - self.retired_tokens
 
     def retire(self, key: str) -> None:
-        """``key``'s trajectory has finished: its entry no longer counts as live."""
+        """Stop counting ``key``'s entry as live (its trajectory finished, or it is a
+        group's shared prompt); a later ``put`` or ``take`` of it counts it again."""
         tokens = self.entries.get(key, 0)
         if tokens and key not in self.retired:
             self.retired.add(key)
