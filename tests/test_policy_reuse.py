@@ -258,3 +258,38 @@ def test_mpc_prices_each_slot_a_larger_or_later_move_takes():
     # now or later in the plan: priced at the first slot's rate, the second was free.
     assert decide(400_000) == (4, [4] * 5)
     assert decide(3_000_000) == (3, [3] * 5)
+
+
+def test_the_slots_priced_first_are_those_the_controller_moves_first():
+    # Slot 2 has just switched into decode (within the 5 s dwell): empty, so the least
+    # loaded, but the controller will not move it yet. A move of one decode slot takes
+    # slot 3, and its contexts and drain are what the move costs.
+    from dataclasses import replace
+
+    from prorsa.policy.demand import decode_slots_moved_first, split_growth_rebuilds_s
+    from prorsa.runtime.controller import plan_switches
+    from tests.policy_helpers import observation
+    from tests.policy_helpers import spec as policy_spec
+
+    roles = ["prefill", "prefill", "decode", "decode", "decode"]
+    base = observation(30.0, roles, decoding=300, decode_kv=900_000, kv_capacity=2_000_000)
+    fresh = replace(base.slots[2], since_s=28.0, running_sequences=0, kv_used_tokens=0)
+    obs = replace(base, slots=(*base.slots[:2], fresh, *base.slots[3:]))
+    cluster = replace(policy_spec(5), reuse_mode="pull")  # prefill reads decode's contexts
+    assert [s.slot_id for s in decode_slots_moved_first(obs, cluster, 3)] == [3, 4, 2]
+    ordered = plan_switches(obs, _alloc(3, 2), min_dwell_s=cluster.min_dwell_s)
+    assert ordered == [(3, "prefill")]
+    # The first slot moved costs its 300k tokens; the fresh one adds nothing, last.
+    per_slot = 20_000.0 * 0.8
+    assert split_growth_rebuilds_s(obs, cluster, 3, 0.8) == pytest.approx(
+        [0.0, 300_000 / per_slot, 600_000 / per_slot, 600_000 / per_slot]
+    )
+    # Once its dwell is served, the empty slot goes first.
+    later = replace(obs, time_s=40.0)
+    assert [s.slot_id for s in decode_slots_moved_first(later, cluster, 1)] == [2]
+
+
+def _alloc(prefill: int, decode: int):
+    from prorsa.policy.types import Allocation
+
+    return Allocation(gpus={"prefill": prefill, "decode": decode}, reason="test")

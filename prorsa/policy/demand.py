@@ -281,19 +281,37 @@ def forecast_rate(
     return forecast.at(target, horizon_s, quantile if use_q else None) / horizon_s
 
 
-def decode_slots_moved_first(obs: ClusterObservation, slots: int) -> list[SlotView]:
-    """The ``slots`` decode-side slots the controller would move first: the least loaded."""
-    return _decode_side_by_load(obs)[: max(slots, 0)]
+def may_move(slot: SlotView, now_s: float, min_dwell_s: float) -> bool:
+    """Whether the controller may move ``slot`` at ``now_s``: not switching, and in its
+    role for ``min_dwell_s`` at least (``plan_switches``)."""
+    return slot.role != SWITCHING and now_s - slot.since_s >= min_dwell_s - 1e-9
 
 
-def _by_load(slot: SlotView) -> tuple[float, int]:
+def donor_order(slot: SlotView) -> tuple[float, int]:
     """The controller's order of donors: least loaded first (``plan_switches``)."""
     return (slot.running_sequences + slot.queued_prefill_tokens / 1000.0, slot.slot_id)
 
 
+def decode_slots_moved_first(
+    obs: ClusterObservation, spec: ClusterSpec, slots: int
+) -> list[SlotView]:
+    """The ``slots`` decode-side slots the controller would move first: the least loaded
+    of those it may move now, then (moved once their dwell is served) the others."""
+    return _moved_first(_decode_side_by_load(obs), obs.time_s, spec.min_dwell_s)[: max(slots, 0)]
+
+
+def _moved_first(by_load: list[SlotView], now_s: float, min_dwell_s: float) -> list[SlotView]:
+    """``by_load`` with the slots the controller may move now first (each part in order):
+    a slot that has just switched in is empty and least loaded, but stays put."""
+    free = [s for s in by_load if may_move(s, now_s, min_dwell_s)]
+    if len(free) == len(by_load):
+        return by_load
+    return free + [s for s in by_load if not may_move(s, now_s, min_dwell_s)]
+
+
 @_kept_for_last_observation
 def _decode_side_by_load(obs: ClusterObservation) -> list[SlotView]:
-    return sorted((s for s in obs.slots if s.role in ("decode", "colocated")), key=_by_load)
+    return sorted((s for s in obs.slots if s.role in ("decode", "colocated")), key=donor_order)
 
 
 def decode_slot_rebuild_s(
@@ -307,7 +325,9 @@ def decode_slot_rebuild_s(
     Their trajectories' contexts (in use and cached between turns) are lost with the role,
     and every one of those trajectories must be prefilled again on its next turn.
     """
-    tokens = [s.kv_used_tokens + s.cached_tokens for s in decode_slots_moved_first(obs, slots)]
+    tokens = [
+        s.kv_used_tokens + s.cached_tokens for s in decode_slots_moved_first(obs, spec, slots)
+    ]
     return float(_rebuilds_by_count(tokens, slots, spec, target_util)[-1])
 
 
@@ -341,7 +361,7 @@ def split_growth_rebuilds_s(
     read = spec.reuse_mode == "pull" or obs.local_prefill_threshold > 0
     tokens = [
         s.kv_used_tokens + s.cached_tokens if read or s.role == "colocated" else 0
-        for s in decode_slots_moved_first(obs, slots)
+        for s in decode_slots_moved_first(obs, spec, slots)
     ]
     return _rebuilds_by_count(tokens, slots, spec, target_util)
 
@@ -379,7 +399,8 @@ def prefill_slot_rebuilds_s(
     prefill slots moved first)."""
     if spec.reuse_mode != "reprefill":
         return np.zeros(max(slots, 0) + 1)  # under pull or a KV store prefill copies it
-    prefill = sorted((s for s in obs.slots if s.role == "prefill"), key=_by_load)[: max(slots, 0)]
+    by_load = sorted((s for s in obs.slots if s.role == "prefill"), key=donor_order)
+    prefill = _moved_first(by_load, obs.time_s, spec.min_dwell_s)[: max(slots, 0)]
     return _rebuilds_by_count([s.cached_tokens for s in prefill], slots, spec, target_util)
 
 
@@ -420,7 +441,7 @@ def decode_drains_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> n
     if slots <= 0 or spec.switch_mode != "drain" or obs.workload is None:
         return drains
     longest = 0.0
-    moved = decode_slots_moved_first(obs, slots)
+    moved = decode_slots_moved_first(obs, spec, slots)
     for m, slot in enumerate(moved, start=1):
         longest = max(longest, slot_drain_s(slot, obs.workload, spec))
         drains[m] = longest

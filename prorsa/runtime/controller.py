@@ -17,7 +17,8 @@ from typing import Protocol
 
 from prorsa.errors import ConfigError
 from prorsa.policy.base import Policy
-from prorsa.policy.types import ROLES, SWITCHING, Allocation, ClusterObservation, Forecast
+from prorsa.policy.demand import donor_order, may_move
+from prorsa.policy.types import ROLES, Allocation, ClusterObservation, Forecast
 from prorsa.telemetry.columns import EventLog
 from prorsa.workload.truth import GroundTruth
 
@@ -84,10 +85,7 @@ def plan_switches(
     slots that entered their role less than ``min_dwell_s`` ago stay put; among eligible
     donors the least loaded switch first.
     """
-    now = obs.time_s
-    movable = [
-        s for s in obs.slots if s.role != SWITCHING and now - s.since_s >= min_dwell_s - 1e-9
-    ]
+    movable = [s for s in obs.slots if may_move(s, obs.time_s, min_dwell_s)]
     if alloc.slot_roles is not None:
         ids = {s.slot_id for s in movable}
         return sorted(
@@ -105,13 +103,7 @@ def plan_switches(
     # a slot does not make slots oscillate.
     need = {r: math.floor((target[r] - current[r]) / slot_gpus) for r in ROLES}
     surplus = {r: math.floor((current[r] - target[r]) / slot_gpus) for r in ROLES}
-    donors = {
-        r: sorted(
-            (s for s in movable if s.role == r),
-            key=lambda s: (s.running_sequences + s.queued_prefill_tokens / 1000.0, s.slot_id),
-        )
-        for r in ROLES
-    }
+    donors = {r: sorted((s for s in movable if s.role == r), key=donor_order) for r in ROLES}
     orders: list[tuple[int, str]] = []
     for receiver in ROLES:
         for _ in range(max(need[receiver], 0)):
