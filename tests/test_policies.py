@@ -314,10 +314,13 @@ def test_mpc_dp_matches_brute_force(drains, switching, priced):
             # Each slot's own price, in the order the controller moves them (not sorted).
             grow = np.concatenate([[0.0], np.cumsum(rng.uniform(0, 3, 4))])
             shrink = np.concatenate([[0.0], np.cumsum(rng.uniform(0, 3, 4))])
+        # Every slot alike: the first m prefill slots cost m times one (the brute force
+        # below prices them per slot).
+        planned_shrink = rebuild * np.arange(5) if shrink is None else shrink
         plan = policy.plan(
             2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching,
-            pace=pace, prefill_rebuild_s_per_slot=rebuild, cache_need_p=cache,
-            hold_last=bool(priced), growth_rebuilds=grow, shrink_rebuilds=shrink,
+            pace=pace, cache_need_p=cache, hold_last=bool(priced), growth_rebuilds=grow,
+            shrink_rebuilds=planned_shrink,
         )  # fmt: skip
 
         def cost(

@@ -267,6 +267,7 @@ def test_the_slots_priced_first_are_those_the_controller_moves_first():
     from dataclasses import replace
 
     from prorsa.policy.demand import decode_slots_moved_first, split_growth_rebuilds_s
+    from prorsa.policy.types import Allocation
     from prorsa.runtime.controller import plan_switches
     from tests.policy_helpers import observation
     from tests.policy_helpers import spec as policy_spec
@@ -277,7 +278,8 @@ def test_the_slots_priced_first_are_those_the_controller_moves_first():
     obs = replace(base, slots=(*base.slots[:2], fresh, *base.slots[3:]))
     cluster = replace(policy_spec(5), reuse_mode="pull")  # prefill reads decode's contexts
     assert [s.slot_id for s in decode_slots_moved_first(obs, cluster, 3)] == [3, 4, 2]
-    ordered = plan_switches(obs, _alloc(3, 2), min_dwell_s=cluster.min_dwell_s)
+    target = Allocation(gpus={"prefill": 3, "decode": 2}, reason="test")
+    ordered = plan_switches(obs, target, min_dwell_s=cluster.min_dwell_s)
     assert ordered == [(3, "prefill")]
     # The first slot moved costs its 300k tokens; the fresh one adds nothing, last.
     per_slot = 20_000.0 * 0.8
@@ -287,9 +289,3 @@ def test_the_slots_priced_first_are_those_the_controller_moves_first():
     # Once its dwell is served, the empty slot goes first.
     later = replace(obs, time_s=40.0)
     assert [s.slot_id for s in decode_slots_moved_first(later, cluster, 1)] == [2]
-
-
-def _alloc(prefill: int, decode: int):
-    from prorsa.policy.types import Allocation
-
-    return Allocation(gpus={"prefill": prefill, "decode": decode}, reason="test")

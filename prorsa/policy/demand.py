@@ -303,10 +303,11 @@ def decode_slots_moved_first(
 def _moved_first(by_load: list[SlotView], now_s: float, min_dwell_s: float) -> list[SlotView]:
     """``by_load`` with the slots the controller may move now first (each part in order):
     a slot that has just switched in is empty and least loaded, but stays put."""
-    free = [s for s in by_load if may_move(s, now_s, min_dwell_s)]
-    if len(free) == len(by_load):
-        return by_load
-    return free + [s for s in by_load if not may_move(s, now_s, min_dwell_s)]
+    free: list[SlotView] = []
+    held: list[SlotView] = []
+    for slot in by_load:
+        (free if may_move(slot, now_s, min_dwell_s) else held).append(slot)
+    return free + held
 
 
 @_kept_for_last_observation

@@ -218,11 +218,9 @@ class MPCPolicy(ModeChoosingPolicy):
         lengths: np.ndarray,
         need_p: np.ndarray,
         need_d: np.ndarray,
-        rebuild_s_per_slot: float = 0.0,
         decode_drains: np.ndarray | None = None,
         switching: tuple[int, int, float] | None = None,
         pace: DecodePace | None = None,
-        prefill_rebuild_s_per_slot: float = 0.0,
         cache_need_p: np.ndarray | None = None,
         hold_last: bool = False,
         growth_rebuilds: np.ndarray | None = None,
@@ -230,9 +228,8 @@ class MPCPolicy(ModeChoosingPolicy):
     ) -> list[int]:
         """Exact DP over prefill-slot counts 1..N-1 for each interval; returns the plan.
 
-        ``need_p``, ``cache_need_p`` and the rebuilds (``rebuild_s_per_slot`` for a decode
-        slot moved to prefill, ``prefill_rebuild_s_per_slot`` for a prefill slot moved to
-        decode) are in prefill slots run at the sizing's target utilisation.
+        ``need_p``, ``cache_need_p`` and the rebuilds are in prefill slots run at the
+        sizing's target utilisation.
         Slots that switch serve nothing until their switch ends, in whichever later
         intervals that falls, and the plan makes no other move before then (the
         controller does not move switching slots either). Each state is the split and
@@ -248,14 +245,13 @@ class MPCPolicy(ModeChoosingPolicy):
         counts (the caches of slots joining prefill are cold). ``hold_last``: the last
         interval only holds the split (a cost-to-go, see ``tail_s``), so the plan cannot
         escape what its end state costs by a move no interval after it prices in full.
-        ``growth_rebuilds[m]`` / ``shrink_rebuilds[m]`` (``m`` in ``0..N-2``), where given,
-        replace the per-slot rebuilds: the rebuild of the first ``m`` decode-side /
-        prefill slots the controller moves (the least loaded first). Slots are taken in
-        that order counted from ``current``, over the whole plan: a move pays for the
-        fuller slots a larger or later move takes, and a slot that returns to the role
-        it left rebuilds nothing on its way back (leaving again, it is priced as the
-        slot it replaced: the state is the split alone). The per-slot prices are the
-        same with every slot alike.
+        ``growth_rebuilds[m]`` / ``shrink_rebuilds[m]`` (``m`` in ``0..N-2``; default
+        none): the rebuild of the first ``m`` decode-side / prefill slots the controller
+        moves (the least loaded first). Slots are taken in that order counted from
+        ``current``, over the whole plan: a move pays for the fuller slots a larger or
+        later move takes, and a slot that returns to the role it left rebuilds nothing
+        on its way back (leaving again, it is priced as the slot it replaced: the state
+        is the split alone).
         """
         n = self.cluster_.num_slots
         xs = np.arange(1, n)  # candidate prefill slots
@@ -269,12 +265,12 @@ class MPCPolicy(ModeChoosingPolicy):
             self.drain_s,
         )
         blocked = np.where(moved > 0, blocked, 0.0)
-        counts = np.arange(n - 1)
-        grow = counts * rebuild_s_per_slot if growth_rebuilds is None else growth_rebuilds
-        shrink = counts * prefill_rebuild_s_per_slot if shrink_rebuilds is None else shrink_rebuilds
+        unpriced = np.zeros(n - 1)
+        grow = unpriced if growth_rebuilds is None else np.asarray(growth_rebuilds)
+        shrink = unpriced if shrink_rebuilds is None else np.asarray(shrink_rebuilds)
         # What a split has taken from each side so far, priced in the order slots go.
-        took_d = np.asarray(grow)[np.maximum(xs - current, 0)]
-        took_p = np.asarray(shrink)[np.maximum(current - xs, 0)]
+        took_d = grow[np.maximum(xs - current, 0)]
+        took_p = shrink[np.maximum(current - xs, 0)]
         rebuilt = np.maximum(took_d[None, :] - took_d[:, None], 0.0) + np.maximum(
             took_p[None, :] - took_p[:, None], 0.0
         )
