@@ -278,23 +278,29 @@ def _mpc_path_cost(
     "drains, switching",
     [
         (None, None),
-        ([0.0, 0.5, 9.0, 9.0, 30.0], None),
+        ([0.5, 9.0, 0.0, 30.0], None),  # the third slot the controller moves is idle
         (None, (1, 0, 2.5)),  # a slot still on its way to prefill for 2.5 s
-        ([0.0, 0.5, 9.0, 9.0, 30.0], (0, 2, 7.0)),
+        ([0.5, 9.0, 0.0, 30.0], (0, 2, 7.0)),
         (None, (1, 0, 60.0)),  # past the horizon: nothing else may move
     ],
 )
 @pytest.mark.parametrize("priced", [False, "per slot", "by count"])
 def test_mpc_dp_matches_brute_force(drains, switching, priced):
-    # Switch latency 2 s; moves to decode drain for drain_s (1 s), moves of m decode
-    # slots to prefill for drains[m] when given. ``priced``: decode paced by its step,
-    # prefill's cache overflow per split, its caches rebuilt when slots leave it, and
-    # the decode contexts lost by a move to prefill, dearer per slot the more it takes.
+    # Switch latency 2 s; moves to decode drain for drain_s (1 s), moves to prefill for
+    # the longest drains[i] of the decode slots they take when given (slot i the i-th
+    # moved, counted from the start; a slot coming back is priced as the first).
+    # ``priced``: decode paced by its step, prefill's cache overflow per split, its caches
+    # rebuilt when slots leave it, and the decode contexts lost by a move to prefill,
+    # dearer per slot the more it takes.
     policy = make_policy("mpc", drain_s=1.0, switch_cost_s=0.5)
     policy.reset(spec(6))
 
     def blocked(prev, x):
-        return 2.0 + (drains[x - prev] if drains is not None and x > prev else 1.0)
+        if drains is None or x <= prev:
+            return 2.0 + 1.0
+        taken = range(max(prev - 2, 0), max(x - 2, 0))
+        returning = range(max(min(2, x) - prev, 0))
+        return 2.0 + max((drains[i] for i in (*taken, *returning)), default=0.0)
 
     rng = np.random.default_rng(0)
     lengths = np.array([1.0, 1.0, 3.0, 5.0, 20.0])
@@ -318,7 +324,7 @@ def test_mpc_dp_matches_brute_force(drains, switching, priced):
         # below prices them per slot).
         planned_shrink = rebuild * np.arange(5) if shrink is None else shrink
         plan = policy.plan(
-            2, lengths, need_p, need_d, decode_drains=drain_arg, switching=switching,
+            2, lengths, need_p, need_d, decode_slot_drains=drain_arg, switching=switching,
             pace=pace, cache_need_p=cache, hold_last=bool(priced), growth_rebuilds=grow,
             shrink_rebuilds=planned_shrink,
         )  # fmt: skip
@@ -667,15 +673,15 @@ def _running(obs, sequences, output_tokens):
     )
 
 
-def test_decode_drains_price_every_move_size_as_decode_drain_s_does():
-    from prorsa.policy.demand import decode_drain_s, decode_drains_s
+def test_decode_slot_drains_follow_the_controllers_order_and_bound_decode_drain_s():
+    from prorsa.policy.demand import decode_drain_s, decode_slot_drains_s
 
     roles = ["prefill", "decode", "decode", "decode"]
-    obs = _running(observation(10.0, roles, decoding=140), [0, 10, 40, 90], 400)
-    drains = decode_drains_s(obs, spec(4), 5)
-    assert list(drains) == [decode_drain_s(obs, spec(4), m) for m in range(6)]
-    assert drains[1] < drains[2] < drains[3] == drains[5]  # only three decode slots
-    assert not decode_drains_s(obs, replace(spec(4), switch_mode="migrate"), 3).any()
+    obs = _running(observation(10.0, roles, decoding=140), [0, 40, 10, 90], 400)
+    drains = decode_slot_drains_s(obs, spec(4), 5)
+    assert 0 < drains[0] < drains[1] < drains[2] and not drains[3:].any()  # three slots
+    assert [decode_drain_s(obs, spec(4), m) for m in range(4)] == [0.0, *drains[:3]]
+    assert not decode_slot_drains_s(obs, replace(spec(4), switch_mode="migrate"), 3).any()
 
 
 def test_mpc_caps_decode_drains_at_drain_s_under_a_backlog_no_split_clears():
@@ -686,10 +692,10 @@ def test_mpc_caps_decode_drains_at_drain_s_under_a_backlog_no_split_clears():
         obs = _running(obs, [0, 0, 40, 90], 4_000)
         policy = make_policy("mpc", drain_s=2.0)
         policy.reset(spec(4))
-        drains[backlog] = list(policy.decode_drains(obs, 30.0))
-    assert drains[0][0] == drains[0][1] == 0.0 and drains[0][2] > 2.0
-    # The idle slot still drains at once; the busy ones at most drain_s.
-    assert drains[10_000_000] == [0.0, 0.0, 2.0]
+        drains[backlog] = list(policy.decode_slot_drains(obs, 30.0))
+    assert drains[0][0] == 0.0 and drains[0][1] > 2.0  # the first two moved (of 4 slots)
+    # The idle slot still drains at once; the busy one at most drain_s.
+    assert drains[10_000_000] == [0.0, 2.0]
 
 
 @pytest.mark.parametrize("backlog", [0, 10_000_000])

@@ -432,22 +432,20 @@ def decode_drain_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> fl
     prefill for a burst drained for the full 60 s timeout; priced at the 2 s relabel, the
     move looked to pay back over a 30 s window it never served (0.93x colocation).
     """
-    return float(decode_drains_s(obs, spec, slots)[-1])
+    drains = decode_slot_drains_s(obs, spec, slots)
+    return float(drains.max()) if len(drains) else 0.0
 
 
-def decode_drains_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> np.ndarray:
-    """:func:`decode_drain_s` for every count at once: entry ``m`` (``0..slots``) is the
-    drain of the ``m`` slots moved first, for planners that weigh moves of every size."""
-    drains = np.zeros(max(slots, 0) + 1)
+def decode_slot_drains_s(obs: ClusterObservation, spec: ClusterSpec, slots: int) -> np.ndarray:
+    """Drain of each of the ``slots`` decode slots the controller would move first, in the
+    order it moves them (:func:`slot_drain_s`; zeros under migration, without the
+    workload's shape, and past the decode slots there are), for planners that weigh
+    which slots a move takes as well as how many."""
+    drains = np.zeros(max(slots, 0))
     if slots <= 0 or spec.switch_mode != "drain" or obs.workload is None:
         return drains
-    longest = 0.0
-    moved = decode_slots_moved_first(obs, spec, slots)
-    for m, slot in enumerate(moved, start=1):
-        longest = max(longest, slot_drain_s(slot, obs.workload, spec))
-        drains[m] = longest
-    # Fewer decode slots than asked for: moving more moves no one else.
-    drains[len(moved) + 1 :] = drains[len(moved)]
+    for i, slot in enumerate(decode_slots_moved_first(obs, spec, slots)):
+        drains[i] = slot_drain_s(slot, obs.workload, spec)
     return drains
 
 

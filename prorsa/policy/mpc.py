@@ -17,7 +17,7 @@ from prorsa.policy.demand import (
     choose_mode,
     current_load,
     decode_demand,
-    decode_drains_s,
+    decode_slot_drains_s,
     kv_capacity_per_slot,
     prefill_cache_overflow_slots,
     prefill_slot_rebuilds_s,
@@ -44,7 +44,7 @@ class MPCPolicy(ModeChoosingPolicy):
     interval costs ``N * max(u - 1, 0)`` times its length, where slots that switch in this interval
     serve nothing for the switch latency (the reshard latency when prefill and decode run
     different layouts) plus their drain: for decode slots moving to prefill, the time
-    their running sequences take to end (:func:`prorsa.policy.demand.decode_drains_s`),
+    their running sequences take to end (:func:`prorsa.policy.demand.decode_slot_drains_s`),
     else ``drain_s``; a switch that outlasts its interval idles its slots in the next
     ones too, and the plan starts no other move before it is through;
     each switched slot also costs ``switch_cost_s``, each decode slot moved to prefill
@@ -218,7 +218,7 @@ class MPCPolicy(ModeChoosingPolicy):
         lengths: np.ndarray,
         need_p: np.ndarray,
         need_d: np.ndarray,
-        decode_drains: np.ndarray | None = None,
+        decode_slot_drains: np.ndarray | None = None,
         switching: tuple[int, int, float] | None = None,
         pace: DecodePace | None = None,
         cache_need_p: np.ndarray | None = None,
@@ -233,9 +233,12 @@ class MPCPolicy(ModeChoosingPolicy):
         Slots that switch serve nothing until their switch ends, in whichever later
         intervals that falls, and the plan makes no other move before then (the
         controller does not move switching slots either). Each state is the split and
-        the first interval free to move again. ``decode_drains[m]`` is the drain of
-        ``m`` decode slots moved to prefill at once (``m`` in ``0..N-2``); without it
-        every switching slot drains for ``drain_s``. ``switching`` is a switch already
+        the first interval free to move again. ``decode_slot_drains[i]`` (``i`` in
+        ``0..N-3``) is the drain of the ``i``-th decode slot the controller moves to
+        prefill, counted from ``current`` over the whole plan as the rebuilds are: a move
+        drains as long as the longest of the slots it takes (a slot returning to prefill
+        is priced as the first ones); without it every switching slot drains for
+        ``drain_s``. ``switching`` is a switch already
         under way, ``(slots heading to prefill, slots heading to decode, seconds until
         they serve)``; ``current`` counts them in their new roles (see
         :meth:`switching_now`). With ``pace``, decode's load on its slots is its step
@@ -259,10 +262,13 @@ class MPCPolicy(ModeChoosingPolicy):
         gained_p = np.maximum(xs[None, :] - xs[:, None], 0)
         gained_d = np.maximum(xs[:, None] - xs[None, :], 0)
         # A slot moving between prefill and decode reshards when the two layouts differ.
+        drains_to_prefill = (
+            self.drain_s
+            if decode_slot_drains is None
+            else _longest_drain_taken(np.asarray(decode_slot_drains), xs, current)
+        )
         blocked = self.cluster_.switch_latency_between("decode", "prefill") + np.where(
-            gained_p > 0,
-            self.drain_s if decode_drains is None else np.asarray(decode_drains)[moved],
-            self.drain_s,
+            gained_p > 0, drains_to_prefill, self.drain_s
         )
         blocked = np.where(moved > 0, blocked, 0.0)
         unpriced = np.zeros(n - 1)
@@ -349,7 +355,7 @@ class MPCPolicy(ModeChoosingPolicy):
         decode slot's drain is estimated as for a move (its longest running sequence),
         any other's as ``drain_s``, each at most what is left of the drain timeout. (A
         planned move under a backlog is priced at a capped drain instead, see
-        :meth:`decode_drains`: there the question is what the move saves, here only when
+        :meth:`decode_slot_drains`: there the question is what the move saves, here only when
         the slot serves.) Without the role a slot left, the dearest source is assumed.
         """
         spec = self.cluster_
@@ -373,19 +379,21 @@ class MPCPolicy(ModeChoosingPolicy):
         to_prefill = sum(s.target_role == "prefill" for s in moving)
         return to_prefill, len(moving) - to_prefill, max(remaining, 0.0)
 
-    def decode_drains(self, obs: ClusterObservation, horizon_s: float) -> np.ndarray | None:
-        """Drain of ``m`` decode slots moved to prefill, for ``m`` in ``0..N-2``; ``None``
-        where the observation cannot tell (``drain_s`` then prices every move)."""
+    def decode_slot_drains(self, obs: ClusterObservation, horizon_s: float) -> np.ndarray | None:
+        """Drain of each decode slot in the order the controller moves them to prefill
+        (``N-2`` of them); ``None`` where the observation cannot tell (``drain_s`` then
+        prices every move)."""
         spec = self.cluster_
         if spec.switch_mode != "drain" or obs.workload is None:
             return None
-        drains = decode_drains_s(obs, spec, spec.num_slots - 2)
+        drains = decode_slot_drains_s(obs, spec, spec.num_slots - 2)
         load = current_load(obs)
         latency = spec.switch_latency_between("decode", "prefill")
         for drain in np.unique(drains):
             # Under a backlog no split clears even once the move is done, the prefill
             # it adds stays short after it: the drain delays the saving, not shrinks it
-            # (as for predictive; see PredictivePolicy.decide).
+            # (as for predictive; see PredictivePolicy.decide). The cap never lowers a
+            # longer drain below a shorter one's, so a move's longest drain is capped too.
             if self.sizing_.prefill_bound(spec, load, horizon_s + latency + drain):
                 drains[drains == drain] = min(drain, self.drain_s)
         return drains
@@ -449,17 +457,17 @@ class MPCPolicy(ModeChoosingPolicy):
 
     def _plan_terms(self, obs: ClusterObservation, lengths: np.ndarray) -> dict:
         """What the plan prices besides demand (the same whichever quantile plans):
-        rebuilds by the slots taken from each side, decode drains by the number of slots
-        moved, a switch under way, and the prefill the caches cannot hold at each split
-        over the intervals of ``lengths`` (the cost-to-go's included)."""
+        rebuilds and decode drains by the slots taken from each side, a switch under way,
+        and the prefill the caches cannot hold at each split over the intervals of
+        ``lengths`` (the cost-to-go's included)."""
         slots = self.cluster_.num_slots
         util = self.sizing_.prefill_target_util
-        drains = self.decode_drains(obs, float(lengths.sum()))
+        drains = self.decode_slot_drains(obs, float(lengths.sum()))
         if self.tail_s > 0:
             lengths = np.append(lengths, self.tail_s)
         return {
             "growth_rebuilds": split_growth_rebuilds_s(obs, self.cluster_, slots - 2, util),
-            "decode_drains": drains,
+            "decode_slot_drains": drains,
             "switching": self.switching_now(obs),
             "shrink_rebuilds": prefill_slot_rebuilds_s(obs, self.cluster_, slots - 2, util),
             "cache_need_p": prefill_cache_overflow_slots(
@@ -504,3 +512,18 @@ class OraclePolicy(MPCPolicy):
     #: The forecaster this policy must run with.
     forecaster_name = "oracle"
     banded_forecast = False  # the true future has no band
+
+
+def _longest_drain_taken(slot_drains: np.ndarray, xs: np.ndarray, current: int) -> np.ndarray:
+    """``[prev, next]``: the longest drain among the decode slots a move from ``prev`` to
+    ``next`` prefill slots takes, slots taken in order counted from ``current``
+    (``slot_drains[i]``: the ``i``-th). Slots that left prefill earlier in the plan and
+    return are priced as the first ones taken."""
+    count = len(slot_drains)
+    # longest[a, b]: the longest drain among slots a..b-1 (zero when there are none).
+    longest = np.zeros((count + 1, count + 1))
+    for a in range(count):
+        longest[a, a + 1 :] = np.maximum.accumulate(slot_drains[a:])
+    taken = np.clip(xs - current, 0, count)
+    returning = np.clip(np.minimum(current, xs[None, :]) - xs[:, None], 0, count)
+    return np.maximum(longest[taken[:, None], taken[None, :]], longest[0, returning])
