@@ -684,6 +684,19 @@ def test_decode_slot_drains_follow_the_controllers_order_and_bound_decode_drain_
     assert not decode_slot_drains_s(obs, replace(spec(4), switch_mode="migrate"), 3).any()
 
 
+def test_mpc_prices_a_move_by_the_drains_of_the_decode_slots_it_takes():
+    from prorsa.policy.mpc import _longest_drain_taken
+
+    # Six slots, two in prefill now; the controller would move decode slots whose
+    # drains are, in its order, 0.5, 9, 0 and 30 s. Entry [prev - 1, next - 1].
+    drains = _longest_drain_taken(np.array([0.5, 9.0, 0.0, 30.0]), np.arange(1, 6), 2)
+    assert drains[1, 2] == 0.5 and drains[2, 3] == 9.0  # a second move takes the second
+    assert drains[3, 4] == 0.0 and drains[1, 4] == 9.0
+    # A slot that left prefill earlier in the plan and returns is priced as the first.
+    assert drains[0, 1] == 0.5 and drains[0, 3] == 9.0
+    assert not drains[np.tril_indices(5)].any()  # moves to decode: not decode drains
+
+
 def test_mpc_caps_decode_drains_at_drain_s_under_a_backlog_no_split_clears():
     roles = ["prefill", "decode", "decode", "decode"]
     drains = {}

@@ -520,10 +520,12 @@ def _longest_drain_taken(slot_drains: np.ndarray, xs: np.ndarray, current: int) 
     (``slot_drains[i]``: the ``i``-th). Slots that left prefill earlier in the plan and
     return are priced as the first ones taken."""
     count = len(slot_drains)
-    # longest[a, b]: the longest drain among slots a..b-1 (zero when there are none).
-    longest = np.zeros((count + 1, count + 1))
-    for a in range(count):
-        longest[a, a + 1 :] = np.maximum.accumulate(slot_drains[a:])
+    # longest[a, b]: the longest drain among slots a..b-1 (zero when there are none):
+    # slot b-1's drain where b > a, accumulated along b (drains are never negative).
+    upper = np.triu(np.ones((count + 1, count + 1), bool), 1)
+    longest = np.maximum.accumulate(
+        np.where(upper, np.concatenate([[0.0], slot_drains])[None, :], 0.0), axis=1
+    )
     taken = np.clip(xs - current, 0, count)
     returning = np.clip(np.minimum(current, xs[None, :]) - xs[:, None], 0, count)
     return np.maximum(longest[taken[:, None], taken[None, :]], longest[0, returning])
