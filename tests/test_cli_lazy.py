@@ -45,3 +45,19 @@ def test_one_command_runs_without_importing_the_others():
     for other in ("simulate", "serve", "compare", "rollout", "rl", "forecast"):
         assert f"prorsa.cli.{other}'" not in modules
     assert heavy == "False False"
+
+
+def test_the_simulator_and_policies_import_no_compiler_or_ml_framework():
+    # numba (the forecasters' kernels) costs ~0.15 s and ~60 MB of every simulator
+    # process; it is imported when a forecaster first sums its terms, not before.
+    code = (
+        "import sys\n"
+        "from prorsa.policy import make_policy\n"
+        "from prorsa.runtime.sim.simulation import Simulation\n"
+        "from prorsa.forecast import make_forecaster\n"
+        "print(sorted(m for m in ('numba', 'torch', 'lightgbm', 'ray') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -28,16 +28,32 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.special import log_ndtr, ndtr, ndtri
 
-from prorsa.forecast import bottomup_kernel
 from prorsa.forecast.tracker import DECODING, IN_TOOL, PREFILLING, QUEUED, TRANSFERRING
 
-#: Use the compiled kernel (:mod:`prorsa.forecast.bottomup_kernel`) when numba is
-#: installed; tests switch it off to check the numpy path too.
-COMPILED = bottomup_kernel.AVAILABLE
+if TYPE_CHECKING:
+    from prorsa.forecast.bottomup_kernel import SharedRows
+
+#: Use the compiled kernel (:mod:`prorsa.forecast.bottomup_kernel`): ``None`` until the
+#: first sum imports it and finds whether numba works; tests set it to check both paths.
+#: Imported on first use: numba costs ~0.15 s and ~60 MB, and everything that imports
+#: the forecasters (the simulator, the CLI) would pay it.
+COMPILED: bool | None = None
+
+
+def use_kernel() -> bool:
+    """Whether the compiled kernel computes the sums (importing it the first time)."""
+    global COMPILED
+    if COMPILED is None:
+        from prorsa.forecast import bottomup_kernel
+
+        COMPILED = bottomup_kernel.AVAILABLE
+    return COMPILED
+
 
 #: Tool calls shorter than this are "instant"; longer ones are log-normal in T + shift.
 TOOL_SHIFT_S = 0.05
@@ -220,12 +236,14 @@ def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
     return work.out
 
 
-def shared_bottom_up(live: Live, horizons: np.ndarray) -> bottomup_kernel.SharedRows | _Whole:
+def shared_bottom_up(live: Live, horizons: np.ndarray) -> SharedRows | _Whole:
     """:func:`bottom_up` as work that several threads may share: each calls ``run()``,
     and ``out`` holds the terms once all of them have returned. The compiled kernel cuts
     it in chunks of rows (:class:`~prorsa.forecast.bottomup_kernel.SharedRows`); the
     numpy path is one piece, as it holds the interpreter lock anyway."""
-    if COMPILED:
+    if use_kernel():
+        from prorsa.forecast import bottomup_kernel
+
         waiting, running, in_tool = row_groups(live)
         group = np.select([waiting, running, in_tool], bottomup_kernel.GROUPS, 0)
         return bottomup_kernel.SharedRows(live, group, np.asarray(horizons, float))

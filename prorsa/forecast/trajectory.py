@@ -371,7 +371,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             and read[0] == self._ticks - 1
             and len(x) >= MIN_ROWS
             and forecast_threads() >= 2
-            and bottomup.COMPILED  # the overlap runs the row kernel's parts; numpy's is whole
+            and bottomup.use_kernel()  # the overlap runs the row kernel's parts; numpy's is whole
         ):
             self._score_beside_bottom_up(slots, x, read[1])
         else:
