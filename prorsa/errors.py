@@ -62,3 +62,8 @@ class RecorderError(ProrsaError):
 
 class PartialRunError(InputError):
     """Telemetry of a run that did not complete, given where a complete run is required."""
+
+
+class StateConflict(InputError):
+    """A well-formed request the service's state refuses now (HTTP 409): e.g. a pause
+    while a trainer's weight update window is open."""

@@ -23,7 +23,9 @@ def create_app(service: Any) -> FastAPI:
 
     app = FastAPI(title="prorsa rollout service", docs_url=None, redoc_url=None)
     app.state.service = service
-    app.state.admin_token = service.config.admin_token
+    token = service.config.admin_token
+    # Stripped as the header's value is (a secret read from a file often ends in a newline).
+    app.state.admin_token = token.strip().encode() if token is not None else None
     app.state.model_names = _model_names(service.config)
     app.state.metrics = service.metrics = ServiceMetrics(service)
     install_handlers(app)

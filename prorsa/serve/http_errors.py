@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prorsa.errors import ConfigError, InputError
+from prorsa.errors import ConfigError, InputError, StateConflict
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +85,17 @@ def _field_of(message: str) -> str | None:
 def error_for(exc: Exception, request: Request | None = None) -> JSONResponse:
     """The error response for an exception raised while serving ``request``."""
     from prorsa.runtime.ray.client import EngineUnavailable
-    from prorsa.runtime.ray.turns import RoutingError
+    from prorsa.runtime.ray.turns import NoEngineAvailable, RoutingError
 
     if isinstance(exc, HTTPError):
         return error_response(exc.status, exc.message, param=exc.param)
+    if isinstance(exc, StateConflict):
+        return error_response(409, _with_hint(exc), param=_client_field(exc.field, request))
     if isinstance(exc, InputError):
         return error_response(400, _with_hint(exc), param=_client_field(exc.field, request))
     if isinstance(exc, ConfigError):
         return error_response(400, _with_hint(exc))
-    if isinstance(exc, RoutingError | EngineUnavailable):
+    if isinstance(exc, RoutingError | EngineUnavailable | NoEngineAvailable):
         return error_response(503, str(exc), kind="service_unavailable")
     if isinstance(exc, RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -109,14 +111,14 @@ def error_for(exc: Exception, request: Request | None = None) -> JSONResponse:
 def install_handlers(app: FastAPI) -> None:
     """Map prorsa's and FastAPI's exceptions to :func:`error_for`'s responses."""
     from prorsa.runtime.ray.client import EngineUnavailable
-    from prorsa.runtime.ray.turns import RoutingError
+    from prorsa.runtime.ray.turns import NoEngineAvailable, RoutingError
 
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return error_for(exc, request)
 
     for kind in (
         HTTPError, InputError, ConfigError, RoutingError, EngineUnavailable,
-        RequestValidationError, StarletteHTTPException, Exception,
+        NoEngineAvailable, RequestValidationError, StarletteHTTPException, Exception,
     ):  # fmt: skip
         app.add_exception_handler(kind, handle)
 

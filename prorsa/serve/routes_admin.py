@@ -42,7 +42,9 @@ def require_admin(request: Request) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, value = given.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip(), token):
+    # Bytes, not str: compare_digest refuses non-ASCII str, and headers arrive as latin-1.
+    sent = value.strip().encode("latin-1")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(sent, token):
         raise HTTPError(401, "admin route: send 'Authorization: Bearer <admin token>'")
 
 
@@ -61,6 +63,15 @@ def _query_int(request: Request, name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise HTTPError(400, f"{name} must be an integer, got {raw!r}", param=name) from None
+
+
+def _seconds_or_none(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+    ):
+        raise HTTPError(400, f"{name} must be a number of seconds >= 0", param=name)
+    return value
 
 
 # ---------------------------------------------------------------------- pause / resume
@@ -102,6 +113,17 @@ async def sleep(request: Request) -> dict[str, Any]:
     mode = request.query_params.get("mode", "abort")
     engines = await _service(request).sleep(level, mode)
     return {"status": "sleeping", "level": level, "engines": engines}
+
+
+@router.post("/prorsa/cancel_weight_update")
+async def cancel_weight_update(request: Request) -> dict[str, Any]:
+    """Close a window from /start_weight_update without a new version (the trainer's
+    push failed, or it died): serving resumes on the weights the engines hold."""
+    service = _service(request)
+    if not service.weight_update_open:
+        raise HTTPError(409, "no weight update is open")
+    await service.cancel_weight_update()
+    return {"status": "cancelled", "weight_version": service.weight_version}
 
 
 @router.post("/wake_up")
@@ -160,9 +182,7 @@ async def prorsa_update_weights(request: Request) -> dict[str, Any]:
     folder = body.get("path")
     if not isinstance(folder, str) or not folder:
         raise HTTPError(400, "needs 'path' (a save_pretrained folder)", param="path")
-    drain = body.get("drain_timeout_s")
-    if drain is not None and (not isinstance(drain, int | float) or drain < 0):
-        raise HTTPError(400, "drain_timeout_s must be a number >= 0", param="drain_timeout_s")
+    drain = _seconds_or_none(body, "drain_timeout_s")
     return await _service(request).update_weights_from_path(
         folder, body.get("version"), drain_timeout_s=drain
     )
@@ -220,7 +240,8 @@ async def collective_rpc(request: Request) -> dict[str, Any]:
     kwargs = body.get("kwargs") or {}
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise HTTPError(400, "'args' must be a list and 'kwargs' an object", param="args")
-    results = await _service(request).collective_rpc(method, args, kwargs, body.get("timeout"))
+    timeout = _seconds_or_none(body, "timeout")
+    results = await _service(request).collective_rpc(method, args, kwargs, timeout)
     return {"results": {str(eid): _plain(r) for eid, r in results.items()}}
 
 
@@ -243,7 +264,8 @@ async def switch_role(request: Request) -> dict[str, Any]:
     engine_id, role = body.get("engine_id"), body.get("role")
     if not isinstance(engine_id, int) or not isinstance(role, str):
         raise HTTPError(400, "needs 'engine_id' (int) and 'role' (str)", param="engine_id")
-    return await _service(request).switch_role(engine_id, role, body.get("drain_timeout_s"))
+    drain = _seconds_or_none(body, "drain_timeout_s")
+    return await _service(request).switch_role(engine_id, role, drain)
 
 
 @router.post("/prorsa/workload")

@@ -10,9 +10,11 @@ OpenAI server, so clients written against vLLM parse them unchanged.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
+from jinja2 import TemplateError
 from starlette.responses import Response
 
 from prorsa.serve.http_errors import HTTPError, json_object
@@ -91,11 +93,13 @@ async def completions(request: Request) -> Response:
         prompt = prompt[0]
     prompt = token_ids(prompt, "prompt")
     sampling = parse_sampling(sampling_fields, source="request")
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    if sampling.logprobs is not None and not as_ids:
+        _tokenizer(request)  # logprobs name their tokens by text: refused before serving
     service = request.app.state.service
     result = await service.generate(
-        session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
+        session_id(request, body.get("session_id")), prompt, sampling, routing=_routing(body)
     )
-    as_ids = bool(body.get("return_tokens_as_token_ids"))
     choice: dict[str, Any] = {
         "index": 0,
         "text": _decode(request, result.output_token_ids),
@@ -133,11 +137,19 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         sampling_fields["logprobs"] = body.get("top_logprobs") or 0
     elif sampling_fields.get("logprobs") is False:
         sampling_fields["logprobs"] = None
-    prompt = render_chat(request, body.get("messages"), body.get("add_generation_prompt", True))
-    sampling = parse_sampling(sampling_fields, source="request")
+    prompt = render_chat(
+        request,
+        body.get("messages"),
+        body.get("add_generation_prompt", True),
+        body.get("chat_template_kwargs"),
+    )
     service = request.app.state.service
+    if sampling_fields.get("max_tokens") is None:
+        # As vLLM's chat route: without a limit, the turn may fill the context.
+        sampling_fields["max_tokens"] = max(service.config.max_model_len - len(prompt), 1)
+    sampling = parse_sampling(sampling_fields, source="request")
     result = await service.generate(
-        session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
+        session_id(request, body.get("session_id")), prompt, sampling, routing=_routing(body)
     )
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     choice: dict[str, Any] = {
@@ -161,8 +173,23 @@ async def chat_completions(request: Request) -> dict[str, Any]:
     }
 
 
-def render_chat(request: Request, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` under the model's chat template."""
+def _routing(body: dict[str, Any]) -> dict[str, Any] | None:
+    routing = body.get("routing")
+    if routing is not None and not isinstance(routing, dict):
+        raise HTTPError(400, "routing must be an object", param="routing")
+    return routing
+
+
+def render_chat(
+    request: Request,
+    messages: Any,
+    add_generation_prompt: bool = True,
+    template_kwargs: Any = None,
+) -> list[int]:
+    """Token ids of ``messages`` under the model's chat template (``template_kwargs``:
+    extra template variables, e.g. Qwen3's ``enable_thinking``)."""
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list", param="messages")
     for i, message in enumerate(messages):
@@ -171,12 +198,18 @@ def render_chat(request: Request, messages: Any, add_generation_prompt: bool = T
     tokenizer = _tokenizer(request)
     if not getattr(tokenizer, "chat_template", None):
         raise HTTPError(400, "the model folder's tokenizer has no chat template", param="messages")
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
-    )
-    if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=bool(add_generation_prompt),
+            tokenize=True,
+            **(template_kwargs or {}),
+        )
+    except (TemplateError, TypeError, ValueError) as exc:  # the template refused them
+        raise HTTPError(400, f"chat template: {exc}", param="messages") from None
+    if isinstance(ids, Mapping):  # transformers >= 5 returns a BatchEncoding (a UserDict)
         ids = ids["input_ids"]
-    return list(ids)
+    return [int(t) for t in ids]
 
 
 @router.get("/v1/models")

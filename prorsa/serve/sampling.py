@@ -130,11 +130,16 @@ def _check(s: Sampling, source: str) -> None:
     for name in ints:
         if not _is_int(getattr(s, name)):
             raise bad(name, "must be an integer")
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    numbers = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty")
+    for name in (*numbers, "frequency_penalty"):
         if not _is_number(getattr(s, name)):
             raise bad(name, "must be a number")
     if s.max_tokens < 1:
         raise bad("max_tokens", "must be >= 1")
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise bad("min_tokens", f"must be in [0, max_tokens={s.max_tokens}]")
+    if not isinstance(s.ignore_eos, bool):
+        raise bad("ignore_eos", "must be true or false")
     if s.temperature < 0:
         raise bad("temperature", "must be >= 0")
     if not 0 < s.top_p <= 1:

@@ -27,10 +27,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from prorsa.errors import ConfigError, InputError
+from prorsa.errors import ConfigError, InputError, StateConflict
 from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.ray.client import answered_within
 from prorsa.runtime.ray.engine_control import PAUSE_MODES
+from prorsa.runtime.ray.turns import NoEngineAvailable
 from prorsa.runtime.ray.weights import check_weight_dir
 from prorsa.serve.barrier import BarrierClient, DispatchBarrier
 from prorsa.serve.config import ServeConfig
@@ -311,6 +312,7 @@ class RolloutService:
             raise InputError(
                 f"unknown pause mode {mode!r}", field="mode", hint=f"one of {PAUSE_MODES}"
             )
+        self._refuse_in_update_window("pause")
         await self.gate.close("paused")
         # A role switch ends by resuming its engine: none may start or be under way while
         # the trainer holds the engines paused (it may be pushing weights meanwhile).
@@ -331,6 +333,7 @@ class RolloutService:
 
     async def resume(self) -> None:
         """Undo :meth:`pause` (engines asleep stay asleep until :meth:`wake_up`)."""
+        self._refuse_in_update_window("resume")
         self._resumes += 1
         async with self.sync.lock:
             if self.engines_paused_by_trainer and not self.sleeping:
@@ -347,6 +350,13 @@ class RolloutService:
         paused with ``keep``, ``wait`` keeps them frozen instead (they cannot drain: the
         engines would never fall asleep), and they go on after wake-up and resume.
         """
+        if level not in (0, 1, 2):
+            raise InputError(f"sleep level must be 0, 1 or 2, got {level!r}", field="level")
+        if mode not in PAUSE_MODES:
+            raise InputError(
+                f"unknown pause mode {mode!r}", field="mode", hint=f"one of {PAUSE_MODES}"
+            )
+        self._refuse_in_update_window("sleep")
         if mode == "wait" and self.engines_paused_by_trainer:
             mode = "keep"
         await self.gate.close("sleeping")
@@ -358,6 +368,7 @@ class RolloutService:
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake every engine; serving resumes once all are fully awake."""
+        self._refuse_in_update_window("wake_up")
         async with self.sync.lock:
             awake = await self.for_each_engine(lambda c: c.wake_up(tags))
             if not all(awake.values()):
@@ -392,6 +403,7 @@ class RolloutService:
             stage seconds, engines updated and any that failed (taken out of service).
         """
         folder = str(check_weight_dir(path, self.config.model))
+        self._refuse_in_update_window("update_weights_from_path")
         requested = version
         self._next_version(requested)  # a bad version is refused before anything pauses
         self._check_can_update()
@@ -478,6 +490,16 @@ class RolloutService:
         finally:
             await manager.__aexit__(None, None, None)
 
+    def _refuse_in_update_window(self, what: str) -> None:
+        """StateConflict while a trainer's weight update window is open (or opening): the
+        window holds the update lock until it is finished, so the call would wait for a
+        request the trainer may never send."""
+        if self._external_update is not None:
+            raise StateConflict(
+                f"{what}: a weight update window is open",
+                hint="finish it (finish_weight_update) or cancel it (cancel_weight_update)",
+            )
+
     @property
     def weight_update_open(self) -> bool:
         """A window from :meth:`begin_weight_update` is open (and not still opening)."""
@@ -490,7 +512,7 @@ class RolloutService:
                 hint="wake_up first, then update the weights",
             )
         if not self.live_engines():
-            raise RuntimeError("no live engine to update")
+            raise NoEngineAvailable("no live engine to update")
 
     async def collective_rpc(
         self,
@@ -531,7 +553,7 @@ class RolloutService:
         failed = {eid: repr(r) for eid, r in results.items() if isinstance(r, BaseException)}
         self._retire(failed, what)
         if failed and len(failed) == len(results):
-            raise RuntimeError(f"{what} failed on every engine: {failed}")
+            raise NoEngineAvailable(f"{what} failed on every engine: {failed}")
         return failed
 
     def _retire(self, failed: dict[int, str], what: str) -> None:
@@ -613,7 +635,7 @@ class RolloutService:
 
         An engine that fails or does not answer in time leaves service (its requests and
         weights can no longer be vouched for), so one stuck engine cannot hold the others
-        paused. When no live engine answered, none leaves and ``RuntimeError`` is raised:
+        paused. When no live engine answered, none leaves and ``NoEngineAvailable`` is raised:
         a fault that wide more likely lies outside the engines (a stalled host, Ray), and
         retiring them all would end the service for good.
         """
@@ -626,7 +648,7 @@ class RolloutService:
         )
         failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
         if failed and failed.keys() >= set(self.live_engines()):
-            raise RuntimeError(f"no engine answered the {what}: {failed}")
+            raise NoEngineAvailable(f"no engine answered the {what}: {failed}")
         self._retire({eid: repr(error) for eid, error in failed.items()}, what)
         return {eid: answer for eid, answer in results.items() if eid not in failed}
 

@@ -66,6 +66,8 @@ class WeightedFakeEngine:
     ) -> AsyncIterator[dict[str, Any]]:
         if not prompt_token_ids:
             raise InputError("prompt is empty", field="prompt_token_ids")
+        if sampling.get("min_tokens", 0) > max_tokens:  # as vLLM's SamplingParams
+            raise InputError(f"min_tokens must be <= max_tokens={max_tokens}", field="min_tokens")
         if self.transit_s:
             await asyncio.sleep(self.transit_s)
         await self._answer("generate")

@@ -511,7 +511,7 @@ class PDRouter:
                 1,
                 request.temperature,
                 dict(PREFILL_FOR_REMOTE_DECODE),
-                **request.sampling(),
+                **_prefill_leg_sampling(request.sampling()),
             )
         finally:
             self.pools.release(lease)
@@ -772,3 +772,12 @@ def _fits_mode(engine: EngineState, mode: str) -> bool:
 
 
 _TOKEN_FIELDS = ("new_tokens", "cached_tokens", "output_tokens")
+
+
+def _prefill_leg_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """A turn's sampling for its prefill leg, which samples one token: vLLM refuses a
+    ``min_tokens`` above ``max_tokens``, and one keeps its meaning for that token (no
+    end of sequence first)."""
+    if sampling.get("min_tokens", 0) > 1:
+        return {**sampling, "min_tokens": 1}
+    return sampling

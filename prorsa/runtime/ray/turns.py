@@ -15,6 +15,11 @@ class RoutingError(RuntimeError):
     """A turn could not be served: no engine for its role, or retries exhausted."""
 
 
+class NoEngineAvailable(RuntimeError):
+    """No live engine could take a control call (a weight update, a pause): the service
+    cannot act now (HTTP 503)."""
+
+
 class Rerouted(Exception):
     """A leg was aborted (a role switch evicted it); serve the turn again elsewhere."""
 

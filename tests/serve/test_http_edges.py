@@ -1,0 +1,187 @@
+"""HTTP edges over fake engines: chat templates, malformed control calls, the weight
+update window, auth headers, and the prefill leg's sampling."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prorsa.runtime.ray.turns import NoEngineAvailable
+from prorsa.serve.http_errors import error_for
+from tests.serve.fakes import tokens_for
+from tests.serve.test_http_fake import ADMIN, PROMPT, TOKEN, client, run
+
+#: The tiny model's template, plus a variable a trainer sets through chat_template_kwargs
+#: (as Qwen3's enable_thinking) and a refusal (as templates that check role order).
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'bad' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    "{{ '<s>' + message['role'] + ': ' + message['content'] + '</s>' }}"
+    "{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ ' /no_think' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant: ' }}{% endif %}"
+)
+CHAT = [{"role": "user", "content": "run the tests"}]
+
+
+def _with_tokenizer(tmp_path):
+    """The fake model folder with a locally trained tokenizer and ``TEMPLATE``."""
+    from transformers import PreTrainedTokenizerFast
+
+    from prorsa.runtime.ray.tiny_model import train_tokenizer
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(512), bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = TEMPLATE
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def test_chat_renders_the_template_with_its_kwargs_and_fills_the_context(tmp_path):
+    tokenizer = _with_tokenizer(tmp_path)
+
+    def expected(**kwargs) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            CHAT, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def go():
+        async with client(tmp_path, max_model_len=96) as (http, _):
+            tokenized = await http.post("/tokenize", json={"messages": CHAT})
+            chat = await http.post(
+                "/v1/chat/completions",
+                json={"messages": CHAT, "return_token_ids": True,
+                      "chat_template_kwargs": {"enable_thinking": False}},
+            )  # fmt: skip
+            bad = {
+                "refused by the template": await http.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "bad", "content": "x"}]}
+                ),
+                "kwargs not an object": await http.post(
+                    "/v1/chat/completions", json={"messages": CHAT, "chat_template_kwargs": 1}
+                ),
+            }
+            return tokenized, chat, bad
+
+    tokenized, chat, bad = run(go())
+    assert tokenized.status_code == 200
+    assert tokenized.json()["tokens"] == expected()
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    prompt = expected(enable_thinking=False)
+    assert body["prompt_token_ids"] == prompt != expected()
+    # No max_tokens: as vLLM's chat route, the turn may fill what the context leaves.
+    assert body["usage"]["completion_tokens"] == 96 - len(prompt)
+    assert body["choices"][0]["token_ids"] == tokens_for(prompt, 96 - len(prompt), 0)
+    assert {name: r.status_code for name, r in bad.items()} == dict.fromkeys(bad, 400)
+    assert "roles must alternate" in bad["refused by the template"].json()["error"]["message"]
+    assert bad["kwargs not an object"].json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_malformed_sampling_and_control_calls_are_refused_before_anything_changes(tmp_path):
+    async def go():
+        async with client(tmp_path) as (http, (svc, _)):
+            gen = "/inference/v1/generate"
+            bad = {
+                "sleep level": await http.post("/sleep", params={"level": 3}, headers=ADMIN),
+                "sleep mode": await http.post("/sleep", params={"mode": "x"}, headers=ADMIN),
+                "ignore_eos text": await http.post(
+                    gen, json={"token_ids": PROMPT,
+                               "sampling_params": {"max_tokens": 2, "ignore_eos": "false"}}),
+                "min_tokens over max": await http.post(
+                    gen, json={"token_ids": PROMPT,
+                               "sampling_params": {"max_tokens": 2, "min_tokens": 3}}),
+                "penalty text": await http.post(
+                    "/v1/completions", json={"prompt": PROMPT, "presence_penalty": "high"}),
+                "routing not an object": await http.post(
+                    "/v1/completions", json={"prompt": PROMPT, "routing": "abc"}),
+                "switch drain text": await http.post(
+                    "/prorsa/switch_role", headers=ADMIN,
+                    json={"engine_id": 1, "role": "prefill", "drain_timeout_s": "5"}),
+                "rpc timeout": await http.post(
+                    "/collective_rpc", headers=ADMIN, json={"method": "x", "timeout": -1}),
+            }  # fmt: skip
+            asleep = svc.sleeping
+            served = await asyncio.wait_for(
+                http.post(gen, json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}),
+                10,
+            )
+            return bad, asleep, served
+
+    bad, asleep, served = run(go())
+    assert {name: r.status_code for name, r in bad.items()} == dict.fromkeys(bad, 400)
+    params = {name: r.json()["error"]["param"] for name, r in bad.items()}
+    assert params["sleep level"] == "level" and params["sleep mode"] == "mode"
+    assert params["routing not an object"] == "routing"
+    assert params["switch drain text"] == "drain_timeout_s"
+    # The refused sleep left nothing asleep or closed behind it.
+    assert not asleep and served.status_code == 200
+
+
+def test_min_tokens_reach_the_decode_leg_of_a_disaggregated_turn(tmp_path):
+    # The prefill leg samples one token; vLLM refuses min_tokens above max_tokens there.
+    async def go():
+        async with client(tmp_path) as (http, _):
+            reply = await http.post(
+                "/inference/v1/generate",
+                json={"token_ids": PROMPT,
+                      "sampling_params": {"max_tokens": 5, "min_tokens": 4},
+                      "routing": {"mode": "disaggregated"}},
+            )  # fmt: skip
+            return reply
+
+    reply = run(go())
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == tokens_for(PROMPT, 5, 0)
+    assert reply.json()["prorsa"]["path"] == "disaggregated"
+
+
+def test_an_open_weight_update_window_refuses_calls_that_would_wait_on_it(tmp_path):
+    # Found by review: /resume inside a window waited for /finish_weight_update, which a
+    # crashed trainer never sends; every turn then waited at the closed gate for good.
+    async def go():
+        async with client(tmp_path) as (http, (svc, _)):
+            opened = await http.post("/start_weight_update", headers=ADMIN)
+            calls = {
+                route: await asyncio.wait_for(http.post(route, headers=ADMIN, **kw), 5)
+                for route, kw in [
+                    ("/pause", {}), ("/resume", {}), ("/sleep", {}), ("/wake_up", {}),
+                    ("/update_weights", {"json": {"weight_dir": str(tmp_path / "model")}}),
+                ]
+            }  # fmt: skip
+            cancelled = await http.post("/prorsa/cancel_weight_update", headers=ADMIN)
+            again = await http.post("/prorsa/cancel_weight_update", headers=ADMIN)
+            served = await asyncio.wait_for(
+                http.post("/inference/v1/generate",
+                          json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}),
+                10,
+            )  # fmt: skip
+            return opened, calls, cancelled, again, served, svc.weight_version
+
+    opened, calls, cancelled, again, served, version = run(go())
+    assert opened.status_code == 200
+    assert {route: r.status_code for route, r in calls.items()} == dict.fromkeys(calls, 409)
+    assert "cancel_weight_update" in calls["/resume"].json()["error"]["message"]
+    assert cancelled.status_code == 200 and again.status_code == 409
+    assert served.status_code == 200 and version == 0
+
+
+def test_admin_auth_takes_any_header_bytes_and_a_token_read_with_its_newline(tmp_path):
+    async def go():
+        async with client(tmp_path, admin_token=TOKEN + "\n") as (http, _):
+            return {
+                "non-ascii": await http.post(
+                    "/pause", headers={"Authorization": "Bearer \u00e9t\u00e9".encode()}),
+                "right token": await http.post("/pause", headers=ADMIN),
+            }  # fmt: skip
+
+    replies = run(go())
+    assert replies["non-ascii"].status_code == 401
+    assert replies["right token"].status_code == 200
+
+
+def test_no_engine_to_act_is_a_503():
+    assert error_for(NoEngineAvailable("no live engine to update")).status_code == 503
