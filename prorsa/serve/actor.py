@@ -20,7 +20,8 @@ from prorsa.serve.config import ServeConfig
 #: Run in their own Ray concurrency group: turns waiting at a paused service's gate hold
 #: request slots, and a ``resume`` queued behind them would never run.
 CONTROL_METHODS: tuple[str, ...] = (
-    "end_session", "pause", "resume", "update_weights_from_path", "collective_rpc",
+    "end_session", "pause", "resume", "update_weights_from_path", "begin_weight_update",
+    "finish_weight_update", "cancel_weight_update", "collective_rpc", "reset_prefix_cache",
     "sleep", "wake_up", "status", "shutdown",
 )  # fmt: skip
 
@@ -55,6 +56,19 @@ class RolloutServiceActor(LoopBound):
 
     async def update_weights_from_path(self, path: str, version: int | None = None) -> dict:
         return await self.service.update_weights_from_path(path, version)
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """Open a window for weights the trainer pushes itself (``collective_rpc``)."""
+        return await self.service.begin_weight_update()
+
+    async def finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
+        return await self.service.finish_weight_update(version)
+
+    async def cancel_weight_update(self) -> None:
+        await self.service.cancel_weight_update()
+
+    async def reset_prefix_cache(self) -> dict[int, bool]:
+        return await self.service.reset_prefix_cache()
 
     async def collective_rpc(
         self, method: str, args: list | None = None, kwargs: dict | None = None,

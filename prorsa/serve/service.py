@@ -44,6 +44,9 @@ from prorsa.serve.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
+#: vLLM's calls that open and close a weight transfer on its workers; they move no weights.
+_WINDOW_CALLS = ("start_weight_update", "finish_weight_update")
+
 #: An external weight update between its begin call and its window being open.
 _OPENING = "opening"
 
@@ -95,6 +98,8 @@ class RolloutService:
         self.tokenizer: Any = None
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
         self._external_update: Any = None
+        #: engines a collective_rpc failed on inside the open window (id -> error)
+        self._window_failed: dict[int, str] = {}
         self._sweeper: asyncio.Task | None = None
         self.started_s: float | None = None
         # The coming rollouts' expected shape, when the trainer or the config gives it.
@@ -458,7 +463,10 @@ class RolloutService:
         version = self._next_version(version)
         manager, window = self._external_update
         self._external_update = None
+        pushed_wrong, self._window_failed = self._window_failed, {}
         try:
+            # An engine a push failed on leaves before anything is stamped on it.
+            self._retire(pushed_wrong, "weight push")
             # Stamps the version and drops the prefix cache and the connector's stored KV
             # (computed under the old weights); an engine that fails holds other weights.
             results = await self.for_each_engine(
@@ -466,7 +474,7 @@ class RolloutService:
                 tolerate=True,
                 timeout_s=self.config.engine_control_timeout_s,
             )
-            failed = self._retire_failed(results, "weight update")
+            failed = {**pushed_wrong, **self._retire_failed(results, "weight update")}
             self.router.forget_caches()
             self.weight_version = version
             window.detail.update(external=True, failed=failed)
@@ -482,7 +490,10 @@ class RolloutService:
             return
         manager, window = self._external_update
         self._external_update = None
-        window.detail.update(external=True, cancelled=True)
+        # An engine a push failed on may hold part of it: it leaves, as on a finish.
+        pushed_wrong, self._window_failed = self._window_failed, {}
+        self._retire(pushed_wrong, "weight push")
+        window.detail.update(external=True, cancelled=True, failed=pushed_wrong)
         try:
             # Some weights may have arrived: no KV cached under the old ones is reused.
             await self.control_engines(lambda c: c.reset_prefix_cache(), "cache reset")
@@ -524,11 +535,21 @@ class RolloutService:
         """Call ``method`` on every worker of every live engine; results per engine.
 
         It changes nothing the service tracks: to move weights this way, wrap the calls
-        in :meth:`begin_weight_update` / :meth:`finish_weight_update`.
+        in :meth:`begin_weight_update` / :meth:`finish_weight_update`. Inside that
+        window, an engine whose call fails (other than vLLM's own start and finish of the
+        window, which move no weights) holds weights no one can vouch for: the finish or
+        cancel takes it out of service instead of serving from it under either version
+        (the first error is still raised here).
         """
-        return await self.for_each_engine(
-            lambda c: c.collective_rpc(method, args, kwargs, timeout_s)
+        results = await self.for_each_engine(
+            lambda c: c.collective_rpc(method, args, kwargs, timeout_s), tolerate=True
         )
+        failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
+        if failed and self.weight_update_open and method not in _WINDOW_CALLS:
+            self._window_failed.update({eid: f"{method}: {r!r}" for eid, r in failed.items()})
+        for error in failed.values():
+            raise error
+        return results
 
     def _next_version(self, version: int | None) -> int:
         if version is None:

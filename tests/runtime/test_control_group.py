@@ -132,3 +132,18 @@ def test_a_query_the_client_stops_waiting_for_is_cancelled_on_the_actor(ray_sess
         assert answer["cancelled"] >= 2  # the slots were freed (the last may be under way)
     finally:
         ray.kill(actor)
+
+
+def test_the_service_actor_runs_every_call_but_start_and_generate_in_the_control_group():
+    """A drift guard: a service call missing from CONTROL_METHODS would queue behind
+    turns waiting at a paused service's gate."""
+    import inspect
+
+    from prorsa.serve.actor import CONTROL_METHODS, RolloutServiceActor
+
+    calls = {
+        name
+        for name, member in vars(RolloutServiceActor).items()
+        if not name.startswith("_") and inspect.iscoroutinefunction(member)
+    }
+    assert calls - {"start", "generate"} == set(CONTROL_METHODS)

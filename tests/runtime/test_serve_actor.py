@@ -21,6 +21,10 @@ def test_service_actor_generates_and_updates_weights(ray_session, tmp_path):
         first = ray.get(actor.generate.remote("s", [5, 6, 7], {"max_tokens": 3}))
         sync = ray.get(actor.update_weights_from_path.remote(str(weights_folder(tmp_path, "w"))))
         second = ray.get(actor.generate.remote("s", [5, 6, 7], {"max_tokens": 3}))
+        # A trainer that pushes weights itself wraps its calls in the service's window.
+        opened = ray.get(actor.begin_weight_update.remote(), timeout=30)
+        pushed = ray.get(actor.collective_rpc.remote("update_weights"), timeout=30)
+        pushed_sync = ray.get(actor.finish_weight_update.remote(5), timeout=30)
         ended = ray.get(actor.end_session.remote("s"))
     finally:
         ray.get(actor.shutdown.remote())
@@ -29,6 +33,7 @@ def test_service_actor_generates_and_updates_weights(ray_session, tmp_path):
     assert first.output_token_ids == tokens_for([5, 6, 7], 3, 0) and first.weight_version == 0
     assert sync["version"] == 1 and second.weight_version == 1 and second.turn == 1
     assert second.output_token_ids == tokens_for([5, 6, 7], 3, 1) and ended
+    assert opened["from_version"] == 1 and len(pushed) == 2 and pushed_sync["version"] == 5
 
 
 def test_resume_reaches_a_paused_service_actor_whose_request_slots_are_all_held(

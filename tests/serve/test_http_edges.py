@@ -185,3 +185,27 @@ def test_admin_auth_takes_any_header_bytes_and_a_token_read_with_its_newline(tmp
 
 def test_no_engine_to_act_is_a_503():
     assert error_for(NoEngineAvailable("no live engine to update")).status_code == 503
+
+
+def test_an_engine_a_weight_push_failed_on_leaves_instead_of_taking_the_new_version(tmp_path):
+    # Found by review: the finish stamped the new version on every engine, the one still
+    # holding the old weights included, and served from it under the new label.
+    async def go():
+        async with client(tmp_path) as (http, (svc, fakes)):
+            fakes[2].failing_rpcs.add("update_weights")
+            await http.post("/start_weight_update", headers=ADMIN)
+            push = await http.post("/update_weights", json={"update_info": {}}, headers=ADMIN)
+            finish = await http.post(
+                "/finish_weight_update", json={"weight_version": "1"}, headers=ADMIN
+            )
+            served = await http.post(
+                "/inference/v1/generate",
+                json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}},
+            )
+            return push, finish, served, svc.live_engines(), fakes[2].version
+
+    push, finish, served, live, stale_version = run(go())
+    assert push.status_code == 500 and "update_weights" in push.json()["error"]["message"]
+    assert finish.status_code == 200 and list(finish.json()["failed"]) == ["2"]
+    assert 2 not in live and stale_version == 0
+    assert served.status_code == 200 and served.json()["prorsa"]["weight_version"] == 1
