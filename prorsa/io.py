@@ -91,6 +91,19 @@ def check_output(
     return out
 
 
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8, as every Parquet/Arrow string must. A str can
+    hold lone surrogates (a JSON ``\\ud800`` escape, an undecodable file name) that do not;
+    one such value fails every row written beside it, so callers refuse it on arrival."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def file_sha256(path: PathLike) -> str:
     """Hex SHA-256 of a file's bytes."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -73,6 +73,14 @@ def test_bad_interval_is_refused_before_running(value, tmp_path):
     assert "interval_s" in result.output
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_bad_train_step_is_refused_before_running(value, tmp_path):
+    args = ["simulate", "--mode", "async", "--train-step-s", value, "--out", str(tmp_path)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "train_step_s" in result.output
+
+
 def test_parse_params_rejects_items_without_a_key():
     assert parse_params(["a=1", "b=x", "c=[1, 2]"]) == {"a": 1, "b": "x", "c": [1, 2]}
     for bad in (["novalue"], ["=3"]):

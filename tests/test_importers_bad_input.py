@@ -228,6 +228,40 @@ def test_tau2_bad_usage_skips_one_simulation(shared_data, tmp_path):
     assert (result.trajectories, result.turns, result.skipped) == (19, 217 - 9, 1)
 
 
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        # A JSON \ud800 escape loads as a lone surrogate Parquet cannot store.
+        (lambda d: d["simulations"][4].update(id="sim-\ud800"), "id"),
+        (lambda d: d["simulations"][4]["messages"][2].update(tool_calls=1), "tool_calls"),
+    ],
+)
+def test_tau2_unstorable_id_or_odd_tool_calls_skip_one_simulation(
+    shared_data, tmp_path, edit, field
+):
+    path = tmp_path / "tau2.json"
+    shutil.copy(shared_data / "traces" / "tau2-bench" / "tau2_telecom_gpt4o.json", path)
+    _edit_json(path, lambda d: edit(d))
+    with pytest.raises(InputError) as err:
+        import_trace(path, "tau2")
+    assert err.value.field == field and str(err.value.record).startswith("simulations[4]")
+    result = import_trace(path, "tau2", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (19, 1)
+
+
+def test_a_file_name_that_is_not_utf8_is_named_not_a_crash(tmp_path):
+    path = tmp_path / "caf\udce9.jsonl"  # how Python spells the undecodable byte 0xe9
+    path.write_text(_mooncake_line() + "\n")
+    with pytest.raises(InputError, match=r"run id .* not valid UTF-8") as err:
+        import_trace(path, "mooncake")
+    assert "rename the file" in err.value.hint
+    # Mooncake also names its trajectories after the file: a run id alone does not do.
+    with pytest.raises(InputError, match=r"trajectory id .* not valid UTF-8"):
+        import_trace(path, "mooncake", run_id="cafe")
+    (tmp_path / "cafe.jsonl").write_text(path.read_text())
+    assert import_trace(tmp_path / "cafe.jsonl", "mooncake").trajectories == 1
+
+
 def test_swe_agent_negative_execution_time(shared_data, tmp_path):
     folder = tmp_path / "swe"
     shutil.copytree(shared_data / "traces" / "swe-agent", folder)
@@ -299,6 +333,13 @@ def _mooncake_line(**change) -> str:
                 ],
             ),
             "output_tokens",
+        ),
+        (  # written as a float (3e9): the same limit, not a crash when the table is built
+            "mooncake",
+            lambda d: _write_lines(
+                d / "m.jsonl", [_mooncake_line(), _mooncake_line(input_length=float(BIG))]
+            ),
+            "input_length",
         ),
     ],
 )

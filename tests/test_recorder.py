@@ -213,6 +213,11 @@ def test_survives_kill_9_mid_write(tmp_path):
         ({"detail": {"tool": "bash"}}, "detail"),
         ({"group_id": None}, "group_id"),
         ({"run_id": 7}, "run_id"),
+        # Strings Parquet cannot hold (lone surrogates) would fail every row beside them.
+        ({"group_id": "g\udce9"}, "group_id"),
+        ({"task": "\ud800"}, "task"),
+        ({"detail": "caf\udce9"}, "detail"),
+        ({"run_id": "r\ud800"}, "run_id"),
     ],
 )
 def test_a_bad_event_is_refused_in_the_caller_and_poisons_nothing(tmp_path, bad, field):
@@ -230,6 +235,20 @@ def test_a_bad_event_is_refused_in_the_caller_and_poisons_nothing(tmp_path, bad,
     table, report = read_telemetry(tmp_path, validate=True)
     assert report.clean and table.num_rows == 301
     assert table.column("context_tokens").to_pylist() == list(range(301))
+
+
+def test_a_trajectory_id_parquet_cannot_hold_is_refused_and_loses_no_other_event(tmp_path):
+    # Found by review: accepted, it failed the string column of every frame it was in,
+    # and the writer dropped each buffered event of every trajectory one by one.
+    rec = Recorder(tmp_path, flush_interval_s=30)
+    _record_n(rec, "t", 100)
+    with pytest.raises(InputError) as info:
+        rec.record(100.0, "traj-\udce9", "traj_start")
+    assert info.value.field == "trajectory_id"
+    rec.record(100.0, "t", "decode_start")
+    rec.close()
+    table, report = read_telemetry(tmp_path, validate=True)
+    assert report.clean and table.num_rows == 101
 
 
 def test_numpy_numbers_and_enum_kinds_are_normalised(tmp_path):

@@ -82,3 +82,34 @@ def test_simulate_rejects_unknown_policy_param_in_one_line(tmp_path):
     assert result.exit_code == 1, result.output
     assert "has no parameter 'prefil_gpus'" in result.output and "prefill_gpus" in result.output
     assert not (tmp_path / "o").exists()  # nothing written for a refused run
+
+
+def test_a_run_that_fails_part_way_leaves_its_own_telemetry_marked_failed(tmp_path, monkeypatch):
+    # Found by review: the events lived in memory until the end, so a crash left none,
+    # and an earlier run's telemetry.parquet and metrics.json stayed beside the new
+    # manifest, read as if they were this run's.
+    from prorsa.runtime.sim.simulation import Simulation
+
+    out = tmp_path / "sim"
+    args = ["simulate", "--trajectories", "16", "--engines", "2", "--out", str(out), "--json"]
+    assert runner.invoke(app, args).exit_code == 0
+    earlier, _ = read_telemetry(out / "telemetry.parquet")
+    advance = Simulation.advance
+
+    def fail_midway(self, until=None):
+        advance(self, 60.0)  # a minute of simulated time, then an error
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Simulation, "advance", fail_midway)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 70 and "boom" in result.output  # an internal error
+    assert not (out / "metrics.json").exists()  # the earlier run's is gone
+    manifest = read_manifest(out)
+    assert manifest.status == "failed" and "boom" in manifest.cause
+    table, _ = read_telemetry(out / "telemetry.parquet")
+    assert 0 < table.num_rows < earlier.num_rows
+    assert max(table.column("time").to_pylist()) <= 60.0
+    report = check_complete(out / "telemetry.parquet", allow_partial=True)
+    assert not report.complete
+    with pytest.raises(Exception, match="failed"):
+        check_complete(out / "telemetry.parquet")

@@ -33,12 +33,14 @@ def simulate_cmd(
     as_json: bool = typer.Option(False, "--json", help="print metrics as JSON"),
 ) -> None:
     """Simulate one rollout; writes telemetry.parquet, metrics.json and run-manifest.json
-    to --out (checked before the simulation starts; each file written whole)."""
+    to --out (checked before the simulation starts; each file written whole). A run that
+    stops part-way (Ctrl-C, SIGTERM, an error) still writes the telemetry it recorded,
+    marked interrupted or failed."""
     from prorsa.experiments.sweep import signals_interrupt
     from prorsa.io import atomic_write_text, check_output
     from prorsa.policy.params import check_policy_params
     from prorsa.runtime.sim.drivers import ArrivalDriver
-    from prorsa.runtime.sim.scenario import RunRequest, simulate
+    from prorsa.runtime.sim.scenario import RunRequest, build_simulation
     from prorsa.telemetry.manifest import mark_table, run_manifest
     from prorsa.telemetry.reader import write_parquet
 
@@ -59,6 +61,8 @@ def simulate_cmd(
     else:
         total = work.trajectories * (work.steps if work.mode == "sync" else 1)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("telemetry.parquet", "metrics.json"):  # an earlier run's, not this one's
+        (out / stale).unlink(missing_ok=True)
     with (
         signals_interrupt(),  # SIGTERM ends the run like Ctrl-C: marked interrupted
         run_manifest(out, command="simulate", run_id=request.run_id, planned=total) as run,
@@ -78,7 +82,12 @@ def simulate_cmd(
         def progress(sim_time: float, completed: int) -> None:
             bar.update(task, completed=completed, sim=f"t={sim_time:,.0f}s")
 
-        result = simulate(request, progress=progress, driver=driver)
+        sim = build_simulation(request, driver=driver)
+        try:
+            result = sim.run(progress=progress)
+        except BaseException as exc:
+            _keep_partial(sim, run, exc, out / "telemetry.parquet")
+            raise
         run.counts.update(
             trajectories_started=int(result.metrics["trajectories_started"]),
             trajectories_completed=int(result.metrics["trajectories_completed"]),
@@ -101,6 +110,32 @@ def simulate_cmd(
         return
     console.print(metrics_table(result.metrics, title=f"{control.policy} on {work.label}"))
     console.print(f"wrote {out / 'telemetry.parquet'} and {out / 'metrics.json'}")
+
+
+def _keep_partial(sim, run, exc: BaseException, path: Path) -> None:
+    """Write what ``sim`` recorded before ``exc`` stopped it, marked as ``run`` ends
+    (interrupted or failed), so the run's folder never holds telemetry of another run
+    and ``traces summary --allow-partial`` can read it."""
+    import asyncio
+
+    from prorsa.telemetry.manifest import mark_table
+    from prorsa.telemetry.reader import write_parquet
+
+    table = sim.telemetry_so_far()
+    if table is None:
+        return
+    stopped = isinstance(exc, KeyboardInterrupt | SystemExit | asyncio.CancelledError)
+    run.finish("interrupted" if stopped else "failed", f"{type(exc).__name__}: {exc}")
+    result = sim.driver.result
+    run.counts.update(
+        trajectories_started=int(result.started),
+        trajectories_completed=int(result.completed),
+        events=table.num_rows,
+    )
+    try:
+        write_parquet(mark_table(table, run), path)
+    except Exception as err:  # never hide the run's own error behind this one
+        console.print(f"[yellow]could not save the partial telemetry: {err}[/]")
 
 
 def _describe(request, arrivals: bool = False) -> dict:

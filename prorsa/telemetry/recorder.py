@@ -33,7 +33,7 @@ import weakref
 import numpy as np
 
 from prorsa.errors import InputError, RecorderError
-from prorsa.io import check_output
+from prorsa.io import check_output, is_utf8
 from prorsa.telemetry.columns import CLUSTER_KEY, KIND_CODE, EventBatch, EventLog
 from prorsa.telemetry.schema import CLUSTER_EVENT_KINDS, EVENT_KINDS, FIELDS, LifecycleEvent
 from prorsa.telemetry.segments import (
@@ -55,6 +55,9 @@ _FIRST_CLUSTER_CODE = min(KIND_CODE[k] for k in CLUSTER_EVENT_KINDS)
 assert all(KIND_CODE[k] >= _FIRST_CLUSTER_CODE for k in CLUSTER_EVENT_KINDS)
 assert all(KIND_CODE[k] < _FIRST_CLUSTER_CODE for k in EVENT_KINDS if k not in CLUSTER_EVENT_KINDS)
 _STRING_FIELDS = ("run_id", "trajectory_id", "group_id", "task")
+_ENCODED_FIELDS = ("trajectory_id", "group_id", "task", "detail", "run_id")
+
+
 _INT_FIELDS = (
     "turn",
     "engine_id",
@@ -117,6 +120,8 @@ class Recorder:
             raise ValueError("flush_batch, segment_max_bytes and max_buffered_events must be > 0")
         if not isinstance(run_id, str):
             raise ValueError(f"run_id must be a string, got {type(run_id).__name__}")
+        if not is_utf8(run_id):
+            raise ValueError(f"run_id {run_id!r} is not valid UTF-8 (Parquet strings are)")
         self.directory = check_output(directory, kind="dir")
         self.directory.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
@@ -305,6 +310,7 @@ class Recorder:
             or type(group_id) is not str
             or type(task) is not str
             or type(detail) is not str
+            or not detail.isascii()  # the careful path checks it encodes
             or type(turn) is not int
             or type(engine_id) is not int
             or type(context_tokens) is not int
@@ -393,7 +399,13 @@ class Recorder:
         run_id: str,
         state_key: object,
     ) -> None:
-        """Check order within the trajectory, then append (all other checks are done)."""
+        """Check order within the trajectory and that the strings encode (a string Parquet
+        cannot hold would fail every row written beside it), then append."""
+        if self.validate:
+            fields = (trajectory_id, group_id, task, detail, run_id)
+            for name, value in zip(_ENCODED_FIELDS, fields, strict=True):
+                if not is_utf8(value):
+                    self._reject(f"{value!r:.80} is not valid UTF-8", name)
         if code < _FIRST_CLUSTER_CODE and self.validate:
             state = self._last.get(state_key)
             if state is None:

@@ -5,6 +5,7 @@ Field help drives the CLI.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from prorsa.errors import ConfigError
@@ -52,8 +53,8 @@ class WorkloadConfig:
             raise ConfigError("trajectories, group_size and steps must be >= 1")
         if self.max_in_flight < 1:
             raise ConfigError("max_in_flight must be >= 1")
-        if self.train_step_s < 0:
-            raise ConfigError("train_step_s must be >= 0")
+        if not 0 <= self.train_step_s < math.inf:  # NaN fails both
+            raise ConfigError(f"train_step_s must be a finite number >= 0, got {self.train_step_s}")
 
     @property
     def label(self) -> str:

@@ -139,6 +139,21 @@ def simulate(
     forecast in the decisions, for plots; ``driver``: start trajectories with this driver,
     e.g. an ``ArrivalDriver`` replaying a trace's arrival times, instead of the one
     ``request.work`` describes)."""
+    sim = build_simulation(
+        request, forecaster_obj=forecaster_obj, keep_forecasts=keep_forecasts, driver=driver
+    )
+    return sim.run(progress=progress)
+
+
+def build_simulation(
+    request: RunRequest,
+    *,
+    forecaster_obj=None,
+    keep_forecasts: bool = False,
+    driver=None,
+) -> Simulation:
+    """The :class:`Simulation` :func:`simulate` runs, for callers that keep hold of it
+    (to save what a run that stops part-way recorded)."""
     request.validate()
     control = request.control
     driver = driver if driver is not None else build_driver(request.work)
@@ -150,7 +165,7 @@ def simulate(
         from prorsa.runtime.forecast_provider import make_provider
 
         forecaster = make_provider(name)
-    sim = Simulation(
+    return Simulation(
         request.cluster,
         policy,
         driver,
@@ -162,4 +177,3 @@ def simulate(
         record=request.record,
         keep_forecasts=keep_forecasts,
     )
-    return sim.run(progress=progress)

@@ -98,11 +98,16 @@ class SimulationResult:
         """The run's lifecycle events as a table of the canonical schema, marked as
         simulated (None when the run recorded nothing)."""
         if self._table is None and self.events is not None:
-            table = self.events.to_table(0, self.event_count)
-            # Marks the events as simulated: the oracle forecaster refuses anything else.
-            meta = {**(table.schema.metadata or {}), b"prorsa.source": b"simulator"}
-            self._table = table.replace_schema_metadata(meta)
+            self._table = simulated_table(self.events, self.event_count)
         return self._table
+
+
+def simulated_table(log: EventLog, count: int) -> pa.Table:
+    """The first ``count`` events of ``log`` as a canonical table, marked as simulated
+    (the oracle forecaster refuses anything else)."""
+    table = log.to_table(0, count)
+    meta = {**(table.schema.metadata or {}), b"prorsa.source": b"simulator"}
+    return table.replace_schema_metadata(meta)
 
 
 class Simulation:
@@ -229,6 +234,15 @@ class Simulation:
     def done(self) -> bool:
         result = self.driver.result
         return result.started > 0 and result.completed >= self.driver.total > 0
+
+    def telemetry_so_far(self) -> pa.Table | None:
+        """The events recorded up to now (None before :meth:`start` built the cluster, or
+        without recording): what a run that stops part-way leaves."""
+        cluster = getattr(self, "cluster", None)
+        if cluster is None or not self.record:
+            return None
+        log = cluster.telemetry.log
+        return simulated_table(log, len(log))
 
     def finish(self) -> SimulationResult:
         """Stop the controller and assemble telemetry and metrics."""

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prorsa.errors import ConfigError, InputError
+from prorsa.io import is_utf8
 from prorsa.registry import Registry
 from prorsa.telemetry.importers import azure, mini_swe_agent, mooncake, swe_agent, tau2, tracelab
 from prorsa.telemetry.importers.base import ImportResult, TraceBuilder, TraceFormat, Turn
@@ -77,7 +78,15 @@ def import_trace(
     path = Path(src)
     if not path.exists():
         raise InputError("no such file or directory", source=str(path))
-    builder = TraceBuilder(run_id or _default_run_id(path), skip_bad=skip_bad)
+    run = run_id or _default_run_id(path)
+    if not is_utf8(run):  # Parquet strings must be UTF-8; ids from names are checked per trajectory
+        raise InputError(
+            f"the run id {run!r} is not valid UTF-8"
+            + ("" if run_id else " (it is the file's name)"),
+            source=str(path),
+            hint="rename the file (some formats also name trajectories after it)",
+        )
+    builder = TraceBuilder(run, skip_bad=skip_bad)
     try:
         trace_format.read(path, builder)
     except (UnicodeDecodeError, csv.Error) as exc:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import pyarrow as pa
 
 from prorsa.errors import InputError
+from prorsa.io import is_utf8
 from prorsa.telemetry.schema import EventKind, rows_table
 
 MAX_SKIPPED_EXAMPLES = 5
@@ -204,6 +205,15 @@ class TraceBuilder:
         if not turns:
             raise ValueError("a trajectory needs at least one turn")
         where = f"{source}" + (f", {record}" if record is not None else "")
+        for name, value in (("trajectory id", trajectory_id), ("group", group_id), ("task", task)):
+            if not is_utf8(value):
+                raise InputError(
+                    f"the {name} {value!r:.80} is not valid UTF-8 (a lone surrogate: an "
+                    "undecodable file name or a JSON \\ud800 escape)",
+                    source=source,
+                    record=record,
+                    field=id_field if name == "trajectory id" else None,
+                )
         first = self._origins.get(trajectory_id)
         if first is not None:
             raise InputError(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prorsa.errors import InputError
+from prorsa.io import is_utf8
 
 _MISSING: Any = object()
 #: Token counts and indices are int32 in the telemetry schema.
@@ -68,9 +69,9 @@ class Fields:
             return value
         # bool is an int subclass; a JSON `true` is never a token count.
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer() and value >= 0:
-                return int(value)
-            raise self.error(path, f"must be a non-negative integer, got {value!r}")
+            if not (isinstance(value, float) and value.is_integer()):
+                raise self.error(path, f"must be a non-negative integer, got {value!r}")
+            value = int(value)  # a JSON 3e3 or 3000.0 is a count; the checks below apply
         if value < 0:
             raise self.error(path, f"must be a non-negative integer, got {value!r}")
         if value > INT32_MAX:
@@ -96,6 +97,8 @@ class Fields:
             return value
         if not isinstance(value, str):
             raise self.error(path, f"must be a string, got {_kind(value)}")
+        if not is_utf8(value):  # a lone surrogate from a JSON escape
+            raise self.error(path, f"{value!r:.80} is not valid UTF-8")
         return value
 
     def seq(self, obj: Any, path: str, default: Any = _MISSING) -> list:

@@ -97,7 +97,7 @@ def _add(sim: dict, rec: Fields, task: str, out: TraceBuilder) -> None:
             response - request, RATES.prefill_s(prompt - cached), RATES.decode_s(completion)
         )
         next_request = stamps[calls[k + 1] - 1] if k + 1 < len(calls) else None
-        tool_calls = message.get("tool_calls") or []
+        tool_calls = mrec.seq(message, "tool_calls", [])
         tools = [c.get("name") for c in tool_calls if isinstance(c, dict) and c.get("name")]
         env = messages[j + 1 : calls[k + 1]] if k + 1 < len(calls) else []
         turns.append(
