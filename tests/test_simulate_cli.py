@@ -113,3 +113,28 @@ def test_a_run_that_fails_part_way_leaves_its_own_telemetry_marked_failed(tmp_pa
     assert not report.complete
     with pytest.raises(Exception, match="failed"):
         check_complete(out / "telemetry.parquet")
+
+
+def test_arrivals_replay_two_runs_that_share_trajectory_ids(azure_trace, tmp_path):
+    # Found by review: the cluster tracks live trajectories by id, and the second run's
+    # 't0' ended the first's (a KeyError mid-run).
+    import pyarrow as pa
+
+    from prorsa.runtime.sim.drivers import ArrivalDriver
+
+    table, _ = read_telemetry(azure_trace)
+    first = table.slice(0, 2_000)
+    index = first.schema.get_field_index("run_id")
+    second = first.set_column(
+        index, first.schema.field(index), pa.array(["other"] * len(first), pa.string())
+    )
+    both = tmp_path / "both.parquet"
+    write_parquet(pa.concat_tables([first, second]), both)
+    driver = ArrivalDriver.from_trace(both)
+    ids = [s.trajectory_id for s in driver.specs]
+    assert len(ids) == len(set(ids)) and any(i.endswith("@other") for i in ids)
+    out = tmp_path / "sim"
+    args = ["simulate", "--trace", str(both), "--arrivals", "--engines", "2", "--out", str(out)]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "metrics.json").read_text())["trajectories_completed"] == len(ids)

@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prorsa.errors import ConfigError
@@ -214,7 +215,7 @@ class ArrivalDriver(Driver):
         from prorsa.workload.replay import arrivals_from_trace
 
         replay = arrivals_from_trace(trace)
-        return cls(replay.specs, [float(t) for t in replay.arrival_s])
+        return cls(_unique_ids(replay.specs), [float(t) for t in replay.arrival_s])
 
     def known_specs(self) -> Sequence[Sequence[TrajectorySpec]]:
         return [self.specs]
@@ -234,3 +235,17 @@ class ArrivalDriver(Driver):
             self.result.end_s = self.env.now
             self.result.step_makespans_s.append(self.env.now)
             self.env.stop()
+
+
+def _unique_ids(specs: list[TrajectorySpec]) -> list[TrajectorySpec]:
+    """``specs`` with an id two runs of one trace share qualified by its run
+    (``id@run``): the cluster tracks live trajectories by id."""
+    counts = Counter(s.trajectory_id for s in specs)
+    if max(counts.values(), default=0) <= 1:
+        return specs
+    return [
+        replace(s, trajectory_id=f"{s.trajectory_id}@{s.meta.get('run_id', i)}")
+        if counts[s.trajectory_id] > 1
+        else s
+        for i, s in enumerate(specs)
+    ]
