@@ -3,6 +3,7 @@ leaves every unusual file to that reader (which names the line and field)."""
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,8 @@ def test_an_unusual_file_goes_line_by_line(name, tmp_path, monkeypatch):
     took: list[bool] = []
     whole = azure._read_whole
     monkeypatch.setattr(azure, "_read_whole", lambda p, out: took.append(whole(p, out)) or False)
-    if name in ("blank line",):  # imports all the same, numbered by line
-        import_trace(path, "azure")
+    if name in ("blank line", "byte-order mark"):  # imports all the same, numbered by line
+        assert import_trace(path, "azure").trajectories == len(_lines()) - 1
     else:
         with pytest.raises(InputError) as err:
             import_trace(path, "azure")
@@ -118,8 +119,23 @@ def test_bytes_the_line_reader_cannot_decode_go_line_by_line(tmp_path):
     text = [lines[0] + ",Note", *(r + ",ok" for r in lines[1:])]
     path.write_bytes(("\n".join(text[:10]) + "\n").encode() + b"x,1,2,\xff\xfe\n")
     assert not azure._read_whole(path, TraceBuilder("r"))
-    with pytest.raises(InputError, match="unreadable"):
+    with pytest.raises(InputError, match="not UTF-8") as err:
         import_trace(path, "azure")
+    assert err.value.record == "line 11"  # the line, not the decoder's chunk
+    # Skipping it keeps the file's other rows (the file used to be dropped whole).
+    result = import_trace(path, "azure", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (9, 1)
+
+
+def test_a_byte_order_mark_and_a_quoted_newline_keep_lines_right(tmp_path):
+    lines = _lines()
+    path = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    rows = [lines[0] + ",Note", lines[1] + ',"two\nlines"', lines[2] + ",ok", "bad,1,2,ok"]
+    path.write_bytes(codecs.BOM_UTF8 + ("\n".join(rows) + "\n").encode())
+    with pytest.raises(InputError) as err:
+        import_trace(path, "azure")
+    assert err.value.record == "line 5" and err.value.field == "TIMESTAMP"
+    assert import_trace(path, "azure", skip_bad=True).trajectories == 2
 
 
 def test_ids_already_imported_go_line_by_line(tmp_path):

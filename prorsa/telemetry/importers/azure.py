@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import codecs
 import csv
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -60,13 +62,30 @@ def read(src: Path, out: TraceBuilder) -> None:
             out.skip(exc, "file")
 
 
+def _decoded_lines(handle: BinaryIO, path: Path, out: TraceBuilder) -> Iterator[str]:
+    """The file's lines as text, each decoded on its own: a line that is not UTF-8 is
+    an error naming that line (skipped with ``--skip-bad``, an empty line in its place
+    so the reader's line count stays right). A byte-order mark is dropped."""
+    for number, raw in enumerate(handle, start=1):
+        try:
+            yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            error = InputError(
+                f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                source=str(path),
+                record=f"line {number}",
+            )
+            out.skip(error, "line (one request = one trajectory)")
+            yield "\n"
+
+
 def _read_file(path: Path, out: TraceBuilder) -> None:
     task = _task(path)
     line = 1
     previous: tuple[float, int] | None = None  # arrival and line of the last good row
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
-            reader = csv.reader(handle)
+        with path.open("rb") as handle:
+            reader = csv.reader(_decoded_lines(handle, path, out))
             header = next(reader, [])
             missing = [c for c in COLUMNS if c not in header]
             if missing:
@@ -74,7 +93,8 @@ def _read_file(path: Path, out: TraceBuilder) -> None:
                     "missing column", source=str(path), record="line 1", field=missing[0]
                 )
             columns = [header.index(c) for c in COLUMNS]
-            for line, row in enumerate(reader, start=2):
+            for index, row in enumerate(reader):
+                line = reader.line_num  # the physical line (a quoted field may span lines)
                 if not row:
                     continue
                 rec = Fields(str(path), f"line {line}")
@@ -105,10 +125,10 @@ def _read_file(path: Path, out: TraceBuilder) -> None:
                     prefill_detail=_TOKENS_DERIVED,
                     decode_detail=_GENERATION_DERIVED,
                 )
-                out.add_trajectory(f"{path.stem}-r{line - 2:05d}", "", task, [turn])
-    except (csv.Error, UnicodeDecodeError) as exc:
+                out.add_trajectory(f"{path.stem}-r{index:05d}", "", task, [turn])
+    except csv.Error as exc:
         raise InputError(
-            f"unreadable CSV: {exc}", source=str(path), record=f"line {line + 1}"
+            f"unreadable CSV: {exc}", source=str(path), record=f"line {reader.line_num}"
         ) from None
 
 
