@@ -81,8 +81,14 @@ def test_loading_bad_datasets(tmp_path, hand_data):
     with pytest.raises(InputError, match="not a forecast dataset"):
         ForecastDataset.load(events)
     path = hand_data.save(tmp_path / "d.parquet")
+    earlier = (tmp_path / "d.turns.parquet").read_bytes()
     (tmp_path / "d.turns.parquet").unlink()
     with pytest.raises(InputError, match=r"d\.turns\.parquet"):
+        ForecastDataset.load(path)
+    # A save over an earlier one that stopped between files leaves mixed files.
+    hand_data.save(path)
+    (tmp_path / "d.turns.parquet").write_bytes(earlier)
+    with pytest.raises(InputError, match="another save"):
         ForecastDataset.load(path)
 
 

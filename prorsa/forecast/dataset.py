@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,8 @@ SNAPSHOT_COLUMNS = (
 )
 TURN_LABELS = ("output_tokens", "continues", "tool_s", "next_new_tokens")
 _META_KEY = b"prorsa.forecast_dataset"
+#: Written into the main file and its siblings alike by one save.
+_SAVE_KEY = b"prorsa.forecast_dataset.save"
 
 
 @dataclass
@@ -119,14 +122,21 @@ class ForecastDataset:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pandas(self.ticks, preserve_index=False)
-        meta = {**(table.schema.metadata or {}), _META_KEY: json.dumps(self.meta).encode()}
+        # One token in all three files: a save that fails between them (over an earlier
+        # dataset of the same name) leaves files that :meth:`load` sees do not match.
+        token = {_SAVE_KEY: uuid.uuid4().hex.encode()}
+        meta = {
+            **(table.schema.metadata or {}),
+            _META_KEY: json.dumps(self.meta).encode(),
+            **token,
+        }
         # Siblings first, the main file last: a crash never leaves a complete-looking
         # dataset whose siblings are missing, and each file appears whole or not at all.
         for name, frame in sibling_tables(self).items():
+            part = pa.Table.from_pandas(frame, preserve_index=False)
+            part = part.replace_schema_metadata({**(part.schema.metadata or {}), **token})
             with atomic_path(sibling(path, name)) as tmp:
-                pq.write_table(
-                    pa.Table.from_pandas(frame, preserve_index=False), tmp, compression="zstd"
-                )
+                pq.write_table(part, tmp, compression="zstd")
         with atomic_path(path) as tmp:
             pq.write_table(table.replace_schema_metadata(meta), tmp, compression="zstd")
         return path
@@ -148,11 +158,20 @@ class ForecastDataset:
                 hint="build one with `prorsa forecast dataset`",
             )
         frames = {}
+        token = (table.schema.metadata or {}).get(_SAVE_KEY)
         for name in ("snapshots", "turns"):
             p = sibling(path, name)
             if not p.exists():
                 raise InputError(f"missing sibling file {p.name}", source=str(path))
-            frames[name] = pq.read_table(p).to_pandas()
+            part = pq.read_table(p)
+            if token is not None and (part.schema.metadata or {}).get(_SAVE_KEY) != token:
+                raise InputError(
+                    f"{p.name} is from another save than this file (a save that failed "
+                    "part-way over an earlier dataset)",
+                    source=str(path),
+                    hint="build the dataset again",
+                )
+            frames[name] = part.to_pandas()
         return cls(table.to_pandas(), frames["snapshots"], frames["turns"], json.loads(raw))
 
 
