@@ -11,8 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, MutableSequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from prorsa.errors import ConfigError
@@ -144,7 +144,10 @@ class Controller:
     """Runs a policy every ``interval_s`` on an injected clock against an actuator.
 
     ``gc_between_ticks`` holds Python's automatic garbage collection off during a tick
-    (see :meth:`tick`); pass False to leave the collector alone.
+    (see :meth:`tick`); pass False to leave the collector alone. ``keep_running``: a tick
+    that raises is logged and counted (:attr:`failed_ticks`, :attr:`last_error`) and the
+    loop goes on (a live service must not lose its control loop to one bad tick); the
+    simulator leaves it off, so an error ends the run where it happened.
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class Controller:
         forecaster: ForecastSource | None = None,
         keep_forecasts: bool = False,
         gc_between_ticks: bool = True,
+        keep_running: bool = False,
     ) -> None:
         if interval_s <= 0:
             raise ConfigError("control interval_s must be > 0")
@@ -184,7 +188,10 @@ class Controller:
                     narrow(wanted)
         self.keep_forecasts = keep_forecasts
         self.gc_between_ticks = gc_between_ticks
-        self.decisions: list[Decision] = []
+        self.keep_running = keep_running
+        self.failed_ticks = 0
+        self.last_error: str | None = None
+        self.decisions: MutableSequence[Decision] = []
         self._stopped = False
 
     def start(self) -> None:
@@ -197,7 +204,14 @@ class Controller:
     def _tick_and_reschedule(self) -> None:
         if self._stopped:
             return
-        self.tick()
+        try:
+            self.tick()
+        except Exception as exc:
+            if not self.keep_running:
+                raise
+            self.failed_ticks += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("control tick failed (%d so far); ticking on", self.failed_ticks)
         self.clock.call_later(self.interval_s, self._tick_and_reschedule)
 
     def tick(self) -> Decision:
@@ -218,6 +232,7 @@ class Controller:
 
     def _tick(self) -> Decision:
         obs = self.actuator.observe()
+        self._fit_policy_to(obs)
         forecast = self.forecaster.forecast(obs) if self.forecaster is not None else None
         alloc = self.policy.decide(obs, forecast)
         if alloc.local_prefill_threshold is not None:
@@ -237,6 +252,20 @@ class Controller:
         )
         self.decisions.append(decision)
         return decision
+
+    def _fit_policy_to(self, obs: ClusterObservation) -> None:
+        """Size the policy to the slots the cluster has now. An engine that dies leaves
+        the observation; a policy still sizing for the cluster it started with asks for
+        GPUs no longer there, and every later tick would be refused."""
+        spec = getattr(self.policy, "cluster_", None)
+        if spec is None or not obs.slots or spec.num_slots == len(obs.slots):
+            return
+        logger.warning(
+            "the cluster has %d slots, the policy was sized for %d: resetting it",
+            len(obs.slots),
+            spec.num_slots,
+        )
+        self.policy.reset(replace(spec, num_slots=len(obs.slots)), getattr(self.policy, "seed_", 0))
 
 
 def _gpus_of(obs: ClusterObservation, slot_roles: dict[int, str]) -> dict[str, int]:

@@ -20,6 +20,7 @@ change or engines sleep.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -43,6 +44,10 @@ from prorsa.serve.startup import cluster_spec_for, load_tokenizer, make_policy_f
 from prorsa.serve.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
+
+#: Control decisions a service keeps (with their forecasts): one an interval, the rest are
+#: dropped (an unbounded list grows for the life of the service).
+_DECISIONS_KEPT = 3600
 
 #: vLLM's calls that open and close a weight transfer on its workers; they move no weights.
 _WINDOW_CALLS = ("start_weight_update", "finish_weight_update")
@@ -206,8 +211,11 @@ class RolloutService:
             min_dwell_s=config.min_dwell_s,
             forecaster=self.forecaster,
             keep_forecasts=True,
+            keep_running=True,
         )
         if self.controller is not None:
+            # A long-lived service reads only the latest decision: keep an hour's worth.
+            self.controller.decisions = collections.deque(maxlen=_DECISIONS_KEPT)
             self.controller.start()
         self.tokenizer = load_tokenizer(config.model)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_sessions())
@@ -710,6 +718,8 @@ class RolloutService:
             "weight_sync": self.sync.window is not None,
             "switches_running": self.router.switches_running,
             "switches_done": self.switches_done,
+            "control_ticks_failed": self.controller.failed_ticks if self.controller else 0,
+            "control_last_error": self.controller.last_error if self.controller else None,
             "trajectory_states": counts,
             "trajectory_tokens": tokens,
             "policy": self.config.policy,

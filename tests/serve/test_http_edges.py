@@ -209,3 +209,31 @@ def test_an_engine_a_weight_push_failed_on_leaves_instead_of_taking_the_new_vers
     assert finish.status_code == 200 and list(finish.json()["failed"]) == ["2"]
     assert 2 not in live and stale_version == 0
     assert served.status_code == 200 and served.json()["prorsa"]["weight_version"] == 1
+
+
+def test_a_decode_engine_made_colocated_during_the_prefill_leg_still_decodes_the_turn(tmp_path):
+    # Found by review: after the prefill leg the router took only a decode engine, so a
+    # turn whose decode engine moved to colocation meanwhile (an instant relabel) waited
+    # the 120 s route timeout and failed.
+    async def go():
+        async with client(tmp_path, engines=2) as (http, (svc, fakes)):
+            fakes[0].transit_s = 0.3  # the prefill leg is still on its way
+            turn = asyncio.ensure_future(
+                http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3},
+                          "routing": {"mode": "disaggregated", "engine_id": 1}},
+                )
+            )  # fmt: skip
+            await asyncio.sleep(0.1)
+            await svc.switch_role(1, "colocated")
+            role = svc.status()["roles"][1]
+            reply = await asyncio.wait_for(turn, 10)
+            return role, reply
+
+    role, reply = run(go())
+    assert role == "colocated"
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["token_ids"] == tokens_for(PROMPT, 3, 0)
+    assert body["prorsa"]["decode_engine_id"] == 1 and body["prorsa"]["path"] == "disaggregated"

@@ -89,8 +89,10 @@ def make_controller(
     min_dwell_s: float,
     forecaster: ForecastSource | None = None,
     keep_forecasts: bool = False,
+    keep_running: bool = False,
 ) -> Controller | None:
-    """The control loop for a dynamic policy (None for a fixed allocation: it never ticks)."""
+    """The control loop for a dynamic policy (None for a fixed allocation: it never ticks;
+    ``keep_running``: see :class:`Controller`)."""
     if not policy.dynamic:
         return None
     return Controller(
@@ -101,4 +103,5 @@ def make_controller(
         min_dwell_s=min_dwell_s,
         forecaster=forecaster,
         keep_forecasts=keep_forecasts,
+        keep_running=keep_running,
     )

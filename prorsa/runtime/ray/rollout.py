@@ -392,6 +392,7 @@ async def _run(
         interval_s=config.control.interval_s,
         min_dwell_s=config.control.min_dwell_s,
         forecaster=forecaster,
+        keep_running=True,
     )
     agent = AgentLoop(
         router,

@@ -571,16 +571,27 @@ class PDRouter:
         return self._finish(plan, request, result, first)
 
     async def _decode_engine(self, request: TurnRequest, planned: EngineState) -> EngineState:
-        """The planned decode engine, or another one if a switch or failure took it away."""
-        if planned.accepting and planned.role is Role.DECODE:
+        """The planned decode engine, or another one if a switch or failure took it away.
+
+        A colocated engine pulls a prefilled context as a decode engine does (both run
+        the same KV connector): one relabelled colocated during the prefill leg (a move to
+        colocation is instant) keeps the turn, and colocated engines stand in when no
+        decode engine is left.
+        """
+        if planned.accepting and planned.role in (Role.DECODE, Role.COLOCATED):
             return planned
-        forced = replace(request, mode="disaggregated")
-        engine = self._decode_side(forced)
+
+        def find() -> EngineState | None:
+            for mode in ("disaggregated", "colocated"):
+                engine = self._decode_side(replace(request, mode=mode))
+                if engine is not None:
+                    return engine
+            return None
+
+        engine = find()
         if engine is None:
-            await self.pools.wait_until(
-                lambda: self._decode_side(forced) is not None, self.config.route_timeout_s
-            )
-            engine = self._decode_side(forced)
+            await self.pools.wait_until(lambda: find() is not None, self.config.route_timeout_s)
+            engine = find()
         if engine is None:
             raise RoutingError(
                 f"no decode engine for {request.trajectory_id!r} turn {request.turn} within "
