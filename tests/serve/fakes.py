@@ -48,6 +48,7 @@ class WeightedFakeEngine:
         self.hanging: set[str] = set()  # control calls that never answer (a stuck engine)
         self.stalled = False  # steps no more, answering all the while (a hung GPU)
         self.busy: list[str] = []  # long control calls it reports running
+        self.refusing: set[str] = set()  # control calls that raise (not a dead engine)
         self.steps = 0
 
     async def _answer(self, call: str) -> None:
@@ -161,6 +162,8 @@ class WeightedFakeEngine:
         return self.paused
 
     async def reset_prefix_cache(self) -> bool:
+        if "reset_prefix_cache" in self.refusing:
+            raise RuntimeError("the engine refused the reset")  # as a RayTaskError would
         return True
 
     async def release_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:

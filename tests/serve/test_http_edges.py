@@ -237,3 +237,29 @@ def test_a_decode_engine_made_colocated_during_the_prefill_leg_still_decodes_the
     body = reply.json()
     assert body["choices"][0]["token_ids"] == tokens_for(PROMPT, 3, 0)
     assert body["prorsa"]["decode_engine_id"] == 1 and body["prorsa"]["path"] == "disaggregated"
+
+
+def test_a_switch_that_fails_part_way_leaves_the_engine_serving_in_its_old_role(tmp_path):
+    # Found by review: an error other than a dead engine after the pause labelled the
+    # engine with its new role, still paused, and every leg routed there waited.
+    async def go():
+        async with client(tmp_path) as (http, (svc, fakes)):
+            fakes[2].refusing.add("reset_prefix_cache")
+            try:
+                await svc.switch_role(2, "prefill")
+            except RuntimeError as exc:
+                error = str(exc)
+            reply = await asyncio.wait_for(
+                http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3},
+                          "routing": {"mode": "disaggregated", "engine_id": 2}},
+                ),
+                10,
+            )  # fmt: skip
+            return error, svc.status()["roles"][2], fakes[2].paused, reply
+
+    error, role, paused, reply = run(go())
+    assert "refused the reset" in error
+    assert role == "decode" and not paused
+    assert reply.status_code == 200 and reply.json()["prorsa"]["decode_engine_id"] == 2

@@ -171,6 +171,10 @@ class RoleSwitcher:
         except EngineUnavailable as exc:
             error = str(exc)
             self.pools.mark_dead(engine.engine_id, cause=f"role switch failed: {exc}")
+        except BaseException as exc:  # e.g. vLLM refused the reset, or the task was cancelled
+            error = f"{type(exc).__name__}: {exc}"
+            await self._recover(engine, error)
+            raise
         finally:
             final = parse_role(switch.to_role if error is None else switch.from_role)
             engine.switch = None
@@ -185,6 +189,24 @@ class RoleSwitcher:
             self.telemetry.switch_event(now, switch, "serving", engine.engine_id, **summary)
         logger.info("engine %d: now %s (%s)", engine.engine_id, engine.role, summary)
         return {"engine_id": engine.engine_id, **summary}
+
+    async def _recover(self, engine: EngineState, error: str) -> None:
+        """Resume an engine whose switch failed part-way (it may be paused) so it serves
+        in its old role; one that will not resume leaves service. A paused engine left in
+        service would hold every leg routed to it."""
+        try:
+            await answered_within(
+                engine.client.resume(),
+                engine.engine_id,
+                "the resume after a failed switch",
+                self.config.control_timeout_s,
+            )
+        except BaseException as exc:
+            self.pools.mark_dead(
+                engine.engine_id, cause=f"role switch failed ({error}), then resume: {exc}"
+            )
+            if not isinstance(exc, Exception):
+                raise
 
     async def _run_stages(
         self,
