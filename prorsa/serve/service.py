@@ -303,6 +303,7 @@ class RolloutService:
                     session, request.turn, len(prompt_ids) + len(result.output_token_ids)
                 )
         finally:
+            sessions.turn_returned(session)
             if one_shot:
                 sessions.finish(session_id)
         if self.metrics is not None:

@@ -38,6 +38,7 @@ class Session:
     in_tool: bool = False
     last_s: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ending: bool = False  # finished while a turn was in flight: that turn ends it
 
 
 class Sessions:
@@ -105,15 +106,30 @@ class Sessions:
             session.in_tool = True
 
     def finish(self, session_id: str) -> bool:
-        """End a session (``traj_end``); False when it is not live."""
+        """End a session (``traj_end``); False when it is not live. A session with a turn
+        in flight ends when that turn returns (:meth:`turn_returned`): ended now, the
+        turn's own events would bring the trajectory back to life in the router."""
         session = self._live.pop(session_id, None)
         if session is None:
             return False
+        if session.lock.locked():
+            session.ending = True
+        else:
+            self._end(session)
+        return True
+
+    def turn_returned(self, session: Session) -> None:
+        """A turn of ``session`` returned (served or failed); ends a session finished
+        while it was in flight."""
+        if session.ending:
+            session.ending = False
+            self._end(session)
+
+    def _end(self, session: Session) -> None:
         if session.in_tool:
             self._event(session, K.TOOL_END, session.turns - 1)
         self._event(session, K.TRAJ_END, max(0, session.turns - 1))
         self.finished_total += 1
-        return True
 
     def expire(self) -> list[str]:
         """End sessions idle for longer than ``idle_s`` (not those mid-turn)."""

@@ -263,3 +263,32 @@ def test_a_switch_that_fails_part_way_leaves_the_engine_serving_in_its_old_role(
     assert "refused the reset" in error
     assert role == "decode" and not paused
     assert reply.status_code == 200 and reply.json()["prorsa"]["decode_engine_id"] == 2
+
+
+def test_a_session_finished_mid_turn_ends_when_its_turn_returns(tmp_path):
+    # Found by review: the trajectory ended at once, then the turn's own events brought
+    # it back in the router (a phantom live trajectory, events after traj_end).
+    async def go():
+        async with client(tmp_path) as (http, (svc, _)):
+            turn = asyncio.ensure_future(
+                http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 60}},
+                    headers={"X-Session-ID": "slow"},
+                )
+            )
+            await asyncio.sleep(0.05)
+            finished = await http.post("/finish_session", params={"session_id": "slow"})
+            live_then = svc.status()["trajectory_states"]
+            reply = await asyncio.wait_for(turn, 10)
+            events = svc.router.telemetry.log.to_table(0, len(svc.router.telemetry.log))
+            return finished, live_then, reply, svc.status()["trajectory_states"], events
+
+    finished, live_then, reply, live_after, events = run(go())
+    assert finished.status_code == 200 and reply.status_code == 200
+    assert sum(live_then.values()) == 1 and sum(live_after.values()) == 0
+    kinds = [k for k, t in zip(events.column("kind").to_pylist(),
+                               events.column("trajectory_id").to_pylist(), strict=True)
+             if t == "slow"]  # fmt: skip
+    assert kinds[-1] == "traj_end" and kinds.count("traj_end") == 1
+    assert "decode_end" in kinds and "tool_start" not in kinds
