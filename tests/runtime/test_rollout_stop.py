@@ -242,3 +242,23 @@ def test_start_fleet_builds_engines_from_the_composed_config(tmp_path, monkeypat
     assert engine.max_num_seqs == 16  # the CPU profile's batch limit (cluster.max_batch unset)
     cfg = cfg.with_changes(max_batch=4)
     assert rollout.start_fleet(cfg, ["colocated"] * 3, tmp_path)[0].engine.max_num_seqs == 4
+
+
+def test_a_dynamic_policy_keeps_deciding_after_an_engine_is_lost(tmp_path, caplog):
+    # Found by review: a split policy kept sizing for three engines after one died, each
+    # tick was refused ("does not add up"), and the first refusal stopped the control
+    # loop for the rest of the run without a word in its results.
+    fleet = FakeFleet(3)
+    out = tmp_path / "out"
+
+    def progress(done: int, total: int) -> None:
+        if done == 0:
+            fleet.engines[2].kill()
+
+    cfg = config(tmp_path, policy="threshold")
+    with caplog.at_level("WARNING"):
+        result = run_rollout(cfg, out, fleet=fleet, progress=progress)
+    assert result.errors == [] and result.metrics["trajectories_completed"] == 6
+    assert result.metrics["engines_lost"] == [2]
+    assert "does not add up" not in caplog.text and "control tick failed" not in caplog.text
+    assert "the policy was sized for 3: resetting it" in caplog.text
