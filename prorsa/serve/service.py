@@ -30,11 +30,11 @@ from typing import Any
 
 from prorsa.errors import ConfigError, InputError, StateConflict
 from prorsa.policy.types import WorkloadShape
+from prorsa.runtime.ray.barrier import BarrierClient, DispatchBarrier
 from prorsa.runtime.ray.client import answered_within
 from prorsa.runtime.ray.engine_control import PAUSE_MODES
 from prorsa.runtime.ray.turns import NoEngineAvailable
 from prorsa.runtime.ray.weights import check_weight_dir
-from prorsa.serve.barrier import BarrierClient, DispatchBarrier
 from prorsa.serve.config import ServeConfig
 from prorsa.serve.gate import AdmissionGate
 from prorsa.serve.results import ServeTurnResult, served_result

@@ -262,3 +262,43 @@ def test_a_dynamic_policy_keeps_deciding_after_an_engine_is_lost(tmp_path, caplo
     assert result.metrics["engines_lost"] == [2]
     assert "does not add up" not in caplog.text and "control tick failed" not in caplog.text
     assert "the policy was sized for 3: resetting it" in caplog.text
+
+
+class HangingFake(LoadFake):
+    """Once ``hang()`` is called, takes legs and never steps or answers them again (a
+    hung GPU: no call fails); its load answers say so."""
+
+    hung = False
+
+    def hang(self) -> None:
+        self.hung = True
+
+    async def generate_stream(self, *args, **kwargs):
+        if self.hung:
+            await asyncio.Event().wait()
+        async for item in super().generate_stream(*args, **kwargs):
+            yield item
+
+    async def load(self) -> dict:
+        answer = await super().load()
+        return {**answer, "paused": False, "in_flight": len(self.in_flight) + self.hung}
+
+
+def test_an_engine_that_hangs_is_found_and_its_turns_go_elsewhere(tmp_path):
+    # Found by review: the rollout's legs had no timeout and its monitor no stall check,
+    # so a turn on a hung engine was never answered and the run never ended.
+    fleet = FakeFleet(3)
+    fleet.engines[2] = HangingFake(2, 0.002)
+    fleet.clients[2] = fleet.engines[2]
+
+    def progress(done: int, total: int) -> None:
+        if done == 0:
+            fleet.engines[2].hang()
+
+    cfg = config(tmp_path, policy="colocate", engine_stall_timeout_s=0.3)
+    result = asyncio.run(
+        asyncio.wait_for(asyncio.to_thread(run_rollout, cfg, tmp_path / "out", fleet=fleet,
+                                           progress=progress), 60)
+    )  # fmt: skip
+    assert result.errors == [] and result.metrics["trajectories_completed"] == 6
+    assert result.metrics["engines_lost"] == [2]

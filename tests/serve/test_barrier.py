@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from prorsa.runtime.ray.barrier import BarrierClient, DispatchBarrier
 from prorsa.runtime.ray.client import EngineUnavailable
-from prorsa.serve.barrier import BarrierClient, DispatchBarrier
 
 
 class _Silent:

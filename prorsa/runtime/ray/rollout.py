@@ -53,6 +53,7 @@ from prorsa.runtime.controller import ForecastSource
 from prorsa.runtime.ray import cpu_profile  # noqa: F401  (registers the CPU profile)
 from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
 from prorsa.runtime.ray.agent import AgentLoop, TrajectoryOutcome
+from prorsa.runtime.ray.barrier import BarrierClient, DispatchBarrier
 from prorsa.runtime.ray.monitor import LoadMonitor
 from prorsa.runtime.ray.rollout_config import RolloutConfig
 from prorsa.runtime.ray.rollout_metrics import rollout_metrics
@@ -355,6 +356,12 @@ async def _run(
     from prorsa.telemetry import Recorder
 
     pools = fleet.pools()
+    # An engine that hangs fails no call: once the monitor takes it out of service, its
+    # legs are ended here so the router serves those turns elsewhere.
+    barrier = DispatchBarrier()
+    for engine in pools.engines():
+        engine.client = BarrierClient(engine.client, barrier)
+    pools.on_engine_lost(lambda e: barrier.drop_engine(e.engine_id, e.lost_cause))
     await _set_roles(pools, roles)
     if (out / "telemetry").exists():
         # A previous run's segments would be read back with this one's (same ids).
@@ -374,7 +381,11 @@ async def _run(
         recorder=recorder,
     )
     spec = policy.cluster_
-    monitor = LoadMonitor(pools, interval_s=config.monitor_interval_s)
+    monitor = LoadMonitor(
+        pools,
+        interval_s=config.monitor_interval_s,
+        stall_timeout_s=config.engine_stall_timeout_s or None,
+    )
     monitor.start()
     actuator = RayActuator(
         router,

@@ -95,6 +95,13 @@ class RolloutConfig:
         default=True, **_help("each tool call lasts at least its (scaled) spec latency")
     )
     monitor_interval_s: float = field(default=0.25, **_help("engine load polling period, s"))
+    engine_stall_timeout_s: float = field(
+        default=120.0,
+        **_help(
+            "an engine that holds requests and neither steps nor answers for this long "
+            "leaves service and its turns go on elsewhere (a hung GPU fails no call); 0: off"
+        ),
+    )
     run_id: str = field(default="rollout", **_help("telemetry run id"))
 
     # ------------------------------------------------------------------ derived
@@ -179,6 +186,7 @@ class RolloutConfig:
         )
         check_interval_s(self.control.interval_s, "interval_s")
         check_interval_s(self.monitor_interval_s, "monitor_interval_s")
+        check_positive(self.engine_stall_timeout_s, "engine_stall_timeout_s", allow_zero=True)
         check_positive(self.control.min_dwell_s, "min_dwell_s", allow_zero=True)
         check_positive(self.cluster.drain_timeout_s, "drain_timeout_s", allow_zero=True)
         check_positive(self.cluster.switch_latency_s, "switch_latency_s", allow_zero=True)

@@ -12,6 +12,7 @@ before the engine registers the request, so an engine's own list of requests can
 while a leg is still about to arrive there. And when an engine leaves service while it
 stops answering (no Ray error will ever come), :meth:`DispatchBarrier.drop_engine` ends
 its legs with :class:`EngineUnavailable`, so the router serves those turns elsewhere.
+``prorsa serve`` uses both; ``run_rollout`` only the second (its barrier never closes).
 """
 
 from __future__ import annotations
