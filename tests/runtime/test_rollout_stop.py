@@ -302,3 +302,16 @@ def test_an_engine_that_hangs_is_found_and_its_turns_go_elsewhere(tmp_path):
     )  # fmt: skip
     assert result.errors == [] and result.metrics["trajectories_completed"] == 6
     assert result.metrics["engines_lost"] == [2]
+
+
+def test_a_reused_fleet_in_other_roles_is_set_to_the_runs_roles(tmp_path):
+    # Found by review: set-up switched engines in id order, so engine 0 (decode) could
+    # not go to prefill while engines 1-2 were still prefill (no decode side left).
+    class Reused(FakeFleet):
+        def pools(self) -> RolePools:
+            return RolePools(self.engines, {0: "decode", 1: "prefill", 2: "prefill"})
+
+    cfg = config(tmp_path, policy="static", policy_params={"prefill_gpus": 1})
+    result = run_rollout(cfg, tmp_path / "out", fleet=Reused(3))
+    assert result.errors == [] and result.metrics["trajectories_completed"] == 6
+    assert result.metrics["initial_roles"] == ["prefill", "decode", "decode"]

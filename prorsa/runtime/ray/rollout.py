@@ -535,9 +535,11 @@ class _StopOnSignal:
 async def _set_roles(pools: Any, roles: list[str]) -> None:
     """Give idle engines their starting roles (a shared fleet may hold others)."""
     setup = PDRouter(pools, RouterConfig())  # no recorder: set-up is not part of the run
-    for engine_id, role in enumerate(roles):
-        if pools.get(engine_id).role.value != role:
-            await setup.switch_role(engine_id, role, drain_timeout_s=0)
+    moves = [(eid, role) for eid, role in enumerate(roles) if pools.get(eid).role.value != role]
+    # Engines joining the decode side first: a switch that would leave no decode-side
+    # engine is refused, and the engines that become one may come later in id order.
+    for engine_id, role in sorted(moves, key=lambda move: move[1] == "prefill"):
+        await setup.switch_role(engine_id, role, drain_timeout_s=0)
     for engine in pools.engines():
         engine.since_s = 0.0  # as in the simulator, starting roles are free and old
 
