@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from prorsa.cli.main import COMMANDS, GROUPS, build_app, command_named
@@ -48,6 +49,7 @@ def test_one_command_runs_without_importing_the_others():
 
 
 def test_the_simulator_and_policies_import_no_compiler_or_ml_framework():
+    pytest.importorskip("numba")  # without it there is nothing to keep out
     # numba (the forecasters' kernels) costs ~0.15 s and ~60 MB of every simulator
     # process; it is imported when a forecaster first sums its terms, not before.
     code = (

@@ -516,5 +516,10 @@ def test_append_batch_refuses_a_bad_batch_whole(tmp_path):
         with pytest.raises(InputError, match="time goes backwards"):  # against what came before
             rec.append_batch(log.batch(1))
         rec.record(6.0, "t", "decode_end", run_id="cols")
+        odd = EventLog("cols")
+        odd.append(7.0, odd.key("t\ud800"), 0, KIND_CODE["decode_start"])
+        with pytest.raises(InputError) as info:  # Parquet cannot hold it
+            rec.append_batch(odd.batch())
+        assert info.value.field == "trajectory_id"
     table, report = read_telemetry(tmp_path, validate=True)
     assert report.clean and table.column("time").to_pylist() == [5.0, 6.0]

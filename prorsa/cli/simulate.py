@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import typer
@@ -61,8 +62,11 @@ def simulate_cmd(
     else:
         total = work.trajectories * (work.steps if work.mode == "sync" else 1)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("telemetry.parquet", "metrics.json"):  # an earlier run's, not this one's
+    # An earlier run's outputs (a reader prefers telemetry/, a rollout's, to the Parquet).
+    for stale in ("telemetry.parquet", "metrics.json"):
         (out / stale).unlink(missing_ok=True)
+    if (out / "telemetry").is_dir():
+        shutil.rmtree(out / "telemetry")
     with (
         signals_interrupt(),  # SIGTERM ends the run like Ctrl-C: marked interrupted
         run_manifest(out, command="simulate", run_id=request.run_id, planned=total) as run,
@@ -121,18 +125,18 @@ def _keep_partial(sim, run, exc: BaseException, path: Path) -> None:
     from prorsa.telemetry.manifest import mark_table
     from prorsa.telemetry.reader import write_parquet
 
-    table = sim.telemetry_so_far()
-    if table is None:
-        return
-    stopped = isinstance(exc, KeyboardInterrupt | SystemExit | asyncio.CancelledError)
-    run.finish("interrupted" if stopped else "failed", f"{type(exc).__name__}: {exc}")
-    result = sim.driver.result
-    run.counts.update(
-        trajectories_started=int(result.started),
-        trajectories_completed=int(result.completed),
-        events=table.num_rows,
-    )
     try:
+        table = sim.telemetry_so_far()
+        if table is None:
+            return
+        stopped = isinstance(exc, KeyboardInterrupt | SystemExit | asyncio.CancelledError)
+        run.finish("interrupted" if stopped else "failed", f"{type(exc).__name__}: {exc}")
+        result = sim.driver.result
+        run.counts.update(
+            trajectories_started=int(result.started),
+            trajectories_completed=int(result.completed),
+            events=table.num_rows,
+        )
         write_parquet(mark_table(table, run), path)
     except Exception as err:  # never hide the run's own error behind this one
         console.print(f"[yellow]could not save the partial telemetry: {err}[/]")

@@ -210,8 +210,10 @@ class Controller:
             if not self.keep_running:
                 raise
             self.failed_ticks += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            logger.exception("control tick failed (%d so far); ticking on", self.failed_ticks)
+            error = f"{type(exc).__name__}: {exc}"
+            if error != self.last_error:  # the traceback once, not every interval
+                logger.exception("control tick failed (%d so far); ticking on", self.failed_ticks)
+            self.last_error = error
         self.clock.call_later(self.interval_s, self._tick_and_reschedule)
 
     def tick(self) -> Decision:
@@ -265,7 +267,12 @@ class Controller:
             len(obs.slots),
             spec.num_slots,
         )
-        self.policy.reset(replace(spec, num_slots=len(obs.slots)), getattr(self.policy, "seed_", 0))
+        seed = getattr(self.policy, "seed_", 0)
+        try:
+            self.policy.reset(replace(spec, num_slots=len(obs.slots)), seed)
+        except Exception:
+            self.policy.cluster_ = spec  # half reset: the next tick tries again
+            raise
 
 
 def _gpus_of(obs: ClusterObservation, slot_roles: dict[int, str]) -> dict[str, int]:

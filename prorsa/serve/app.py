@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prorsa.serve.http_errors import error_for, install_handlers
 from prorsa.serve.metrics import CONTENT_TYPE, ServiceMetrics
+from prorsa.serve.routes_admin import TOKEN_BLANKS
 
 
 def create_app(service: Any) -> FastAPI:
@@ -25,7 +26,7 @@ def create_app(service: Any) -> FastAPI:
     app.state.service = service
     token = service.config.admin_token
     # Stripped as the header's value is (a secret read from a file often ends in a newline).
-    app.state.admin_token = token.strip().encode() if token is not None else None
+    app.state.admin_token = token.strip(TOKEN_BLANKS).encode() if token is not None else None
     app.state.model_names = _model_names(service.config)
     app.state.metrics = service.metrics = ServiceMetrics(service)
     install_handlers(app)

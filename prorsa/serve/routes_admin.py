@@ -32,6 +32,10 @@ from prorsa.errors import ConfigError
 from prorsa.policy.types import WorkloadShape
 from prorsa.serve.http_errors import HTTPError, json_object
 
+#: Stripped around an admin token on both sides: what surrounds one read from a file or an
+#: environment variable. Not str.strip()'s Unicode spaces: a header arrives decoded as
+#: latin-1, where the last byte of a UTF-8 character can look like one (0xA0, 0x85).
+TOKEN_BLANKS = " \t\r\n"
 _UPDATE_WINDOW_HINT = "call /start_weight_update first (and /finish_weight_update after)"
 
 
@@ -43,7 +47,7 @@ def require_admin(request: Request) -> None:
     given = request.headers.get("authorization", "")
     scheme, _, value = given.partition(" ")
     # Bytes, not str: compare_digest refuses non-ASCII str, and headers arrive as latin-1.
-    sent = value.strip().encode("latin-1")
+    sent = value.strip(TOKEN_BLANKS).encode("latin-1")
     if scheme.lower() != "bearer" or not secrets.compare_digest(sent, token):
         raise HTTPError(401, "admin route: send 'Authorization: Bearer <admin token>'")
 

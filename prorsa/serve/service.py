@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 #: dropped (an unbounded list grows for the life of the service).
 _DECISIONS_KEPT = 3600
 
-#: vLLM's calls that open and close a weight transfer on its workers; they move no weights.
-_WINDOW_CALLS = ("start_weight_update", "finish_weight_update")
+#: vLLM's calls that set up, open and close a weight transfer on its workers; they move
+#: no weights.
+_WINDOW_CALLS = ("init_weight_transfer_engine", "start_weight_update", "finish_weight_update")
 
 #: An external weight update between its begin call and its window being open.
 _OPENING = "opening"
@@ -103,8 +104,8 @@ class RolloutService:
         self.tokenizer: Any = None
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
         self._external_update: Any = None
-        #: engines a collective_rpc failed on inside the open window (id -> error)
-        self._window_failed: dict[int, str] = {}
+        #: engines a collective_rpc failed on inside the open window (id -> method, error)
+        self._window_failed: dict[int, tuple[str, str]] = {}
         self._sweeper: asyncio.Task | None = None
         self.started_s: float | None = None
         # The coming rollouts' expected shape, when the trainer or the config gives it.
@@ -214,7 +215,8 @@ class RolloutService:
             keep_running=True,
         )
         if self.controller is not None:
-            # A long-lived service reads only the latest decision: keep an hour's worth.
+            # A long-lived service reads only the latest decision: keep the last 3,600
+            # (half an hour at the default 0.5 s interval).
             self.controller.decisions = collections.deque(maxlen=_DECISIONS_KEPT)
             self.controller.start()
         self.tokenizer = load_tokenizer(config.model)
@@ -296,6 +298,7 @@ class RolloutService:
         session = sessions.get_or_start(session_id, group_id=group_id, task=task)
         try:
             async with session.lock, self.gate.admitted():
+                sessions.check_open(session)
                 request.turn = sessions.before_turn(session, len(prompt_ids))
                 result = await self.router.generate(request, checked=True)
                 served = served_result(result, session_id, len(prompt_ids))
@@ -303,7 +306,10 @@ class RolloutService:
                     session, request.turn, len(prompt_ids) + len(result.output_token_ids)
                 )
         finally:
-            sessions.turn_returned(session)
+            try:
+                sessions.turn_returned(session)
+            except Exception:  # e.g. the recorder closed at shutdown: keep the turn's own
+                logger.exception("could not end session %r", session_id)
             if one_shot:
                 sessions.finish(session_id)
         if self.metrics is not None:
@@ -447,7 +453,7 @@ class RolloutService:
         """Quiesce for a trainer that pushes weights itself (``collective_rpc``, vLLM's
         weight-transfer routes); end with :meth:`finish_weight_update`."""
         if self._external_update is not None:
-            raise InputError("a weight update is already open", hint="finish it first")
+            raise StateConflict("a weight update is already open", hint="finish it first")
         self._check_can_update()
         self._external_update = _OPENING  # taken before any wait: a retried begin is refused
         try:
@@ -470,9 +476,14 @@ class RolloutService:
             raise InputError("no weight update is open", hint="call begin_weight_update first")
         # Checked while the window is still open: a trainer refused here may finish again.
         version = self._next_version(version)
+        if self._window_failed and set(self._window_failed) >= set(self.live_engines()):
+            raise StateConflict(
+                "the weight push failed on every engine: no engine holds the new weights",
+                hint="push again, or cancel the window (cancel_weight_update)",
+            )
         manager, window = self._external_update
         self._external_update = None
-        pushed_wrong, self._window_failed = self._window_failed, {}
+        pushed_wrong = self._pushes_failed()
         try:
             # An engine a push failed on leaves before anything is stamped on it.
             self._retire(pushed_wrong, "weight push")
@@ -499,9 +510,12 @@ class RolloutService:
             return
         manager, window = self._external_update
         self._external_update = None
-        # An engine a push failed on may hold part of it: it leaves, as on a finish.
-        pushed_wrong, self._window_failed = self._window_failed, {}
-        self._retire(pushed_wrong, "weight push")
+        # An engine a push failed on may hold part of it: it leaves, as on a finish,
+        # unless the push failed everywhere (then nothing tells the engines apart, and
+        # retiring all would end the service: they serve what they hold).
+        pushed_wrong = self._pushes_failed()
+        if set(pushed_wrong) < set(self.live_engines()):
+            self._retire(pushed_wrong, "weight push")
         window.detail.update(external=True, cancelled=True, failed=pushed_wrong)
         try:
             # Some weights may have arrived: no KV cached under the old ones is reused.
@@ -509,6 +523,11 @@ class RolloutService:
             self.router.forget_caches()
         finally:
             await manager.__aexit__(None, None, None)
+
+    def _pushes_failed(self) -> dict[int, str]:
+        """The engines a push failed on in the window now closing (id -> what failed)."""
+        failed, self._window_failed = self._window_failed, {}
+        return {eid: f"{method}: {error}" for eid, (method, error) in failed.items()}
 
     def _refuse_in_update_window(self, what: str) -> None:
         """StateConflict while a trainer's weight update window is open (or opening): the
@@ -545,17 +564,22 @@ class RolloutService:
 
         It changes nothing the service tracks: to move weights this way, wrap the calls
         in :meth:`begin_weight_update` / :meth:`finish_weight_update`. Inside that
-        window, an engine whose call fails (other than vLLM's own start and finish of the
-        window, which move no weights) holds weights no one can vouch for: the finish or
-        cancel takes it out of service instead of serving from it under either version
-        (the first error is still raised here).
+        window, an engine whose call of a method fails (other than vLLM's set-up, start
+        and finish of the window, which move no weights) and does not succeed on a retry
+        holds weights no one can vouch for: the finish or cancel takes it out of service
+        instead of serving from it under either version, unless every engine failed
+        (see :meth:`finish_weight_update`). The first error is still raised here.
         """
         results = await self.for_each_engine(
             lambda c: c.collective_rpc(method, args, kwargs, timeout_s), tolerate=True
         )
         failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
-        if failed and self.weight_update_open and method not in _WINDOW_CALLS:
-            self._window_failed.update({eid: f"{method}: {r!r}" for eid, r in failed.items()})
+        if self.weight_update_open and method not in _WINDOW_CALLS:
+            for eid in results:
+                if eid in failed:
+                    self._window_failed[eid] = (method, repr(failed[eid]))
+                elif self._window_failed.get(eid, ("",))[0] == method:
+                    del self._window_failed[eid]  # the retry went through
         for error in failed.values():
             raise error
         return results

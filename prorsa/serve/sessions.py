@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorsa.errors import InputError
+from prorsa.errors import InputError, StateConflict
 from prorsa.telemetry.schema import EventKind as K
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Session:
     last_s: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ending: bool = False  # finished while a turn was in flight: that turn ends it
+    ended: bool = False  # traj_end emitted: no turn may run on it any more
 
 
 class Sessions:
@@ -55,6 +56,7 @@ class Sessions:
         self.clock = clock
         self.idle_s = idle_s
         self._live: dict[str, Session] = {}
+        self._ending: dict[str, Session] = {}  # finished, a turn still in flight
         self._anonymous = itertools.count()
         self.started_total = 0
         self.finished_total = 0
@@ -79,6 +81,12 @@ class Sessions:
                 field="session_id",
             )
         session = self._live.get(session_id)
+        if session is None and session_id in self._ending:
+            raise StateConflict(
+                f"session {session_id!r} was finished and its last turn is still running",
+                field="session_id",
+                hint="retry once that turn returns, or use a new session id",
+            )
         if session is None:
             session = Session(session_id, group_id=group_id, task=task, last_s=self.clock())
             self._live[session_id] = session
@@ -114,18 +122,27 @@ class Sessions:
             return False
         if session.lock.locked():
             session.ending = True
+            self._ending[session_id] = session
         else:
             self._end(session)
         return True
 
+    def check_open(self, session: Session) -> None:
+        """StateConflict when ``session`` ended while this turn waited for the one before."""
+        if session.ended:
+            raise StateConflict(f"session {session.session_id!r} was finished", field="session_id")
+
     def turn_returned(self, session: Session) -> None:
-        """A turn of ``session`` returned (served or failed); ends a session finished
-        while it was in flight."""
-        if session.ending:
+        """A turn of ``session`` returned (served, failed or refused); ends a session
+        finished while it was in flight. Turns queued behind it are then refused
+        (:meth:`check_open`): none runs after the trajectory's end."""
+        if session.ending and not session.lock.locked():
             session.ending = False
+            self._ending.pop(session.session_id, None)
             self._end(session)
 
     def _end(self, session: Session) -> None:
+        session.ended = True
         if session.in_tool:
             self._event(session, K.TOOL_END, session.turns - 1)
         self._event(session, K.TRAJ_END, max(0, session.turns - 1))

@@ -526,6 +526,10 @@ class Recorder:
         for text in batch.details.values():
             if not isinstance(text, str):
                 self._reject(f"must be a string, got {_describe(text)}", "detail")
+            if not is_utf8(text):
+                self._reject(f"{text!r:.80} is not valid UTF-8", "detail")
+        if not is_utf8(batch.run_id):
+            self._reject(f"{batch.run_id!r:.80} is not valid UTF-8", "run_id")
         trajectory_rows = np.flatnonzero(batch.kind < _FIRST_CLUSTER_CODE)
         if not len(trajectory_rows):
             return {}
@@ -533,6 +537,9 @@ class Recorder:
         for key in used.tolist():
             if not all(isinstance(part, str) for part in keys[key]):
                 self._reject(f"key {key} is not three strings: {keys[key]!r:.80}", "trajectory_id")
+            for name, part in zip(("trajectory_id", "group_id", "task"), keys[key], strict=True):
+                if not is_utf8(part):
+                    self._reject(f"{part!r:.80} is not valid UTF-8", name)
         # Stable sort by key keeps each trajectory's rows in their order.
         order = trajectory_rows[np.argsort(batch.key[trajectory_rows], kind="stable")]
         key, time, turn = batch.key[order], batch.time[order], batch.turn[order]

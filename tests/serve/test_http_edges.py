@@ -225,7 +225,8 @@ def test_a_decode_engine_made_colocated_during_the_prefill_leg_still_decodes_the
                           "routing": {"mode": "disaggregated", "engine_id": 1}},
                 )
             )  # fmt: skip
-            await asyncio.sleep(0.1)
+            while not svc.router.pools.get(0).leases:  # the prefill leg is on its way
+                await asyncio.sleep(0.005)
             await svc.switch_role(1, "colocated")
             role = svc.status()["roles"][1]
             reply = await asyncio.wait_for(turn, 10)
@@ -267,28 +268,67 @@ def test_a_switch_that_fails_part_way_leaves_the_engine_serving_in_its_old_role(
 
 def test_a_session_finished_mid_turn_ends_when_its_turn_returns(tmp_path):
     # Found by review: the trajectory ended at once, then the turn's own events brought
-    # it back in the router (a phantom live trajectory, events after traj_end).
+    # it back in the router (a phantom live trajectory, events after traj_end). A turn
+    # queued behind it, or a new turn under the same id, must not run after its end.
     async def go():
-        async with client(tmp_path) as (http, (svc, _)):
-            turn = asyncio.ensure_future(
-                http.post(
-                    "/inference/v1/generate",
-                    json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 60}},
-                    headers={"X-Session-ID": "slow"},
+        async with client(tmp_path) as (http, (svc, fakes)):
+
+            def turn(tokens: int):
+                return asyncio.ensure_future(
+                    http.post(
+                        "/inference/v1/generate",
+                        json={"token_ids": PROMPT, "sampling_params": {"max_tokens": tokens}},
+                        headers={"X-Session-ID": "slow"},
+                    )
                 )
-            )
-            await asyncio.sleep(0.05)
+
+            first = turn(150)
+            while not any(f.requests for f in fakes):  # the turn is in an engine
+                await asyncio.sleep(0.005)
+            queued = turn(2)
+            await asyncio.sleep(0.02)
             finished = await http.post("/finish_session", params={"session_id": "slow"})
             live_then = svc.status()["trajectory_states"]
-            reply = await asyncio.wait_for(turn, 10)
+            reused = await turn(2)  # the old turn is still running
+            replies = await asyncio.wait_for(asyncio.gather(first, queued), 10)
             events = svc.router.telemetry.log.to_table(0, len(svc.router.telemetry.log))
-            return finished, live_then, reply, svc.status()["trajectory_states"], events
+            return finished, live_then, reused, replies, svc.status(), events
 
-    finished, live_then, reply, live_after, events = run(go())
-    assert finished.status_code == 200 and reply.status_code == 200
-    assert sum(live_then.values()) == 1 and sum(live_after.values()) == 0
+    finished, live_then, reused, (first, queued), status, events = run(go())
+    assert finished.status_code == 200 and first.status_code == 200
+    assert queued.status_code == 409 and reused.status_code == 409
+    assert sum(live_then.values()) == 1 and sum(status["trajectory_states"].values()) == 0
     kinds = [k for k, t in zip(events.column("kind").to_pylist(),
                                events.column("trajectory_id").to_pylist(), strict=True)
              if t == "slow"]  # fmt: skip
     assert kinds[-1] == "traj_end" and kinds.count("traj_end") == 1
-    assert "decode_end" in kinds and "tool_start" not in kinds
+    assert kinds.count("decode_end") == 1 and "tool_start" not in kinds
+
+
+def test_a_push_that_fails_everywhere_retires_no_engine_and_a_retry_clears_a_failure(tmp_path):
+    # Found by review of the fix above: a push failing on every engine (a malformed
+    # update_info) retired them all at finish or cancel and the service was gone.
+    async def go():
+        async with client(tmp_path) as (http, (svc, fakes)):
+            for fake in fakes:
+                fake.failing_rpcs.add("update_weights")
+            await http.post("/start_weight_update", headers=ADMIN)
+            await http.post("/update_weights", json={"update_info": {}}, headers=ADMIN)
+            refused = await http.post("/finish_weight_update", headers=ADMIN)
+            for fake in fakes:  # the trainer fixes its request and pushes again
+                fake.failing_rpcs.clear()
+            retried = await http.post("/update_weights", json={"update_info": {}}, headers=ADMIN)
+            finished = await http.post("/finish_weight_update", headers=ADMIN)
+            # And a push failing everywhere, then cancelled: every engine stays.
+            for fake in fakes:
+                fake.failing_rpcs.add("update_weights")
+            await http.post("/start_weight_update", headers=ADMIN)
+            await http.post("/update_weights", json={"update_info": {}}, headers=ADMIN)
+            cancelled = await http.post("/prorsa/cancel_weight_update", headers=ADMIN)
+            return refused, retried, finished, cancelled, svc.live_engines()
+
+    refused, retried, finished, cancelled, live = run(go())
+    assert refused.status_code == 409 and "every engine" in refused.json()["error"]["message"]
+    assert retried.status_code == 200
+    assert finished.status_code == 200 and finished.json()["failed"] == {}
+    assert cancelled.status_code == 200 and live == [0, 1, 2]

@@ -98,8 +98,9 @@ class RolloutConfig:
     engine_stall_timeout_s: float = field(
         default=120.0,
         **_help(
-            "an engine that holds requests and neither steps nor answers for this long "
-            "leaves service and its turns go on elsewhere (a hung GPU fails no call); 0: off"
+            "an engine that holds requests and takes no step, or answers no load poll, for "
+            "this long leaves service and its turns go on elsewhere (a hung GPU fails no "
+            "call); 0: off"
         ),
     )
     run_id: str = field(default="rollout", **_help("telemetry run id"))
