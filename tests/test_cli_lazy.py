@@ -38,10 +38,7 @@ def test_one_command_runs_without_importing_the_others():
         "print(sorted(m for m in sys.modules if m.startswith('prorsa.cli.')))\n"
         "print('torch' in sys.modules, 'ray' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    modules, heavy = done.stdout.strip().splitlines()[-2:]
+    modules, heavy = _printed_by(code)[-2:]
     assert "prorsa.cli.traces" in modules
     for other in ("simulate", "serve", "compare", "rollout", "rl", "forecast"):
         assert f"prorsa.cli.{other}'" not in modules
@@ -59,7 +56,12 @@ def test_the_simulator_and_policies_import_no_compiler_or_ml_framework():
         "from prorsa.forecast import make_forecaster\n"
         "print(sorted(m for m in ('numba', 'torch', 'lightgbm', 'ray') if m in sys.modules))\n"
     )
+    assert _printed_by(code)[-1] == "[]"
+
+
+def _printed_by(code: str) -> list[str]:
+    """The lines ``code`` prints, run in a fresh interpreter (nothing imported yet)."""
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    return done.stdout.strip().splitlines()

@@ -98,7 +98,7 @@ async def completions(request: Request) -> Response:
         _tokenizer(request)  # logprobs name their tokens by text: refused before serving
     service = request.app.state.service
     result = await service.generate(
-        session_id(request, body.get("session_id")), prompt, sampling, routing=_routing(body)
+        session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
     )
     choice: dict[str, Any] = {
         "index": 0,
@@ -149,7 +149,7 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         sampling_fields["max_tokens"] = max(service.config.max_model_len - len(prompt), 1)
     sampling = parse_sampling(sampling_fields, source="request")
     result = await service.generate(
-        session_id(request, body.get("session_id")), prompt, sampling, routing=_routing(body)
+        session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
     )
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     choice: dict[str, Any] = {
@@ -171,13 +171,6 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         "prompt_token_ids": prompt if body.get("return_token_ids") else None,
         "prorsa": {"weight_version": result.weight_version, "path": result.path},
     }
-
-
-def _routing(body: dict[str, Any]) -> dict[str, Any] | None:
-    routing = body.get("routing")
-    if routing is not None and not isinstance(routing, dict):
-        raise HTTPError(400, "routing must be an object", param="routing")
-    return routing
 
 
 def render_chat(

@@ -29,6 +29,11 @@ TEXT_ONLY_KEYS: frozenset[str] = frozenset(
     }
 )
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+#: Sampling fields that must be numbers (vLLM checks their ranges beyond those here).
+_NUMBERS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty",
+)  # fmt: skip
 
 
 @dataclass
@@ -130,8 +135,7 @@ def _check(s: Sampling, source: str) -> None:
     for name in ints:
         if not _is_int(getattr(s, name)):
             raise bad(name, "must be an integer")
-    numbers = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty")
-    for name in (*numbers, "frequency_penalty"):
+    for name in _NUMBERS:
         if not _is_number(getattr(s, name)):
             raise bad(name, "must be a number")
     if s.max_tokens < 1:

@@ -772,6 +772,8 @@ class RolloutService:
 
 
 def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:
+    if routing is not None and not isinstance(routing, dict):
+        raise InputError(f"routing must be an object, got {routing!r:.40}", field="routing")
     routing = dict(routing or {})
     unknown = sorted(set(routing) - set(ROUTING_KEYS))
     if unknown:
