@@ -478,3 +478,34 @@ def test_text_garbage_line_in_jsonl_is_a_skipped_line(tmp_path):
         import_trace(path, "mooncake")
     assert err.value.record == "line 3"
     assert import_trace(path, "mooncake", skip_bad=True).skipped == 1
+
+
+def test_azure_forward_jump_blames_that_row_alone(tmp_path):
+    path = _azure(
+        tmp_path,
+        "2023-11-16 18:17:03",
+        "2024-11-16 18:17:04",  # one year ahead: the damaged row
+        "2023-11-16 18:17:05",
+        "2023-11-16 18:17:06",
+    )
+    with pytest.raises(InputError, match="later than line 4") as err:
+        import_trace(path, "azure")
+    assert (err.value.record, err.value.field) == ("line 3", "TIMESTAMP")
+    result = import_trace(path, "azure", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (3, 1)
+    assert max(result.table.column("time").to_pylist()) < 10.0  # not a year
+
+
+def test_azure_backward_jump_blames_that_row_alone(tmp_path):
+    path = _azure(
+        tmp_path,
+        "2023-11-16 18:17:03",
+        "2023-11-16 18:17:05",
+        "2023-11-16 18:10:00",  # minutes back: the damaged row
+        "2023-11-16 18:17:06",
+    )
+    with pytest.raises(InputError, match="earlier than line 3") as err:
+        import_trace(path, "azure")
+    assert err.value.record == "line 4"
+    result = import_trace(path, "azure", skip_bad=True)
+    assert (result.trajectories, result.skipped) == (3, 1)
