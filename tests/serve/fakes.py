@@ -46,6 +46,7 @@ class WeightedFakeEngine:
         self.transit_s = 0.0  # a call's time on its way before the engine registers it
         self.reload_s = 0.0
         self.hanging: set[str] = set()  # control calls that never answer (a stuck engine)
+        self.delays: dict[str, float] = {}  # control calls that answer late, in seconds
         self.stalled = False  # steps no more, answering all the while (a hung GPU)
         self.busy: list[str] = []  # long control calls it reports running
         self.refusing: set[str] = set()  # control calls that raise (not a dead engine)
@@ -54,6 +55,7 @@ class WeightedFakeEngine:
     async def _answer(self, call: str) -> None:
         if call in self.hanging:
             await asyncio.Event().wait()
+        await asyncio.sleep(self.delays.get(call, 0.0))
 
     # ------------------------------------------------------------------ serving
     async def generate_stream(

@@ -4,6 +4,7 @@ update window, auth headers, and the prefill leg's sampling."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from prorsa.runtime.ray.turns import NoEngineAvailable
 from prorsa.serve.http_errors import error_for
@@ -332,3 +333,27 @@ def test_a_push_that_fails_everywhere_retires_no_engine_and_a_retry_clears_a_fai
     assert retried.status_code == 200
     assert finished.status_code == 200 and finished.json()["failed"] == {}
     assert cancelled.status_code == 200 and live == [0, 1, 2]
+
+
+def test_a_second_cancel_during_a_failed_switch_s_resume_keeps_the_engine(tmp_path):
+    # Found by review: a switch cancelled part-way resumes its engine; a second cancel
+    # (a shutdown) while that resume ran marked a healthy engine dead.
+    async def go():
+        async with client(tmp_path) as (_, (svc, fakes)):
+            fakes[2].hanging.add("pause")
+            fakes[2].delays["resume"] = 0.2
+            switch = asyncio.ensure_future(svc.switch_role(2, "prefill"))
+            while svc.status()["roles"][2] != "switching":
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)  # the switch waits on the pause that never answers
+            switch.cancel()
+            await asyncio.sleep(0.05)  # the resume is under way
+            switch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await switch
+            await asyncio.sleep(0.3)  # the resume answers
+            engine = svc.router.pools.get(2)
+            return engine.alive, engine.role.value, fakes[2].paused
+
+    alive, role, paused = run(go())
+    assert alive and role == "decode" and not paused

@@ -20,6 +20,8 @@ event's detail also carries each stage's wall time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -193,20 +195,30 @@ class RoleSwitcher:
     async def _recover(self, engine: EngineState, error: str) -> None:
         """Resume an engine whose switch failed part-way (it may be paused) so it serves
         in its old role; one that will not resume leaves service. A paused engine left in
-        service would hold every leg routed to it."""
-        try:
-            await answered_within(
+        service would hold every leg routed to it.
+
+        The resume runs as its own task, shielded: a second cancellation (a shutdown
+        after a cancelled switch) stops the wait, not the resume, and only the resume's
+        own failure takes a healthy engine out of service."""
+        resume = asyncio.ensure_future(
+            answered_within(
                 engine.client.resume(),
                 engine.engine_id,
                 "the resume after a failed switch",
                 self.config.control_timeout_s,
             )
-        except BaseException as exc:
-            self.pools.mark_dead(
-                engine.engine_id, cause=f"role switch failed ({error}), then resume: {exc}"
-            )
-            if not isinstance(exc, Exception):
-                raise
+        )
+
+        def settle(task: asyncio.Future[Any]) -> None:
+            failure = "cancelled" if task.cancelled() else task.exception()
+            if failure is not None:
+                self.pools.mark_dead(
+                    engine.engine_id, cause=f"role switch failed ({error}), then resume: {failure}"
+                )
+
+        resume.add_done_callback(settle)
+        with contextlib.suppress(Exception):  # settled above: the engine left service
+            await asyncio.shield(resume)
 
     async def _run_stages(
         self,
