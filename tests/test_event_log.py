@@ -115,3 +115,27 @@ def test_empty_log_reads_empty():
     log = EventLog("r")
     assert log.to_table().num_rows == 0 and len(log.batch()) == 0
     assert isinstance(log.to_table(), pa.Table)
+
+
+@pytest.mark.parametrize("seal_every", [0, 7, 100])
+def test_rows_let_go_are_refused_and_the_rest_read_back_the_same(seal_every):
+    whole, trimmed = EventLog("r"), EventLog("r")
+    _fill(whole, 333)
+    _fill(trimmed, 333, seal_every=seal_every)
+    let_go = trimmed.forget_before(150)
+    first = trimmed.first_row
+    # Sealed rows go a whole chunk at a time; unsealed ones exactly.
+    assert let_go == first == {0: 150, 7: 147, 100: 100}[seal_every]
+    assert len(trimmed) == 333 and trimmed.keys == whole.keys
+    assert trimmed.to_table(first).equals(whole.to_table(first))
+    assert trimmed.rows(first, 200) == whole.rows(first, 200)
+    with pytest.raises(ValueError, match="let go"):
+        trimmed.batch(first - 1)
+    # Numbering goes on; an odd value among the rows let go no longer fails a read.
+    for log in (whole, trimmed):
+        log.append(1.0, 1, 0, KIND_CODE["decode_end"], 0, "odd")
+        _fill(log, 40, seed=1)
+    assert trimmed.forget_before(334) == 334 - first
+    assert trimmed.to_table(334).equals(whole.to_table(334))
+    assert trimmed.forget_before(10**9) == len(trimmed) - 334 and trimmed.first_row == 374
+    assert trimmed.to_table(374).num_rows == 0

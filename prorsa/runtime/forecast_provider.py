@@ -102,6 +102,12 @@ class ForecastProvider:
                 )
             self.forecaster.attach_truth(truth)  # type: ignore[attr-defined]
 
+    @property
+    def rows_read(self) -> int:
+        """Rows of the attached event log read so far (the rest of its life, the log
+        may let go of them)."""
+        return self._seen
+
     def forecast(self, obs: ClusterObservation) -> Forecast | None:
         events = self._events
         if events is None:

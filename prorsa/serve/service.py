@@ -767,8 +767,18 @@ class RolloutService:
             await asyncio.sleep(min(SESSION_SWEEP_S, self.config.session_idle_s))
             try:
                 self._sessions().expire()
+                self._let_go_of_read_events()
             except Exception:  # never let the sweeper die silently
                 logger.exception("session sweep failed")
+
+    def _let_go_of_read_events(self) -> None:
+        """Drop the in-memory events the forecaster has read (all of them without one):
+        the log is its input, not the record (``--telemetry-dir`` keeps that on disk),
+        and kept whole it grows by about 1 KB a turn for the life of the service. A
+        forecaster source that does not say how far it read keeps everything."""
+        log = self.router.telemetry.log
+        read = len(log) if self.forecaster is None else getattr(self.forecaster, "rows_read", 0)
+        log.forget_before(read)
 
 
 def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:

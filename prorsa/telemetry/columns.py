@@ -254,7 +254,8 @@ class EventLog:
         self._buf = bytearray()  # rows not sealed yet, _ROW_BYTES each
         self._chunks: list[tuple[np.ndarray, ...]] = []  # sealed rows as typed columns
         self._chunk_starts: list[int] = []  # first row of each chunk
-        self._sealed = 0  # rows in chunks
+        self._sealed = 0  # rows before the buffer's first (in chunks, or forgotten)
+        self._first = 0  # the first row still held (see forget_before)
         # Rows appended with values that are not plain numbers, kept as given (the buffer
         # holds zeros there): they are converted when read, failing as a float64 column
         # would (the recorder without validation isolates and drops such rows).
@@ -367,6 +368,33 @@ class EventLog:
         self._sealed += len(block)
         del self._buf[:]
 
+    # ----------------------------------------------------------------- forgetting
+    @property
+    def first_row(self) -> int:
+        """The first row still held: rows before it were let go by :meth:`forget_before`."""
+        return self._first
+
+    def forget_before(self, row: int) -> int:
+        """Let go of the rows before ``row``, once every reader has read them: a
+        long-lived service otherwise holds every event it ever served. Row numbers,
+        ``len()`` and keys stay as they were; sealed rows go a whole chunk at a time.
+        Same thread as the writer. Returns how many rows were let go."""
+        row = min(row, len(self))
+        before = self._first
+        while self._chunks and self._chunk_starts[0] + len(self._chunks[0][0]) <= row:
+            self._chunks.pop(0)
+            self._chunk_starts.pop(0)
+            self._first = self._chunk_starts[0] if self._chunks else self._sealed
+        if row > self._sealed and not self._chunks:
+            del self._buf[: (row - self._sealed) * _ROW_BYTES]
+            self._sealed = self._first = row
+        if self._first > before:
+            drop = bisect.bisect_left(self._detail_rows, self._first)
+            del self._detail_rows[:drop], self._detail_text[:drop]
+            for odd in [r for r in self._odd if r < self._first]:
+                del self._odd[odd]
+        return self._first - before
+
     # ----------------------------------------------------------------- reading
     def _parts(
         self, start: int, stop: int, *, compact: bool
@@ -399,7 +427,13 @@ class EventLog:
 
     def _bounds(self, start: int, stop: int | None) -> tuple[int, int]:
         stop = len(self) if stop is None else min(stop, len(self))
-        return max(0, min(start, stop)), stop
+        start = max(0, min(start, stop))
+        if start < self._first:
+            raise ValueError(
+                f"rows {start} to {self._first} of run {self.run_id!r} were let go "
+                "(forget_before); read from first_row on"
+            )
+        return start, stop
 
     def batch(self, start: int = 0, stop: int | None = None) -> EventBatch:
         """Rows ``start`` to ``stop`` (default: to the end now) as numpy columns (copies:

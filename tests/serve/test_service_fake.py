@@ -620,3 +620,29 @@ def test_engines_in_a_long_control_call_or_all_stuck_at_once_stay_in_service(tmp
     assert all(
         r.output_token_ids == tokens_for([*PROMPT, i % 6], 5, 0) for i, r in enumerate(results)
     )
+
+
+@pytest.mark.parametrize("forecaster", [None, "last-value"])
+def test_the_service_lets_go_of_the_events_its_forecaster_has_read(tmp_path, forecaster):
+    # A service that runs for a whole training job held every event it served (~1 KB a
+    # turn); the sweeper now drops what the forecaster has read (everything without one).
+    config = {"policy": "predictive", "forecaster": forecaster} if forecaster else {}
+
+    async def go():
+        async with fake_service(tmp_path, interval_s=0.05, **config) as (svc, _):
+            for i in range(4):
+                await svc.generate(f"s{i}", PROMPT, {"max_tokens": 3})
+            log = svc.router.telemetry.log
+            await asyncio.sleep(0.15)  # the controller ticks: its forecaster reads them
+            read = getattr(svc.forecaster, "rows_read", len(log))
+            unread = len(log) - read
+            svc._let_go_of_read_events()
+            kept = (log.first_row, len(log))
+            later = await svc.generate("later", PROMPT, {"max_tokens": 3})
+            await asyncio.sleep(0.15)
+            return read, unread, kept, later, svc.status()
+
+    read, unread, (first, length), later, status = run(go())
+    assert read > 0 and first == read and length == read + unread
+    assert later.output_token_ids == tokens_for(PROMPT, 3, 0)
+    assert status["control_ticks_failed"] == 0
