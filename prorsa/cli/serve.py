@@ -58,6 +58,7 @@ def serve_cmd(
     telemetry_dir: Path | None = _opt(None, "telemetry_dir", "--telemetry-dir"),
     profile: str | None = _opt(None, "profile", "--profile"),
     ray_address: str | None = _opt(None, "ray_address", "--ray-address"),
+    worker_extension_cls: str | None = _opt(None, "worker_extension_cls", "--worker-extension-cls"),
     workload_scenario: str | None = _opt(None, "workload_scenario", "--workload-scenario"),
     seed: int = _opt(0, "seed", "--seed"),
 ) -> None:
@@ -96,6 +97,7 @@ def serve_cmd(
         telemetry_dir=str(telemetry_dir) if telemetry_dir else None,
         profile=profile,
         ray_address=ray_address,
+        worker_extension_cls=worker_extension_cls,
         workload_scenario=workload_scenario,
         seed=seed,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,13 @@ class ServeConfig:
     ray_address: str | None = field(
         default=None, **_help("Ray cluster to join (none: start a local one).")
     )
+    worker_extension_cls: str | None = field(
+        default=None,
+        **_help(
+            "vLLM worker extension (module.Class) loaded by every engine, for a trainer "
+            "that pushes weights through collective_rpc (SkyRL's WorkerWrap)."
+        ),
+    )
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for settings that cannot work."""
@@ -156,6 +164,8 @@ class ServeConfig:
                     f"unknown workload scenario {self.workload_scenario!r}",
                     hint=f"one of {sorted(SCENARIOS)}",
                 )
+        if self.worker_extension_cls is not None:
+            _check_importable(self.worker_extension_cls)
         if self.admin_token is not None and not self.admin_token.strip():
             raise ConfigError("admin_token is empty", hint="omit it to leave admin routes open")
 
@@ -168,3 +178,18 @@ class ServeConfig:
     def help(cls) -> dict[str, str]:
         """Field name -> help text."""
         return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+def _check_importable(dotted: str) -> None:
+    """ConfigError unless ``dotted`` names a class in a module this Python can find (the
+    engines import it; found here, it fails there only if their environment differs)."""
+    module, _, name = dotted.rpartition(".")
+    try:
+        found = bool(module and name) and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"worker_extension_cls {dotted!r}: no module {module or dotted!r} here",
+            hint="give module.Class of an installed package (e.g. SkyRL's WorkerWrap)",
+        )

@@ -194,43 +194,27 @@ async def prorsa_update_weights(request: Request) -> dict[str, Any]:
 
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> dict[str, Any]:
-    service = _service(request)
-    await service.begin_weight_update()
-    try:
-        await service.collective_rpc("start_weight_update")
-    except BaseException:
-        await service.cancel_weight_update()  # never leave serving paused behind an error
-        raise
+    await _service(request).begin_weight_update_with("start_weight_update")
     return {"message": "Weight update started"}
 
 
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> dict[str, Any]:
     body = await json_object(request)
-    service = _service(request)
-    if not service.weight_update_open:
-        raise HTTPError(409, f"no weight update is open: {_UPDATE_WINDOW_HINT}")
     version = body.get("weight_version")
     if isinstance(version, str) and version.isdigit():
         version = int(version)
-    service.check_next_version(version)  # refused before the engines finish: may retry
-    try:
-        await service.collective_rpc("finish_weight_update")
-    except BaseException:
-        await service.cancel_weight_update()
-        raise
-    summary = await service.finish_weight_update(version)
+    _, summary = await _service(request).finish_weight_update_with("finish_weight_update", version)
     return {"message": "Weight update finished", **summary}
 
 
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     body = await json_object(request)
-    if "init_info" not in body:
-        raise HTTPError(400, "needs 'init_info'", param="init_info")
-    await _service(request).collective_rpc(
-        "init_weight_transfer_engine", kwargs={"init_info": body["init_info"]}
-    )
+    init_info = body.get("init_info")
+    if not isinstance(init_info, dict):
+        raise HTTPError(400, "needs 'init_info' (an object)", param="init_info")
+    await _service(request).init_weight_transfer(init_info)
     return {"message": "Weight transfer initialized"}
 
 
@@ -252,8 +236,7 @@ async def collective_rpc(request: Request) -> dict[str, Any]:
 @router.get("/get_world_size")
 async def get_world_size(request: Request) -> dict[str, Any]:
     service = _service(request)
-    tp = service.fleet.spec.engine.tensor_parallel_size if service.fleet else 1
-    return {"world_size": len(service.live_engines()) * tp}
+    return {"world_size": len(service.live_engines()) * service.tensor_parallel_size}
 
 
 @router.get("/weight_info")

@@ -51,7 +51,23 @@ _DECISIONS_KEPT = 3600
 
 #: vLLM's calls that set up, open and close a weight transfer on its workers; they move
 #: no weights.
-_WINDOW_CALLS = ("init_weight_transfer_engine", "start_weight_update", "finish_weight_update")
+_WINDOW_CALLS = (
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "finish_weight_update",
+    "skyrl_start_weight_update",
+    "skyrl_finish_weight_update",
+)
+#: Worker-extension calls that open and close a trainer's weight push (SkyRL's).
+_OPENS_WINDOW = frozenset({"skyrl_start_weight_update"})
+_CLOSES_WINDOW = frozenset({"skyrl_finish_weight_update"})
+
+
+def _moves_weights(method: str) -> bool:
+    """A collective_rpc method that changes an engine's weights (vLLM's and the trainers'
+    worker extensions' names)."""
+    return method.startswith("update_weights") or method in ("load_weights", "reload_weights")
+
 
 #: An external weight update between its begin call and its window being open.
 _OPENING = "opening"
@@ -562,14 +578,116 @@ class RolloutService:
     ) -> dict[int, list[Any]]:
         """Call ``method`` on every worker of every live engine; results per engine.
 
-        It changes nothing the service tracks: to move weights this way, wrap the calls
-        in :meth:`begin_weight_update` / :meth:`finish_weight_update`. Inside that
-        window, an engine whose call of a method fails (other than vLLM's set-up, start
-        and finish of the window, which move no weights) and does not succeed on a retry
-        holds weights no one can vouch for: the finish or cancel takes it out of service
+        To move weights this way, wrap the calls in :meth:`begin_weight_update` /
+        :meth:`finish_weight_update`; a call that moves weights (``update_weights*``,
+        ``load_weights``, ``reload_weights``) outside that window is refused with a
+        :class:`StateConflict`: it would change weights under turns being served. SkyRL's
+        worker-extension calls that start and finish its push
+        (``skyrl_start_weight_update``, ``skyrl_finish_weight_update``) open and close the
+        window themselves (the finish stamps the next version). Inside the window, an
+        engine whose call of a method fails (other than vLLM's set-up, start and finish
+        of the window, which move no weights) and does not succeed on a retry holds
+        weights no one can vouch for: the finish or cancel takes it out of service
         instead of serving from it under either version, unless every engine failed
         (see :meth:`finish_weight_update`). The first error is still raised here.
         """
+        if method in _OPENS_WINDOW:
+            return await self.begin_weight_update_with(method, args, kwargs, timeout_s)
+        if method in _CLOSES_WINDOW:
+            results, _ = await self.finish_weight_update_with(method, None, args, kwargs, timeout_s)
+            return results
+        if _moves_weights(method) and not self.weight_update_open:
+            raise StateConflict(
+                f"collective_rpc {method!r} moves weights outside a weight update window",
+                hint="open one first (start_weight_update) and finish it after the push",
+            )
+        return await self._rpc(method, args, kwargs, timeout_s)
+
+    async def begin_weight_update_with(
+        self,
+        method: str,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[int, list[Any]]:
+        """:meth:`begin_weight_update`, then ``method`` on every engine (vLLM's or a
+        worker extension's start of a push); a failed call closes the window again, so
+        serving never stays paused behind an error."""
+        await self.begin_weight_update()
+        try:
+            return await self._rpc(method, args, kwargs, timeout_s)
+        except BaseException:
+            await self.cancel_weight_update()
+            raise
+
+    async def finish_weight_update_with(
+        self,
+        method: str,
+        version: int | None = None,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[dict[int, list[Any]], dict[str, Any]]:
+        """``method`` on every engine (the end of a push), then
+        :meth:`finish_weight_update` to ``version``; a failed call cancels the window.
+        A version that would not be above the current one is refused first, with the
+        window still open."""
+        if not self.weight_update_open:
+            raise StateConflict(
+                f"{method}: no weight update is open", hint="start one first (start_weight_update)"
+            )
+        self.check_next_version(version)
+        try:
+            results = await self._rpc(method, args, kwargs, timeout_s)
+        except BaseException:
+            await self.cancel_weight_update()
+            raise
+        return results, await self.finish_weight_update(version)
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> dict[int, list[Any]]:
+        """vLLM's ``init_weight_transfer_engine`` on every live engine.
+
+        A trainer sees this service as one server of ``engines x tensor_parallel_size``
+        workers (``/get_world_size``) and gives it one NCCL ``rank_offset``; each engine's
+        workers take the ranks after those of the live engines before it, as separate
+        servers' offsets would (every engine given the same offset would repeat ranks,
+        and the group would never form)."""
+        offset = init_info.get("rank_offset")
+        if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool)):
+            raise InputError(f"rank_offset must be an integer, got {offset!r}", field="rank_offset")
+        ids = self.live_engines()
+        tp = self.tensor_parallel_size
+        per_engine = {
+            eid: init_info if offset is None else {**init_info, "rank_offset": offset + i * tp}
+            for i, eid in enumerate(ids)
+        }
+        results = await asyncio.gather(
+            *(
+                self.client(eid).collective_rpc(
+                    "init_weight_transfer_engine", (), {"init_info": per_engine[eid]}, None
+                )
+                for eid in ids
+            ),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return dict(zip(ids, results, strict=True))
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Workers per engine."""
+        return self.fleet.spec.engine.tensor_parallel_size if self.fleet is not None else 1
+
+    async def _rpc(
+        self,
+        method: str,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[int, list[Any]]:
+        """:meth:`collective_rpc` without its window rules."""
         results = await self.for_each_engine(
             lambda c: c.collective_rpc(method, args, kwargs, timeout_s), tolerate=True
         )

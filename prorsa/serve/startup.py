@@ -25,7 +25,6 @@ def start_fleet(config: ServeConfig, roles: list[str]) -> tuple[Any, bool]:
     import ray
 
     from prorsa.runtime.ray.cluster import EngineFleet, FleetSpec
-    from prorsa.runtime.ray.config import EngineConfig
     from prorsa.runtime.ray.engine import _default_device
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,24 +38,34 @@ def start_fleet(config: ServeConfig, roles: list[str]) -> tuple[Any, bool]:
             cpus = max(os.cpu_count() or 1, config.engines + 2) if on_cpu else None
             ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         owns_ray = True
-    kv_dir = config.kv_storage_dir or tempfile.mkdtemp(prefix="prorsa-kv-")
-    engine = EngineConfig(
-        model=config.model,
-        dtype="float32" if on_cpu else "auto",
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        kv_cache_gib=config.kv_cache_gib if config.kv_cache_gib or not on_cpu else 0.25,
-        connector=config.connector,  # type: ignore[arg-type]
-        kv_storage_dir=kv_dir,
-        kv_wait_timeout_s=config.kv_wait_timeout_s,
-        seed=config.seed,
-    )
+    engine = engine_config_for(config, on_cpu=on_cpu)
     try:
         return EngineFleet.start(FleetSpec(engine, roles=roles)), owns_ray
     except BaseException:
         if owns_ray:
             ray.shutdown()
         raise
+
+
+def engine_config_for(config: ServeConfig, *, on_cpu: bool) -> Any:
+    """The :class:`~prorsa.runtime.ray.config.EngineConfig` of every engine of the service."""
+    from prorsa.runtime.ray.config import EngineConfig
+
+    extra = {}
+    if config.worker_extension_cls:
+        extra["worker_extension_cls"] = config.worker_extension_cls
+    return EngineConfig(
+        model=config.model,
+        dtype="float32" if on_cpu else "auto",
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        kv_cache_gib=config.kv_cache_gib if config.kv_cache_gib or not on_cpu else 0.25,
+        connector=config.connector,  # type: ignore[arg-type]
+        kv_storage_dir=config.kv_storage_dir or tempfile.mkdtemp(prefix="prorsa-kv-"),
+        kv_wait_timeout_s=config.kv_wait_timeout_s,
+        seed=config.seed,
+        engine_kwargs=extra,
+    )
 
 
 def cluster_spec_for(config: ServeConfig) -> Any:

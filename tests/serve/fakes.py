@@ -42,6 +42,7 @@ class WeightedFakeEngine:
         self.updates: list[tuple[str, int]] = []
         self.stale_refused = 0
         self.rpc_calls: list[str] = []
+        self.rpc_kwargs: list[dict[str, Any]] = []  # each call's kwargs, as rpc_calls
         self.failing_rpcs: set[str] = set()
         self.transit_s = 0.0  # a call's time on its way before the engine registers it
         self.reload_s = 0.0
@@ -193,6 +194,7 @@ class WeightedFakeEngine:
 
     async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None) -> list[Any]:
         self.rpc_calls.append(method)
+        self.rpc_kwargs.append(kwargs or {})
         if method in self.failing_rpcs:
             raise RuntimeError(f"worker has no method {method!r}")
         return [f"{method} on engine {self.engine_id}"]

@@ -419,3 +419,60 @@ def test_the_fast_path_serves_the_apps_own_data_plane_routes(tmp_path):
         "/inference/v1/generate": routes_tokens.generate,
         "/v1/completions": routes_openai.completions,
     }
+
+
+def test_skyrl_weight_sync_through_its_worker_extension_calls(tmp_path):
+    # SkyRL's push: /get_world_size, /init_weight_transfer_engine (one rank offset for the
+    # server), then collective_rpc skyrl_start_weight_update -> update_weights_* ->
+    # skyrl_finish_weight_update (its worker extension; remote_inference_client and
+    # weight_sync/broadcast_strategy).
+    async def go():
+        async with client(tmp_path) as (http, (svc, fakes)):
+
+            def rpc(method: str, **kwargs):
+                return http.post(
+                    "/collective_rpc", json={"method": method, "kwargs": kwargs}, headers=ADMIN
+                )
+
+            world = (await http.get("/get_world_size", headers=ADMIN)).json()["world_size"]
+            info = {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,
+                    "world_size": 1 + world}  # fmt: skip
+            init = await http.post(
+                "/init_weight_transfer_engine", json={"init_info": info}, headers=ADMIN
+            )
+            outside = await rpc("update_weights_ipc", update_info={"names": ["w"]})
+            started = await rpc("skyrl_start_weight_update", is_checkpoint_format=True)
+            open_then, paused_then = svc.weight_update_open, all(f.paused for f in fakes)
+            pushed = await rpc("update_weights_ipc", update_info={"names": ["w"]})
+            finished = await rpc("skyrl_finish_weight_update")
+            after = (await http.post(
+                "/inference/v1/generate",
+                json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}},
+            )).json()  # fmt: skip
+            return (
+                world,
+                init,
+                outside,
+                started,
+                open_then,
+                paused_then,
+                pushed,
+                finished,
+                (after, svc, fakes),
+            )
+
+    world, init, outside, started, open_then, paused_then, pushed, finished, rest = run(go())
+    after, svc, fakes = rest
+    assert world == 3 and init.status_code == 200
+    # Each engine's worker takes its own NCCL rank after the trainer's (rank 0).
+    offsets = [f.rpc_kwargs[0]["init_info"]["rank_offset"] for f in fakes]
+    assert offsets == [1, 2, 3]
+    assert all(f.rpc_kwargs[0]["init_info"]["world_size"] == 4 for f in fakes)
+    assert outside.status_code == 409 and "outside a weight update" in outside.text
+    assert started.status_code == pushed.status_code == finished.status_code == 200
+    assert open_then and paused_then and not svc.weight_update_open
+    assert [f.rpc_calls[1:] for f in fakes] == [
+        ["skyrl_start_weight_update", "update_weights_ipc", "skyrl_finish_weight_update"]
+    ] * 3
+    assert svc.weight_version == 1 and after["prorsa"]["weight_version"] == 1
+    assert not any(f.paused for f in fakes)

@@ -79,3 +79,19 @@ def test_trainer_configs_example_prints_every_trainer(capsys):
     for needle in ("external_proxy_url=http://h:8000", 'base_url = "http://h:8000/v1"',
                    "AREAL_LLM_SERVER_ADDRS=h:8000", "custom.prorsa_url=http://h:8000"):  # fmt: skip
         assert needle in text
+
+
+def test_a_worker_extension_reaches_every_engine_and_a_missing_one_is_named(tmp_path):
+    from prorsa.serve.config import ServeConfig
+    from prorsa.serve.startup import engine_config_for
+    from tests.serve.helpers import model_folder
+
+    model = str(model_folder(tmp_path))
+    config = ServeConfig(model=model, worker_extension_cls="json.JSONDecoder")
+    config.validate()
+    engine = engine_config_for(config, on_cpu=True)
+    assert engine.engine_kwargs == {"worker_extension_cls": "json.JSONDecoder"}
+    assert engine_config_for(ServeConfig(model=model), on_cpu=True).engine_kwargs == {}
+    missing = ServeConfig(model=model, worker_extension_cls="skyrl_missing.WorkerWrap")
+    with pytest.raises(ConfigError, match="skyrl_missing"):
+        missing.validate()
