@@ -108,7 +108,16 @@ def serve_cmd(
     )
 
     def ready(service: object) -> None:
-        auth = "admin routes need a bearer token" if admin_token else "admin routes open"
+        auth = "admin routes open"
+        if admin_token:
+            # Named: a token left in the environment would lock out clients that send
+            # none (AReaL) without anyone having passed --admin-token.
+            source = (
+                "PRORSA_ADMIN_TOKEN"
+                if os.environ.get("PRORSA_ADMIN_TOKEN") == admin_token
+                else "--admin-token"
+            )
+            auth = f"admin routes need the bearer token from {source}"
         console.print(
             f"serving {config.model_name} on http://{host}:{port} ({auth}); Ctrl-C stops",
             highlight=False,

@@ -45,10 +45,17 @@ class TokenOutputLike:
     extra_fields: dict[str, Any] = field(default_factory=dict)
 
 
-def verl_sampling(sampling_params: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
-    """verl's sampling dict as prorsa's: ``logprobs`` is a flag there, a count here."""
+def verl_sampling(
+    sampling_params: dict[str, Any], default_max_tokens: int, room: int | None = None
+) -> dict[str, Any]:
+    """verl's sampling dict as prorsa's: ``logprobs`` is a flag there, a count here.
+
+    ``room``: the tokens left in the context after the prompt; ``max_tokens`` is kept
+    within ``[1, room]`` as verl's own servers do."""
     out = {k: sampling_params[k] for k in _PASS if sampling_params.get(k) is not None}
     out.setdefault("max_tokens", sampling_params.get("max_new_tokens") or default_max_tokens)
+    if room is not None:
+        out["max_tokens"] = max(1, min(out["max_tokens"], room))
     if sampling_params.get("logprobs"):
         out["logprobs"] = 0
     unknown = set(sampling_params) - set(_PASS) - {"logprobs", "max_new_tokens", "extra_args"}
@@ -58,11 +65,31 @@ def verl_sampling(sampling_params: dict[str, Any], default_max_tokens: int) -> d
 
 
 class ProrsaLLMClient:
-    """verl's ``LLMServerClient.generate`` over HTTP to a prorsa server (picklable)."""
+    """verl's ``LLMServerClient.generate`` over HTTP to a prorsa server (picklable).
 
-    def __init__(self, url: str, *, max_tokens: int = 512, timeout_s: float = 3600.0) -> None:
+    Args:
+        url: the prorsa server.
+        max_tokens: verl's ``rollout.response_length``: the most tokens of one turn.
+        prompt_length: verl's ``rollout.prompt_length``; with it, a turn without its own
+            limit stops where verl's servers stop it, at ``prompt_length +
+            response_length - len(prompt)`` (a later turn of a trajectory gets less; the
+            tokens past it verl would cut off anyway).
+        max_model_len: the context length; a turn's limit never passes what is left of it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_tokens: int = 512,
+        prompt_length: int | None = None,
+        max_model_len: int | None = None,
+        timeout_s: float = 3600.0,
+    ) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
         self.max_tokens = max_tokens
+        self.prompt_length = prompt_length
+        self.max_model_len = max_model_len
         self.timeout_s = timeout_s
         self._clients: dict[int, Any] = {}
 
@@ -93,10 +120,12 @@ class ProrsaLLMClient:
         """One turn; returns verl's ``TokenOutput`` (or :class:`TokenOutputLike`)."""
         if image_data is not None or video_data is not None or audio_data is not None:
             raise ConfigError("prorsa serves text models: no image, video or audio inputs")
-        body = {
-            "token_ids": list(prompt_ids),
-            "sampling_params": verl_sampling(sampling_params, self.max_tokens),
-        }
+        prompt = list(prompt_ids)
+        limit = self.max_tokens
+        if self.prompt_length is not None:
+            limit = min(limit, self.prompt_length + self.max_tokens - len(prompt))
+        room = None if self.max_model_len is None else self.max_model_len - len(prompt)
+        body = {"token_ids": prompt, "sampling_params": verl_sampling(sampling_params, limit, room)}
         response = await self._http().post(
             "/inference/v1/generate", json=body, headers={"X-Session-ID": str(request_id)}
         )
@@ -106,12 +135,21 @@ class ProrsaLLMClient:
         choice = data["choices"][0]
         content = (choice.get("logprobs") or {}).get("content")
         finish = choice.get("finish_reason")
+        version = data.get("prorsa", {}).get("weight_version")
+        spanned = [int(span["version"]) for span in choice.get("weight_versions") or []]
         return _token_output(
             token_ids=choice["token_ids"],
             log_probs=[entry["logprob"] for entry in content] if content else None,
             stop_reason="aborted" if finish == "abort" else "completed",
             num_preempted=0,
-            extra_fields={"weight_version": data.get("prorsa", {}).get("weight_version")},
+            # verl's trainer reads the policy versions a turn was sampled under (its
+            # staleness bookkeeping): prorsa's weight versions, as the trainer posted them.
+            extra_fields={
+                "weight_version": version,
+                "global_steps": version if version is not None else max(spanned, default=0),
+                "min_global_steps": min(spanned, default=version or 0),
+                "max_global_steps": max(spanned, default=version or 0),
+            },
         )
 
     async def finish(self, request_id: str) -> None:
@@ -147,7 +185,12 @@ def _manager_class() -> type:
 
         def __init__(self, config: Any, llm_client: Any = None, *args: Any, **kwargs: Any):
             rollout = config.actor_rollout_ref.rollout
-            client = ProrsaLLMClient(prorsa_url(config), max_tokens=rollout.response_length)
+            client = ProrsaLLMClient(
+                prorsa_url(config),
+                max_tokens=rollout.response_length,
+                prompt_length=rollout.prompt_length,
+                max_model_len=rollout.get("max_model_len"),
+            )
             super().__init__(config, client, *args, **kwargs)
 
     return ProrsaAgentLoopManager

@@ -177,7 +177,7 @@ def test_areal_completions_and_disk_update(tmp_path):
 def test_verl_client_sends_turns_through_prorsa(tmp_path):
     async def go():
         async with client(tmp_path) as (http, (svc, _)):
-            verl = ProrsaLLMClient("http://prorsa", max_tokens=4)
+            verl = ProrsaLLMClient("http://prorsa", max_tokens=4, prompt_length=6)
             verl._clients[id(asyncio.get_running_loop())] = http  # reuse the in-process app
             sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
                         "logprobs": True}  # fmt: skip
@@ -190,7 +190,10 @@ def test_verl_client_sends_turns_through_prorsa(tmp_path):
     out, out2, status = run(go())
     assert out.token_ids == tokens_for(PROMPT, 4, 0) and out.log_probs == [-1.0] * 4
     assert out.stop_reason == "completed" and out.extra_fields["weight_version"] == 0
-    assert status["sessions"] == 1 and len(out2.token_ids) == 4
+    steps = ("global_steps", "min_global_steps", "max_global_steps")  # verl's staleness
+    assert [out.extra_fields[k] for k in steps] == [0, 0, 0]
+    # verl's budget: the second turn's 8-token prompt leaves 6 + 4 - 8 = 2 tokens.
+    assert status["sessions"] == 1 and len(out2.token_ids) == 2
 
 
 def test_malformed_requests_get_4xx_and_leave_other_sessions_alone(tmp_path):

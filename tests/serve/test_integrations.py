@@ -60,6 +60,9 @@ def test_verl_sampling_translation():
     }  # fmt: skip
     assert "logprobs" not in verl_sampling({**verl, "logprobs": False}, 8)
     assert verl_sampling({"max_new_tokens": 5}, 64)["max_tokens"] == 5
+    # Within what the context has left, as verl's servers clamp it (and at least 1).
+    assert verl_sampling({"max_tokens": 50}, 64, room=20)["max_tokens"] == 20
+    assert verl_sampling({}, 64, room=0)["max_tokens"] == 1
     with pytest.raises(ConfigError, match="beam_width"):
         verl_sampling({"beam_width": 4}, 8)
 
