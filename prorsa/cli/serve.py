@@ -59,6 +59,7 @@ def serve_cmd(
     profile: str | None = _opt(None, "profile", "--profile"),
     ray_address: str | None = _opt(None, "ray_address", "--ray-address"),
     worker_extension_cls: str | None = _opt(None, "worker_extension_cls", "--worker-extension-cls"),
+    tool_call_parser: str | None = _opt(None, "tool_call_parser", "--tool-call-parser"),
     workload_scenario: str | None = _opt(None, "workload_scenario", "--workload-scenario"),
     seed: int = _opt(0, "seed", "--seed"),
 ) -> None:
@@ -98,6 +99,7 @@ def serve_cmd(
         profile=profile,
         ray_address=ray_address,
         worker_extension_cls=worker_extension_cls,
+        tool_call_parser=tool_call_parser,
         workload_scenario=workload_scenario,
         seed=seed,
     )

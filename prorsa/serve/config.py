@@ -117,6 +117,13 @@ class ServeConfig:
     ray_address: str | None = field(
         default=None, **_help("Ray cluster to join (none: start a local one).")
     )
+    tool_call_parser: str | None = field(
+        default=None,
+        **_help(
+            "Parse chat replies into OpenAI tool_calls with this vLLM tool-call parser "
+            "(hermes, qwen3_coder, llama3_json, ...; none: the text as it is)."
+        ),
+    )
     worker_extension_cls: str | None = field(
         default=None,
         **_help(

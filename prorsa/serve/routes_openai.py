@@ -26,6 +26,7 @@ from prorsa.serve.routes_tokens import (
     token_ids,
 )
 from prorsa.serve.sampling import TEXT_ONLY_KEYS, Sampling, parse_sampling
+from prorsa.serve.tool_calls import check_tools
 
 router = APIRouter()
 
@@ -37,7 +38,7 @@ _COMPLETION_FIELDS = frozenset(
 _CHAT_FIELDS = frozenset(
     {"model", "messages", "stream", "return_tokens_as_token_ids", "return_token_ids",
      "session_id", "routing", "top_logprobs", "add_generation_prompt", "chat_template_kwargs",
-     "max_completion_tokens"}
+     "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}
 )  # fmt: skip
 #: Accepted and ignored: OpenAI bookkeeping, and vLLM options that change nothing here.
 _IGNORED = frozenset(
@@ -137,11 +138,18 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         sampling_fields["logprobs"] = body.get("top_logprobs") or 0
     elif sampling_fields.get("logprobs") is False:
         sampling_fields["logprobs"] = None
+    tools, tool_choice = body.get("tools"), body.get("tool_choice")
+    check_tools(tools, tool_choice)
+    template_kwargs = body.get("chat_template_kwargs")
+    if body.get("reasoning_effort") is not None and isinstance(template_kwargs or {}, dict):
+        # A template variable, as vLLM's server hands it to templates that read it.
+        template_kwargs = {"reasoning_effort": body["reasoning_effort"], **(template_kwargs or {})}
     prompt = render_chat(
         request,
         body.get("messages"),
         body.get("add_generation_prompt", True),
-        body.get("chat_template_kwargs"),
+        template_kwargs,
+        tools=tools,
     )
     service = request.app.state.service
     if sampling_fields.get("max_tokens") is None:
@@ -152,11 +160,19 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
     )
     as_ids = bool(body.get("return_tokens_as_token_ids"))
+    text = _decode(request, result.output_token_ids)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    finish = result.finish_reason
+    parser = service.tool_parser
+    if parser is not None and tools and tool_choice != "none":
+        message, called = parser.assistant_message(text, body)
+        if called and finish == "stop":
+            finish = "tool_calls"
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": _decode(request, result.output_token_ids)},
+        "message": message,
         "logprobs": _chat_logprobs(request, result, as_ids),
-        "finish_reason": result.finish_reason,
+        "finish_reason": finish,
         "stop_reason": None,
     }
     if body.get("return_token_ids"):
@@ -178,16 +194,29 @@ def render_chat(
     messages: Any,
     add_generation_prompt: bool = True,
     template_kwargs: Any = None,
+    *,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` under the model's chat template (``template_kwargs``:
-    extra template variables, e.g. Qwen3's ``enable_thinking``)."""
+    extra template variables, e.g. Qwen3's ``enable_thinking``; ``tools``: the
+    functions the model may call, as the template shows them)."""
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list", param="messages")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        # An assistant turn that called tools may come without content (OpenAI's format).
+        if (
+            not isinstance(message, dict)
+            or "role" not in message
+            or ("content" not in message and not message.get("tool_calls"))
+        ):
             raise HTTPError(400, f"messages[{i}] needs 'role' and 'content'", param="messages")
+    # Rendered as vLLM renders them: an assistant turn of tool calls with no content has
+    # empty content (templates concatenate it).
+    messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+    if tools:
+        template_kwargs = {**(template_kwargs or {}), "tools": tools}
     tokenizer = _tokenizer(request)
     if not getattr(tokenizer, "chat_template", None):
         raise HTTPError(400, "the model folder's tokenizer has no chat template", param="messages")

@@ -118,6 +118,7 @@ class RolloutService:
         self.monitor: Any = None
         self.recorder: Any = None
         self.tokenizer: Any = None
+        self.tool_parser: Any = None  # a ToolCallParser with --tool-call-parser
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
         self._external_update: Any = None
         #: engines a collective_rpc failed on inside the open window (id -> method, error)
@@ -144,6 +145,15 @@ class RolloutService:
         config = self.config
         config.validate()
         started = time.perf_counter()
+        if config.tool_call_parser:  # checked before any engine starts
+            from prorsa.serve.tool_calls import ToolCallParser
+
+            tokenizer = load_tokenizer(config.model)
+            if tokenizer is None:
+                raise ConfigError(
+                    "a tool-call parser needs the model folder's tokenizer; it has none"
+                )
+            self.tool_parser = ToolCallParser(config.tool_call_parser, tokenizer)
         spec = cluster_spec_for(config)
         policy = self.policy or make_policy_for(config)
         policy.reset(spec, config.seed)

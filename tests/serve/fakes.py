@@ -48,6 +48,7 @@ class WeightedFakeEngine:
         self.reload_s = 0.0
         self.hanging: set[str] = set()  # control calls that never answer (a stuck engine)
         self.delays: dict[str, float] = {}  # control calls that answer late, in seconds
+        self.reply: list[int] | None = None  # a scripted reply that ends in a stop
         self.stalled = False  # steps no more, answering all the while (a hung GPU)
         self.busy: list[str] = []  # long control calls it reports running
         self.refusing: set[str] = set()  # control calls that raise (not a dead engine)
@@ -85,8 +86,9 @@ class WeightedFakeEngine:
         out: list[int] = []
         stamps: list[int] = []
         finish = "length"
+        script = self.reply
         try:
-            for i in range(max_tokens):
+            for i in range(max_tokens if script is None else min(max_tokens, len(script))):
                 while (
                     self.paused or self.sleeping or self.stalled
                 ) and request_id not in self.aborted:
@@ -94,7 +96,11 @@ class WeightedFakeEngine:
                 if request_id in self.aborted:
                     finish = "abort"
                     break
-                out.append(tokens_for(prompt_token_ids, max_tokens, self.version)[i])
+                if script is None:
+                    out.append(tokens_for(prompt_token_ids, max_tokens, self.version)[i])
+                else:
+                    out.append(script[i])
+                    finish = "stop" if i == len(script) - 1 else finish
                 stamps.append(self.version)
                 self.steps += 1
                 if i == 0 and max_tokens > 1:

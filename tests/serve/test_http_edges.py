@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
+from prorsa.errors import ConfigError
 from prorsa.runtime.ray.turns import NoEngineAvailable
 from prorsa.serve.http_errors import error_for
 from tests.serve.fakes import tokens_for
@@ -19,6 +22,8 @@ TEMPLATE = (
     "{{ '<s>' + message['role'] + ': ' + message['content'] + '</s>' }}"
     "{% endfor %}"
     "{% if enable_thinking is defined and not enable_thinking %}{{ ' /no_think' }}{% endif %}"
+    "{% if tools %}{{ ' tools: ' + (tools | map(attribute='function.name') | join(',')) }}"
+    "{% endif %}"
     "{% if add_generation_prompt %}{{ '<s>assistant: ' }}{% endif %}"
 )
 CHAT = [{"role": "user", "content": "run the tests"}]
@@ -357,3 +362,76 @@ def test_a_second_cancel_during_a_failed_switch_s_resume_keeps_the_engine(tmp_pa
 
     alive, role, paused = run(go())
     assert alive and role == "decode" and not paused
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "run", "description": "run a command",
+     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}
+]  # fmt: skip
+
+
+def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_path):
+    # Found by review: tools, tool_choice, parallel_tool_calls and reasoning_effort were
+    # each a 400, so agentic clients (prime-rl's environments, SkyRL's harnesses) could
+    # not call the chat route with tools.
+    tokenizer = _with_tokenizer(tmp_path)
+    call = '<tool_call>{"name": "run", "arguments": {"cmd": "ls"}}</tool_call>'
+    reply = tokenizer.encode("I will look." + call, add_special_tokens=False)
+    history = [
+        *CHAT,
+        {"role": "assistant", "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "run", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "ok"},
+    ]  # fmt: skip
+
+    async def go():
+        async with client(tmp_path, tool_call_parser="hermes") as (http, (_, fakes)):
+            for fake in fakes:
+                fake.reply = reply
+
+            def chat(**fields):
+                body = {"messages": CHAT, "return_token_ids": True, **fields}
+                return http.post("/v1/chat/completions", json=body)
+
+            called = await chat(tools=TOOLS, reasoning_effort="low", parallel_tool_calls=False)
+            plain = await chat(tools=TOOLS, tool_choice="none")
+            after_tool = await chat(messages=history, tools=TOOLS)
+            bad = {
+                "required": await chat(tools=TOOLS, tool_choice="required"),
+                "not a list": await chat(tools={"run": 1}),
+            }
+            return called, plain, after_tool, bad
+
+    called, plain, after_tool, bad = run(go())
+    assert called.status_code == 200, called.text
+    body = called.json()
+    prompt = tokenizer.apply_chat_template(
+        CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert prompt.endswith(" tools: run<s>assistant: ")  # the template saw the tools
+    assert body["prompt_token_ids"] == tokenizer.encode(prompt, add_special_tokens=False)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "I will look."
+    [tool_call] = choice["message"]["tool_calls"]
+    assert tool_call["function"] == {"name": "run", "arguments": '{"cmd": "ls"}'}
+    # tool_choice none: the tools are shown, the text is not parsed.
+    assert plain.json()["choices"][0]["message"] == {
+        "role": "assistant", "content": tokenizer.decode(reply)
+    }  # fmt: skip
+    assert after_tool.status_code == 200, after_tool.text
+    assert {k: (r.status_code, r.json()["error"]["param"]) for k, r in bad.items()} == {
+        "required": (400, "tool_choice"), "not a list": (400, "tools")
+    }  # fmt: skip
+
+
+def test_an_unknown_tool_call_parser_is_refused_before_engines_start(tmp_path):
+    _with_tokenizer(tmp_path)
+
+    async def go():
+        async with client(tmp_path, tool_call_parser="no-such-parser"):
+            pass
+
+    with pytest.raises(ConfigError, match="no-such-parser") as err:
+        run(go())
+    assert "hermes" in str(err.value.hint)
