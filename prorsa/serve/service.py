@@ -110,6 +110,8 @@ class RolloutService:
         self.weight_version = 0
         self.engines_paused_by_trainer = False
         self._resumes = 0  # resume() calls: a `wait` pause undone while it drained ends there
+        #: The mode of the trainer's pause in force (None when not paused by the trainer).
+        self.trainer_pause_mode: str | None = None
         self.sleeping = False
         self.router: Any = None
         self.sessions: Sessions | None = None
@@ -372,6 +374,7 @@ class RolloutService:
                 return  # resumed while the turns drained: this pause is already undone
         async with self.sync.lock:  # not in the middle of a weight update
             self.engines_paused_by_trainer = True
+            self.trainer_pause_mode = mode
             if not self.sleeping:
                 await self.control_engines(
                     lambda c: c.pause("keep" if mode == "wait" else mode), "pause"
@@ -385,6 +388,7 @@ class RolloutService:
             if self.engines_paused_by_trainer and not self.sleeping:
                 await self.control_engines(lambda c: c.resume(), "resume")
             self.engines_paused_by_trainer = False
+            self.trainer_pause_mode = None
         self.release_switches("paused")
         await self.gate.open("paused")
 

@@ -8,7 +8,8 @@ protocol here (:meth:`WeightSync.quiesce`, then the update, then :meth:`WeightSy
 2. hold role switches (the controller's orders are skipped meanwhile) and wait for those
    already running, so no engine changes role mid-update;
 3. let the turns in flight finish under the old weights (engines paused by the trainer
-   are resumed for it), for up to ``drain_timeout_s``;
+   are resumed for it, unless its pause aborted them: those wait for the new weights),
+   for up to ``drain_timeout_s``;
 4. close the dispatch barrier: no leg can enter an engine any more; if turns are still
    in flight, abort their legs — the router serves each again, from a fresh prefill, once
    the barrier opens (nothing is lost);
@@ -98,11 +99,15 @@ class WeightSync:
         svc.hold_switches("weight_sync")
         with _timed(window, "switches"):
             await svc.wait_for_switches()
-        if svc.engines_paused_by_trainer and not svc.sleeping:
+        # Turns the trainer's abort pause stopped wait for the new weights: resumed now,
+        # they would be generated again from the start under the old ones, delaying the
+        # update by a whole generation (AReaL pauses this way before every update).
+        aborted_by_trainer = svc.engines_paused_by_trainer and svc.trainer_pause_mode == "abort"
+        if svc.engines_paused_by_trainer and not svc.sleeping and not aborted_by_trainer:
             await svc.control_engines(lambda c: c.resume(), "resume")  # let frozen turns finish
         with _timed(window, "drain"):
-            window.drained = svc.sleeping and svc.gate.in_flight == 0
-            if not svc.sleeping:
+            window.drained = svc.gate.in_flight == 0
+            if not svc.sleeping and not aborted_by_trainer:
                 window.drained = await svc.gate.drained(drain_timeout_s)
         svc.barrier.close()
         with _timed(window, "pause"):
@@ -110,12 +115,13 @@ class WeightSync:
                 await svc.control_engines(lambda c: c.pause("keep"), "pause")
             else:
                 window.aborted_turns = svc.gate.in_flight
-                logger.warning(
-                    "weight sync: %d turns still running after %.1f s; aborted, they are "
-                    "served again under the new weights",
-                    window.aborted_turns,
-                    drain_timeout_s,
-                )
+                if not aborted_by_trainer:
+                    logger.warning(
+                        "weight sync: %d turns still running after %.1f s; aborted, they "
+                        "are served again under the new weights",
+                        window.aborted_turns,
+                        drain_timeout_s,
+                    )
                 await svc.control_engines(lambda c: c.pause("abort"), "pause")
             await self._wait_engines_empty()
         window.engines = sorted(svc.live_engines())

@@ -646,3 +646,24 @@ def test_the_service_lets_go_of_the_events_its_forecaster_has_read(tmp_path, for
     assert read > 0 and first == read and length == read + unread
     assert later.output_token_ids == tokens_for(PROMPT, 3, 0)
     assert status["control_ticks_failed"] == 0
+
+
+def test_turns_a_trainer_s_abort_pause_stopped_wait_for_the_new_weights(tmp_path):
+    # Found by review: AReaL pauses with abort before each update; the update resumed
+    # the engines to drain, so the aborted turns were generated again from the start
+    # under the old weights, delaying the update by a whole generation.
+    async def go():
+        async with fake_service(tmp_path, step_s=0.01) as (svc, _):
+            turn = asyncio.ensure_future(svc.generate("a", PROMPT, {"max_tokens": 60}))
+            await asyncio.sleep(0.05)
+            await svc.pause("abort")
+            started = asyncio.get_running_loop().time()
+            sync = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w1")))
+            took = asyncio.get_running_loop().time() - started
+            await svc.resume()
+            return sync, took, await turn
+
+    sync, took, result = run(go())
+    assert took < 0.3  # not a 0.6 s generation under the old weights first
+    assert sync["version"] == 1 and sync["aborted_turns"] == 1
+    assert single_version(result) == 1 and result.output_token_ids == tokens_for(PROMPT, 60, 1)
