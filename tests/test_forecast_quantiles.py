@@ -109,6 +109,34 @@ def test_out_of_range_load_falls_back_to_last_value(caplog):
                     np.testing.assert_allclose(fc.point[target], ref.point[target])
     assert fallbacks >= 5 and "live_per_gpu" in seen
     warnings = [r for r in caplog.records if "outside the training range" in r.message]
-    assert len(warnings) == 1  # logged once per run, counted on every forecast
+    assert len(warnings) == 1  # logged as they leave the range, counted on every forecast
     model.set_drift_check(False)
     assert not model.predict().fallback and model.predict().quantiles
+
+
+def test_telemetry_without_the_gpu_count_falls_back_until_it_arrives(caplog):
+    # Found by review: without an allocation event the per-GPU features are NaN, which
+    # the drift check skipped and LightGBM reads as 0 (an empty cluster).
+    train = build_dataset([_telemetry(4, 12, s, f"t{s}") for s in range(2)], horizons=[1, 5])
+    model = make_forecaster("lightgbm-aggregate", horizons=[1, 5], n_estimators=5).fit(train)
+    live = _telemetry(4, 12, 0, "late-allocation")
+    kinds = live.column("kind").to_pylist()
+    times = [2.5 if kind == "allocation" else t for kind, t in
+             zip(kinds, live.column("time").to_pylist(), strict=True)]  # fmt: skip
+    live = live.set_column(0, "time", pa.array(times, pa.float64())).sort_by("time")
+    model.reset()
+    fallbacks = []
+    with caplog.at_level(logging.INFO, logger="prorsa.forecast.base"):
+        for t in np.arange(1.0, 6.0):  # the run ends at 5.1 s
+            events = live.filter(pa.compute.less_equal(live.column("time"), t))
+            if t > 1.0:
+                events = events.filter(pa.compute.greater(events.column("time"), t - 1.0))
+            model.update(events, float(t))
+            fc = model.predict()
+            fallbacks.append(bool(fc.fallback))
+            if fc.fallback:
+                assert "live_per_gpu" in fc.drift
+    assert fallbacks == [True, True, False, False, False]
+    messages = [r.message for r in caplog.records]
+    assert sum("missing or outside" in m for m in messages) == 1
+    assert sum("back in the training range" in m for m in messages) == 1

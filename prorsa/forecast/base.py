@@ -163,6 +163,7 @@ class Forecaster(ABC):
         self.tracker_ = self.make_tracker()
         self._ticks = 0
         self._fallback_ticks = 0
+        self._drift_logged: tuple[str, ...] = ()  # the drift last logged (() once back)
         self._reset_stream()
         return self
 
@@ -221,6 +222,13 @@ class Forecaster(ABC):
         drift = self.drifting_features()
         if drift:
             return self._fallback(hs, drift)
+        if getattr(self, "_drift_logged", ()):
+            logger.info(
+                "%s: live features back in the training range at t=%.1f s",
+                self.name,
+                self.tracker_.time_s,
+            )
+            self._drift_logged = ()
         point, quantiles = self._predict(hs)
         point = {t: np.maximum(np.asarray(point[t], float), 0.0) for t in TARGETS}
         fixed: Quantiles = {}
@@ -252,7 +260,10 @@ class Forecaster(ABC):
         """Features now outside the range seen in training (empty for baselines).
 
         The range is the training data's 0.1-99.9th percentiles widened by a tenth of its
-        width on each side, so that only a regime the model never saw trips it.
+        width on each side, so that only a regime the model never saw trips it. A checked
+        feature that cannot be computed (NaN: the per-GPU features of telemetry without
+        an ``allocation`` event, which names the GPUs) counts as outside: the models never
+        saw it missing, and LightGBM would read it as 0 (an empty cluster).
         """
         ranges = getattr(self, "feature_ranges_", None)
         if not ranges or not self._check_drift:
@@ -266,21 +277,23 @@ class Forecaster(ABC):
         for name, (lo, hi) in ranges.items():
             value = features[index[name]] if name in index else float("nan")
             margin = 0.1 * (hi - lo) + 1e-9
-            if np.isfinite(value) and (value < lo - margin or value > hi + margin):
-                out.append(name)
+            if name in index and not (lo - margin <= value <= hi + margin):
+                out.append(name)  # (NaN compares false)
         return tuple(out)
 
     def _fallback(self, hs: tuple[float, ...], drift: tuple[str, ...]) -> Forecast:
         self._fallback_ticks += 1
-        if self._fallback_ticks == 1:
+        if not getattr(self, "_drift_logged", ()):  # each time the features leave the range
             logger.warning(
-                "%s: live features %s outside the training range at t=%.1f s; forecasting "
-                "with %s while they stay out",
+                "%s: live features %s missing or outside the training range at t=%.1f s; "
+                "forecasting with %s while they stay out (%d such ticks so far)",
                 self.name,
                 ", ".join(drift),
                 self.tracker_.time_s,
                 FALLBACK,
+                self._fallback_ticks,
             )
+            self._drift_logged = drift
         point = last_value_point(self.tracker_, hs)
         return Forecast(
             time_s=float(self.tracker_.time_s),
