@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 from prorsa.forecast.shipping import (
     HELDOUT_CELLS,
     SHIP_MODES,
@@ -17,6 +19,7 @@ from prorsa.forecast.shipping import (
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.workload.config import WorkloadConfig
+from prorsa.workload.scenarios import datasets_dir
 from tests.conftest import REPO
 
 
@@ -61,6 +64,14 @@ def test_plan_and_recipe_run_ids_are_unique(tmp_path):
     assert all("heldout" in r.work.trace for r in heldout if r.work.trace)
 
 
-def test_simulator_version_is_stable_and_names_the_sources():
+def test_simulator_version_is_stable_and_names_the_sources(tmp_path, monkeypatch):
     a, b = simulator_version(), simulator_version()
     assert a == b and len(a["source_sha256"]) == 64 and a["prorsa"]
+    # The data a run reads counts too: a refit profile or workload is another simulator.
+    data = tmp_path / "datasets"
+    shutil.copytree(datasets_dir(), data)
+    monkeypatch.setenv("PRORSA_DATASETS", str(data))
+    copied = simulator_version()["source_sha256"]
+    profile = next((data / "profiles").glob("*.json"))
+    profile.write_text(profile.read_text() + " ")
+    assert simulator_version()["source_sha256"] != copied

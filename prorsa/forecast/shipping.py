@@ -145,21 +145,33 @@ def simulate_runs(
     return tables
 
 
+#: Package folders whose code a simulated training run executes.
+SIMULATOR_CODE = ("runtime/sim", "runtime/cluster", "workload", "policy")
+
+
 def simulator_version() -> dict[str, str]:
-    """prorsa's version, a SHA-256 over the simulator's sources, and the git commit."""
+    """prorsa's version, a SHA-256 over everything a simulated run reads, and the commit.
+
+    The hash covers the code that runs (:data:`SIMULATOR_CODE`) and the data it reads:
+    the ``datasets/`` folder (cost profiles and layouts, model configs, workload profiles,
+    the traces replayed). A refit profile or workload changes it, so a kept training set
+    made before is not reused.
+    """
     import prorsa
+    from prorsa.workload.scenarios import datasets_dir
 
     root = Path(prorsa.__file__).resolve().parent
+    data = datasets_dir().resolve()
     digest = hashlib.sha256()
-    files = sorted(
-        [*(root / "runtime" / "sim").rglob("*.py"), *(root / "runtime" / "cluster").rglob("*.py")]
-    )
-    for file in files:
-        digest.update(str(file.relative_to(root)).encode())
-        digest.update(file.read_bytes())
+    code = [f for part in SIMULATOR_CODE for f in (root / part).rglob("*.py")]
+    for base, files in ((root, sorted(code)), (data, sorted(data.rglob("*")))):
+        for file in files:
+            if file.is_file() and "__pycache__" not in file.parts:
+                digest.update(str(file.relative_to(base)).encode())
+                digest.update(file.read_bytes())
     commit = _git(root, "rev-parse", "--short", "HEAD")
-    # Uncommitted edits to the simulator: the commit alone would not reproduce the data.
-    dirty = bool(_git(root, "status", "--porcelain", "--", "runtime/sim", "runtime/cluster"))
+    # Uncommitted edits to any of it: the commit alone would not reproduce the data.
+    dirty = bool(_git(root, "status", "--porcelain", "--", *SIMULATOR_CODE, str(data)))
     return {
         "prorsa": prorsa.__version__,
         "source_sha256": digest.hexdigest(),
@@ -446,7 +458,11 @@ def ship(
                 out / name,
                 params=SHIP_PARAMS.get(name),
                 validate=validate,
-                extra_manifest={"recipe": ship_recipe(data), "simulator": version},
+                # The simulator that made the data (a kept set may predate this commit).
+                extra_manifest={
+                    "recipe": ship_recipe(data),
+                    "simulator": data.meta.get("simulator", version),
+                },
                 progress=_stage(progress, f"backtesting {name}"),
             )
         heldout_runs = len(set(validate[0].column("run_id").to_pylist())) if validate else 0
@@ -457,7 +473,7 @@ def ship(
         train_runs=len(data.runs),
         heldout_runs=heldout_runs,
         data_hash=data.data_hash(),
-        simulator=version,
+        simulator=data.meta.get("simulator", version),
     )
 
 
