@@ -28,12 +28,15 @@ def test_conformal_offset_by_hand():
     assert coverage(actual, actual - 0.5) == 0.0 and coverage(actual, actual) == 1.0
 
 
-def test_held_out_runs_are_seeded_and_never_all():
+def test_held_out_runs_are_seeded_and_never_all(caplog):
     runs = [f"r{i}" for i in range(10)]
     assert held_out_runs(runs, 0.2, 3) == held_out_runs(runs, 0.2, 3)
     assert len(held_out_runs(runs, 0.2, 3)) == 2
     assert len(held_out_runs(["a", "b"], 0.9, 0)) == 1
-    assert held_out_runs(["a"], 0.2, 0) == set()
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="prorsa.forecast.conformal"):
+        assert held_out_runs(["a"], 0.2, 0) == set()
+    assert "in-sample" in caplog.text  # uncalibrated quantiles are said to be
 
 
 def test_split_conformal_quantiles_cover_new_data():

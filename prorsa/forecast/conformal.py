@@ -11,14 +11,26 @@ outward, the finite-sample correction).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 
 def held_out_runs(runs: list[str], fraction: float, seed: int) -> set[str]:
-    """A seeded share of the runs (at least one when there are two or more, never all)."""
-    if len(runs) < 2 or fraction <= 0:
+    """A seeded share of the runs (at least one when there are two or more, never all).
+
+    With one run nothing is held out: the quantiles keep the quantile models' own
+    in-sample fit, too narrow on new data (logged)."""
+    if fraction <= 0:
+        return set()
+    if len(runs) < 2:
+        logger.warning(
+            "one training run: none is held out to calibrate the quantiles, which stay "
+            "in-sample (too narrow on new data); train on several runs for coverage"
+        )
         return set()
     k = min(len(runs) - 1, max(1, round(fraction * len(runs))))
     chosen = np.random.default_rng(seed).choice(len(runs), k, replace=False)
