@@ -51,13 +51,7 @@ _DECISIONS_KEPT = 3600
 
 #: vLLM's calls that set up, open and close a weight transfer on its workers; they move
 #: no weights.
-_WINDOW_CALLS = (
-    "init_weight_transfer_engine",
-    "start_weight_update",
-    "finish_weight_update",
-    "skyrl_start_weight_update",
-    "skyrl_finish_weight_update",
-)
+_WINDOW_CALLS = ("init_weight_transfer_engine",)
 #: Worker-extension calls that open and close a trainer's weight push (SkyRL's).
 _OPENS_WINDOW = frozenset({"skyrl_start_weight_update"})
 _CLOSES_WINDOW = frozenset({"skyrl_finish_weight_update"})
@@ -505,12 +499,7 @@ class RolloutService:
         if not self.weight_update_open:
             raise InputError("no weight update is open", hint="call begin_weight_update first")
         # Checked while the window is still open: a trainer refused here may finish again.
-        version = self._next_version(version)
-        if self._window_failed and set(self._window_failed) >= set(self.live_engines()):
-            raise StateConflict(
-                "the weight push failed on every engine: no engine holds the new weights",
-                hint="push again, or cancel the window (cancel_weight_update)",
-            )
+        version = self._check_finishable(version)
         manager, window = self._external_update
         self._external_update = None
         pushed_wrong = self._pushes_failed()
@@ -553,6 +542,17 @@ class RolloutService:
             self.router.forget_caches()
         finally:
             await manager.__aexit__(None, None, None)
+
+    def _check_finishable(self, version: int | None) -> int:
+        """The version a finish would stamp; InputError if not above the current one,
+        StateConflict if the push failed on every engine (none holds the new weights)."""
+        version = self._next_version(version)
+        if self._window_failed and set(self._window_failed) >= set(self.live_engines()):
+            raise StateConflict(
+                "the weight push failed on every engine: no engine holds the new weights",
+                hint="push again, or cancel the window (cancel_weight_update)",
+            )
+        return version
 
     def _pushes_failed(self) -> dict[int, str]:
         """The engines a push failed on in the window now closing (id -> what failed)."""
@@ -599,11 +599,11 @@ class RolloutService:
         worker-extension calls that start and finish its push
         (``skyrl_start_weight_update``, ``skyrl_finish_weight_update``) open and close the
         window themselves (the finish stamps the next version). Inside the window, an
-        engine whose call of a method fails (other than vLLM's set-up, start and finish
-        of the window, which move no weights) and does not succeed on a retry holds
-        weights no one can vouch for: the finish or cancel takes it out of service
-        instead of serving from it under either version, unless every engine failed
-        (see :meth:`finish_weight_update`). The first error is still raised here.
+        engine whose call of a method fails (other than vLLM's set-up of the transfer,
+        which moves no weights) and does not succeed on a retry holds weights no one can
+        vouch for: the finish or cancel takes it out of service instead of serving from
+        it under either version, unless every engine failed (see
+        :meth:`finish_weight_update`). The first error is still raised here.
         """
         if method in _OPENS_WINDOW:
             return await self.begin_weight_update_with(method, args, kwargs, timeout_s)
@@ -625,11 +625,21 @@ class RolloutService:
         timeout_s: float | None = None,
     ) -> dict[int, list[Any]]:
         """:meth:`begin_weight_update`, then ``method`` on every engine (vLLM's or a
-        worker extension's start of a push); a failed call closes the window again, so
-        serving never stays paused behind an error."""
+        worker extension's start of a push).
+
+        A call that failed on every engine (or whose wait was cancelled) closes the
+        window again: nothing changed, and serving never stays paused behind an error.
+        One that failed on some engines only leaves the window open, its error raised:
+        the others are part-way into the push (vLLM's start readies their layers for new
+        weights), so the trainer finishes it and the engines it failed on leave then.
+        """
         await self.begin_weight_update()
         try:
             return await self._rpc(method, args, kwargs, timeout_s)
+        except Exception:
+            if set(self._window_failed) >= set(self.live_engines()):
+                await self.cancel_weight_update()
+            raise
         except BaseException:
             await self.cancel_weight_update()
             raise
@@ -643,16 +653,26 @@ class RolloutService:
         timeout_s: float | None = None,
     ) -> tuple[dict[int, list[Any]], dict[str, Any]]:
         """``method`` on every engine (the end of a push), then
-        :meth:`finish_weight_update` to ``version``; a failed call cancels the window.
-        A version that would not be above the current one is refused first, with the
-        window still open."""
+        :meth:`finish_weight_update` to ``version``.
+
+        Refused first, with the window still open and ``method`` not called, when the
+        version would not be above the current one or the push failed on every engine.
+        A call that fails on some engines only goes on to the finish, which takes those
+        engines out of service; one that fails on all (or is cancelled) cancels the
+        window and raises.
+        """
         if not self.weight_update_open:
             raise StateConflict(
                 f"{method}: no weight update is open", hint="start one first (start_weight_update)"
             )
-        self.check_next_version(version)
+        self._check_finishable(version)
         try:
             results = await self._rpc(method, args, kwargs, timeout_s)
+        except Exception:
+            if set(self._window_failed) >= set(self.live_engines()):
+                await self.cancel_weight_update()
+                raise
+            results = {}  # the engines it failed on leave at the finish
         except BaseException:
             await self.cancel_weight_update()
             raise

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from prorsa.errors import ConfigError, InputError
+from prorsa.errors import ConfigError, InputError, StateConflict
 from prorsa.telemetry.validation import validate_table
 from tests.serve.fakes import tokens_for
 from tests.serve.helpers import fake_service, weights_folder
@@ -667,3 +667,52 @@ def test_turns_a_trainer_s_abort_pause_stopped_wait_for_the_new_weights(tmp_path
     assert took < 0.3  # not a 0.6 s generation under the old weights first
     assert sync["version"] == 1 and sync["aborted_turns"] == 1
     assert single_version(result) == 1 and result.output_token_ids == tokens_for(PROMPT, 60, 1)
+
+
+@pytest.mark.parametrize("failing", [[2], [0, 1, 2]])
+def test_a_push_start_that_fails_part_way_keeps_the_window_for_the_finish(tmp_path, failing):
+    # Found by review: a start failing on one engine cancelled the window while the
+    # others were part-way into the push (vLLM's start readies their layers for new
+    # weights); only a start that reached no engine closes it again.
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            for i in failing:
+                fakes[i].failing_rpcs.add("skyrl_start_weight_update")
+            with pytest.raises(RuntimeError, match="no method"):
+                await svc.collective_rpc("skyrl_start_weight_update")
+            still_open = svc.weight_update_open
+            if still_open:
+                await svc.collective_rpc("update_weights_ipc", kwargs={"update_info": {}})
+                await svc.collective_rpc("skyrl_finish_weight_update")
+            return still_open, svc.weight_version, svc.live_engines()
+
+    still_open, version, live = run(go())
+    if failing == [2]:
+        assert still_open and version == 1 and live == [0, 1]  # the failed one left
+    else:
+        assert not still_open and version == 0 and live == [0, 1, 2]  # nothing changed
+
+
+def test_a_finish_that_fails_on_one_engine_retires_it_and_a_refused_one_calls_nothing(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.begin_weight_update_with("start_weight_update")
+            fakes[1].failing_rpcs.add("finish_weight_update")
+            _, summary = await svc.finish_weight_update_with("finish_weight_update", 3)
+            live_after = svc.live_engines()
+            # A push that failed everywhere: the finish is refused before its call.
+            await svc.begin_weight_update_with("start_weight_update")
+            for fake in fakes:
+                fake.failing_rpcs.add("update_weights_ipc")
+            with pytest.raises(RuntimeError):
+                await svc.collective_rpc("update_weights_ipc")
+            calls_before = [f.rpc_calls.count("finish_weight_update") for f in fakes]
+            with pytest.raises(StateConflict, match="every engine"):
+                await svc.finish_weight_update_with("finish_weight_update", 4)
+            calls_after = [f.rpc_calls.count("finish_weight_update") for f in fakes]
+            await svc.cancel_weight_update()
+            return summary, live_after, calls_before, calls_after, svc.weight_version
+
+    summary, live_after, calls_before, calls_after, version = run(go())
+    assert summary["version"] == 3 and live_after == [0, 2] and version == 3
+    assert calls_before == calls_after
