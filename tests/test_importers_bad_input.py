@@ -413,10 +413,12 @@ def test_azure_placeholder_year_is_refused_not_stretched(tmp_path):
 
 
 def test_azure_row_out_of_order_is_refused(tmp_path):
+    # Dropping either of the last two restores the order: the one whose removal leaves
+    # the shorter span (:05) is blamed.
     path = _azure(tmp_path, "2023-11-16 18:17:03", "2023-11-16 18:17:05", "2023-11-16 18:17:04")
-    with pytest.raises(InputError, match="earlier than line 3") as err:
+    with pytest.raises(InputError, match="later than line 4") as err:
         import_trace(path, "azure")
-    assert err.value.record == "line 4"
+    assert err.value.record == "line 3"
 
 
 def test_duplicate_session_ids_name_both_places(shared_data, tmp_path):
@@ -480,32 +482,30 @@ def test_text_garbage_line_in_jsonl_is_a_skipped_line(tmp_path):
     assert import_trace(path, "mooncake", skip_bad=True).skipped == 1
 
 
-def test_azure_forward_jump_blames_that_row_alone(tmp_path):
-    path = _azure(
-        tmp_path,
-        "2023-11-16 18:17:03",
-        "2024-11-16 18:17:04",  # one year ahead: the damaged row
-        "2023-11-16 18:17:05",
-        "2023-11-16 18:17:06",
-    )
-    with pytest.raises(InputError, match="later than line 4") as err:
+@pytest.mark.parametrize("at", [1, 2])
+def test_azure_forward_jump_blames_that_row_alone(tmp_path, at):
+    # At 2, the jump and the row after it are equally long sorted runs with the rest:
+    # the one spanning less time is kept (found by review).
+    stamps = ["2023-11-16 18:17:03", "2023-11-16 18:17:05", "2023-11-16 18:17:06",
+              "2023-11-16 18:17:07"]  # fmt: skip
+    stamps.insert(at, "2024-11-16 18:17:04")  # one year ahead: the damaged row
+    path = _azure(tmp_path, *stamps)
+    with pytest.raises(InputError, match=f"later than line {at + 3}") as err:
         import_trace(path, "azure")
-    assert (err.value.record, err.value.field) == ("line 3", "TIMESTAMP")
+    assert (err.value.record, err.value.field) == (f"line {at + 2}", "TIMESTAMP")
     result = import_trace(path, "azure", skip_bad=True)
-    assert (result.trajectories, result.skipped) == (3, 1)
+    assert (result.trajectories, result.skipped) == (4, 1)
     assert max(result.table.column("time").to_pylist()) < 10.0  # not a year
 
 
-def test_azure_backward_jump_blames_that_row_alone(tmp_path):
-    path = _azure(
-        tmp_path,
-        "2023-11-16 18:17:03",
-        "2023-11-16 18:17:05",
-        "2023-11-16 18:10:00",  # minutes back: the damaged row
-        "2023-11-16 18:17:06",
-    )
-    with pytest.raises(InputError, match="earlier than line 3") as err:
+@pytest.mark.parametrize("at", [1, 2])
+def test_azure_backward_jump_blames_that_row_alone(tmp_path, at):
+    stamps = ["2023-11-16 18:17:03", "2023-11-16 18:17:05", "2023-11-16 18:17:06"]
+    stamps.insert(at, "2023-11-16 18:10:00")  # minutes back: the damaged row
+    path = _azure(tmp_path, *stamps)
+    with pytest.raises(InputError, match=f"earlier than line {at + 1}") as err:
         import_trace(path, "azure")
-    assert err.value.record == "line 4"
+    assert err.value.record == f"line {at + 2}"
     result = import_trace(path, "azure", skip_bad=True)
     assert (result.trajectories, result.skipped) == (3, 1)
+    assert min(result.table.column("time").to_pylist()) == 0.0  # from the first row

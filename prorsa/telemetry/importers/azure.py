@@ -150,14 +150,28 @@ def _read_file(path: Path, out: TraceBuilder) -> None:
 def _longest_sorted_run(arrivals: list[float]) -> list[bool]:
     """Which rows to keep: the most rows that are already in arrival order (a longest
     non-decreasing subsequence), so the rows blamed are the fewest that break the order.
-    One timestamp jumping forward blames that row alone, not every row after it. Among
-    equally long choices the earlier rows are kept (the search runs from the end)."""
-    n = len(arrivals)
-    tails: list[float] = []  # negated arrivals, read from the end: non-decreasing
+
+    Several choices can be equally long (``03, 04, +1 year, 05`` keeps either the jump or
+    the row after it): of the one that keeps the smallest times and the one that keeps
+    the earliest rows, the one spanning the shorter time wins, so a timestamp that jumps
+    forward or back is the row blamed."""
+    forward = _sorted_run(arrivals)
+    backward = _sorted_run([-a for a in reversed(arrivals)])[::-1]
+
+    def span(keep: list[bool]) -> float:
+        kept = [a for a, k in zip(arrivals, keep, strict=True) if k]
+        return kept[-1] - kept[0] if kept else 0.0
+
+    return forward if span(forward) < span(backward) else backward
+
+
+def _sorted_run(values: list[float]) -> list[bool]:
+    """A longest non-decreasing subsequence of ``values`` (patience sorting, the one
+    ending in the smallest values), as a keep mask."""
+    tails: list[float] = []
     tail_row: list[int] = []
-    previous = [-1] * n
-    for row in range(n - 1, -1, -1):
-        value = -arrivals[row]
+    previous = [-1] * len(values)
+    for row, value in enumerate(values):
         place = bisect.bisect_right(tails, value)
         previous[row] = tail_row[place - 1] if place else -1
         if place == len(tails):
@@ -166,7 +180,7 @@ def _longest_sorted_run(arrivals: list[float]) -> list[bool]:
         else:
             tails[place] = value
             tail_row[place] = row
-    keep = [False] * n
+    keep = [False] * len(values)
     row = tail_row[-1] if tail_row else -1
     while row >= 0:
         keep[row] = True
