@@ -26,7 +26,7 @@ from prorsa.serve.routes_tokens import (
     token_ids,
 )
 from prorsa.serve.sampling import TEXT_ONLY_KEYS, Sampling, parse_sampling
-from prorsa.serve.tool_calls import check_tools
+from prorsa.serve.tool_calls import check_tools, template_messages
 
 router = APIRouter()
 
@@ -140,6 +140,9 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         sampling_fields["logprobs"] = None
     tools, tool_choice = body.get("tools"), body.get("tool_choice")
     check_tools(tools, tool_choice)
+    parser = request.app.state.service.tool_parser
+    parsing = parser is not None and bool(tools) and tool_choice != "none"
+    parse_request = parser.request_for(body) if parsing else None  # checked before serving
     template_kwargs = body.get("chat_template_kwargs")
     if body.get("reasoning_effort") is not None and isinstance(template_kwargs or {}, dict):
         # A template variable, as vLLM's server hands it to templates that read it.
@@ -163,9 +166,8 @@ async def chat_completions(request: Request) -> dict[str, Any]:
     text = _decode(request, result.output_token_ids)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish = result.finish_reason
-    parser = service.tool_parser
-    if parser is not None and tools and tool_choice != "none":
-        message, called = parser.assistant_message(text, body)
+    if parsing:
+        message, called = parser.assistant_message(text, parse_request)
         if called and finish == "stop":
             finish = "tool_calls"
     choice: dict[str, Any] = {
@@ -212,9 +214,7 @@ def render_chat(
             or ("content" not in message and not message.get("tool_calls"))
         ):
             raise HTTPError(400, f"messages[{i}] needs 'role' and 'content'", param="messages")
-    # Rendered as vLLM renders them: an assistant turn of tool calls with no content has
-    # empty content (templates concatenate it).
-    messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+    messages = template_messages(messages)
     if tools:
         template_kwargs = {**(template_kwargs or {}), "tools": tools}
     tokenizer = _tokenizer(request)

@@ -20,6 +20,8 @@ TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'bad' %}{{ raise_exception('roles must alternate') }}{% endif %}"
     "{{ '<s>' + message['role'] + ': ' + message['content'] + '</s>' }}"
+    "{% if message.tool_calls %}{{ 'call:' + message.tool_calls[0].function.arguments.cmd }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if enable_thinking is defined and not enable_thinking %}{{ ' /no_think' }}{% endif %}"
     "{% if tools %}{{ ' tools: ' + (tools | map(attribute='function.name') | join(',')) }}"
@@ -379,8 +381,8 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
     reply = tokenizer.encode("I will look." + call, add_special_tokens=False)
     history = [
         *CHAT,
-        {"role": "assistant", "tool_calls": [
-            {"id": "c0", "type": "function", "function": {"name": "run", "arguments": "{}"}}]},
+        {"role": "assistant", "tool_calls": [{"id": "c0", "type": "function",
+         "function": {"name": "run", "arguments": '{"cmd": "pwd"}'}}]},
         {"role": "tool", "tool_call_id": "c0", "content": "ok"},
     ]  # fmt: skip
 
@@ -396,13 +398,15 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
             called = await chat(tools=TOOLS, reasoning_effort="low", parallel_tool_calls=False)
             plain = await chat(tools=TOOLS, tool_choice="none")
             after_tool = await chat(messages=history, tools=TOOLS)
+            served = sum(f.steps for f in fakes)
             bad = {
                 "required": await chat(tools=TOOLS, tool_choice="required"),
                 "not a list": await chat(tools={"run": 1}),
+                "not a tool": await chat(tools=[{"type": "function"}]),
             }
-            return called, plain, after_tool, bad
+            return called, plain, after_tool, bad, served == sum(f.steps for f in fakes)
 
-    called, plain, after_tool, bad = run(go())
+    called, plain, after_tool, bad, bad_served_nothing = run(go())
     assert called.status_code == 200, called.text
     body = called.json()
     prompt = tokenizer.apply_chat_template(
@@ -420,9 +424,14 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
         "role": "assistant", "content": tokenizer.decode(reply)
     }  # fmt: skip
     assert after_tool.status_code == 200, after_tool.text
+    # The history's arguments reach the template as an object, as vLLM hands them over.
+    history_prompt = tokenizer.decode(after_tool.json()["prompt_token_ids"])
+    assert "call:pwd" in history_prompt.replace(" ", "")
     assert {k: (r.status_code, r.json()["error"]["param"]) for k, r in bad.items()} == {
-        "required": (400, "tool_choice"), "not a list": (400, "tools")
+        "required": (400, "tool_choice"), "not a list": (400, "tools"),
+        "not a tool": (400, "tools"),
     }  # fmt: skip
+    assert bad_served_nothing  # refused before any engine worked on them
 
 
 def test_an_unknown_tool_call_parser_is_refused_before_engines_start(tmp_path):
