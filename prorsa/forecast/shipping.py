@@ -145,8 +145,12 @@ def simulate_runs(
     return tables
 
 
-#: Package folders whose code a simulated training run executes.
-SIMULATOR_CODE = ("runtime/sim", "runtime/cluster", "workload", "policy")
+#: Package folders and modules whose code a simulated training run executes (the
+#: recipe included: it is in this module).
+SIMULATOR_CODE = (
+    "runtime/sim", "runtime/cluster", "runtime/controller.py", "workload", "policy",
+    "forecast/shipping.py",
+)  # fmt: skip
 
 
 def simulator_version() -> dict[str, str]:
@@ -163,7 +167,11 @@ def simulator_version() -> dict[str, str]:
     root = Path(prorsa.__file__).resolve().parent
     data = datasets_dir().resolve()
     digest = hashlib.sha256()
-    code = [f for part in SIMULATOR_CODE for f in (root / part).rglob("*.py")]
+    code = [
+        f
+        for part in SIMULATOR_CODE
+        for f in ([root / part] if part.endswith(".py") else (root / part).rglob("*.py"))
+    ]
     for base, files in ((root, sorted(code)), (data, sorted(data.rglob("*")))):
         for file in files:
             if file.is_file() and "__pycache__" not in file.parts:

@@ -317,7 +317,8 @@ class RolloutService:
             session_id, prompt_ids, sampling, turn=0, group_id=group_id, task=task, **routing
         )
         self.router.validate(request)  # fail fast, before waiting at a closed gate
-        session = sessions.get_or_start(session_id, group_id=group_id, task=task)
+        session = sessions.get_or_start(session_id, group_id=group_id, task=task, one_shot=one_shot)
+        request.trajectory_id = session.trajectory_id
         try:
             async with session.lock, self.gate.admitted():
                 sessions.check_open(session)

@@ -31,6 +31,10 @@ class Session:
     """One trajectory of a trainer."""
 
     session_id: str
+    #: Its name in telemetry and routing: the session id, or ``id#n`` for the n-th
+    #: trajectory under an id whose earlier ones ended (a reused id, or one that idled
+    #: out mid-tool-call), so no trajectory's events follow its own end.
+    trajectory_id: str = ""
     group_id: str = ""
     task: str = ""
     turns: int = 0  # turns dispatched so far (the next turn's index)
@@ -40,6 +44,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ending: bool = False  # finished while a turn was in flight: that turn ends it
     ended: bool = False  # traj_end emitted: no turn may run on it any more
+    one_shot: bool = False  # an anonymous request's: its id never comes back
 
 
 class Sessions:
@@ -58,6 +63,7 @@ class Sessions:
         self._live: dict[str, Session] = {}
         self._ending: dict[str, Session] = {}  # finished, a turn still in flight
         self._anonymous = itertools.count()
+        self._ended: dict[str, int] = {}  # trajectories ended under each session id
         self.started_total = 0
         self.finished_total = 0
 
@@ -71,8 +77,11 @@ class Sessions:
         """A fresh id for a one-shot request that named no session."""
         return f"anon-{next(self._anonymous)}"
 
-    def get_or_start(self, session_id: str, *, group_id: str = "", task: str = "") -> Session:
-        """The live session, started (``traj_start``) if new."""
+    def get_or_start(
+        self, session_id: str, *, group_id: str = "", task: str = "", one_shot: bool = False
+    ) -> Session:
+        """The live session, started (``traj_start``) if new (``one_shot``: an anonymous
+        request's, whose id is not remembered once it ends)."""
         if not isinstance(session_id, str) or not session_id:
             raise InputError("session id must be a non-empty string", field="session_id")
         if len(session_id) > MAX_SESSION_ID_CHARS:
@@ -88,10 +97,21 @@ class Sessions:
                 hint="retry once that turn returns, or use a new session id",
             )
         if session is None:
-            session = Session(session_id, group_id=group_id, task=task, last_s=self.clock())
+            earlier = self._ended.get(session_id, 0)
+            trajectory_id = f"{session_id}#{earlier}" if earlier else session_id
+            session = Session(
+                session_id,
+                trajectory_id,
+                group_id=group_id,
+                task=task,
+                last_s=self.clock(),
+                one_shot=one_shot,
+            )
             self._live[session_id] = session
             self.started_total += 1
-            self.router.trajectory_event(K.TRAJ_START, session_id, 0, group_id=group_id, task=task)
+            self.router.trajectory_event(
+                K.TRAJ_START, trajectory_id, 0, group_id=group_id, task=task
+            )
         return session
 
     def before_turn(self, session: Session, context_tokens: int) -> int:
@@ -143,6 +163,8 @@ class Sessions:
 
     def _end(self, session: Session) -> None:
         session.ended = True
+        if not session.one_shot:
+            self._ended[session.session_id] = self._ended.get(session.session_id, 0) + 1
         if session.in_tool:
             self._event(session, K.TOOL_END, session.turns - 1)
         self._event(session, K.TRAJ_END, max(0, session.turns - 1))
@@ -168,7 +190,7 @@ class Sessions:
     def _event(self, session: Session, kind: K, turn: int) -> None:
         self.router.trajectory_event(
             kind,
-            session.session_id,
+            session.trajectory_id,
             turn,
             group_id=session.group_id,
             task=session.task,

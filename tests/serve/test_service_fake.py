@@ -12,6 +12,7 @@ import json
 import pytest
 
 from prorsa.errors import ConfigError, InputError, StateConflict
+from prorsa.telemetry import read_telemetry
 from prorsa.telemetry.validation import validate_table
 from tests.serve.fakes import tokens_for
 from tests.serve.helpers import fake_service, weights_folder
@@ -716,3 +717,23 @@ def test_a_finish_that_fails_on_one_engine_retires_it_and_a_refused_one_calls_no
     summary, live_after, calls_before, calls_after, version = run(go())
     assert summary["version"] == 3 and live_after == [0, 2] and version == 3
     assert calls_before == calls_after
+
+
+def test_a_session_id_used_again_after_its_end_is_a_new_trajectory_in_telemetry(tmp_path):
+    # Found by review: a session that idled out mid-tool-call (a short --session-idle-s)
+    # and came back restarted its turns under the same trajectory id, after that
+    # trajectory's end: its turns went backwards within one trajectory.
+    async def go():
+        async with fake_service(tmp_path, telemetry_dir=str(tmp_path / "tel")) as (svc, _):
+            for _ in range(2):
+                await svc.generate("s", PROMPT, {"max_tokens": 2})
+            svc._sessions().finish("s")  # as an idle expiry does
+            again = await svc.generate("s", PROMPT, {"max_tokens": 2})
+            await svc.generate(None, PROMPT, {"max_tokens": 2})  # anonymous: not remembered
+            return again, dict(svc._sessions()._ended)
+
+    again, ended = run(go())
+    assert again.turn == 0 and again.session_id == "s" and ended == {"s": 1}
+    table, _ = read_telemetry(tmp_path / "tel", validate=True)
+    ids = set(table.column("trajectory_id").to_pylist()) - {""}
+    assert {"s", "s#1"} <= ids
