@@ -55,7 +55,8 @@ def verl_sampling(
     out = {k: sampling_params[k] for k in _PASS if sampling_params.get(k) is not None}
     out.setdefault("max_tokens", sampling_params.get("max_new_tokens") or default_max_tokens)
     if room is not None:
-        out["max_tokens"] = max(1, min(out["max_tokens"], room))
+        out["max_tokens"] = min(out["max_tokens"], room)
+    out["max_tokens"] = max(1, out["max_tokens"])  # a spent budget still decodes one token
     if sampling_params.get("logprobs"):
         out["logprobs"] = 0
     unknown = set(sampling_params) - set(_PASS) - {"logprobs", "max_new_tokens", "extra_args"}

@@ -115,6 +115,9 @@ class RolloutService:
         self.recorder: Any = None
         self.tokenizer: Any = None
         self.tool_parser: Any = None  # a ToolCallParser with --tool-call-parser
+        #: Drop events the forecaster has read at each session sweep (off: keep the whole
+        #: in-memory log, for tests and debugging that read it from the start).
+        self.let_go_of_read_events = True
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
         self._external_update: Any = None
         #: engines a collective_rpc failed on inside the open window (id -> method, error)
@@ -920,7 +923,8 @@ class RolloutService:
             await asyncio.sleep(min(SESSION_SWEEP_S, self.config.session_idle_s))
             try:
                 self._sessions().expire()
-                self._let_go_of_read_events()
+                if self.let_go_of_read_events:
+                    self._let_go_of_read_events()
             except Exception:  # never let the sweeper die silently
                 logger.exception("session sweep failed")
 

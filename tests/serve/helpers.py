@@ -54,6 +54,7 @@ async def fake_service(
         ),
         fleet=fleet,
     )
+    service.let_go_of_read_events = False  # tests read the whole log, however long they run
     await service.start()
     try:
         yield service, fakes

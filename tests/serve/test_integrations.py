@@ -63,6 +63,7 @@ def test_verl_sampling_translation():
     # Within what the context has left, as verl's servers clamp it (and at least 1).
     assert verl_sampling({"max_tokens": 50}, 64, room=20)["max_tokens"] == 20
     assert verl_sampling({}, 64, room=0)["max_tokens"] == 1
+    assert verl_sampling({}, -3)["max_tokens"] == 1  # verl's budget spent, no context limit
     with pytest.raises(ConfigError, match="beam_width"):
         verl_sampling({"beam_width": 4}, 8)
 
