@@ -358,11 +358,14 @@ def test_a_second_cancel_during_a_failed_switch_s_resume_keeps_the_engine(tmp_pa
             switch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await switch
-            await asyncio.sleep(0.3)  # the resume answers
             engine = svc.router.pools.get(2)
-            return engine.alive, engine.role.value, fakes[2].paused
+            role_while_resuming = engine.role.value
+            await asyncio.sleep(0.3)  # the resume answers
+            return role_while_resuming, engine.alive, engine.role.value, fakes[2].paused
 
-    alive, role, paused = run(go())
+    role_while_resuming, alive, role, paused = run(go())
+    # Not routable while still paused; back in its old role once the resume answers.
+    assert role_while_resuming == "switching"
     assert alive and role == "decode" and not paused
 
 

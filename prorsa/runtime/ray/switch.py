@@ -64,6 +64,8 @@ class RoleSwitcher:
         # reloads or relabels an engine, which must not race a change of its weights.
         self.holds: set[str] = set()
         self.completed = 0  # switches that ran to the end (relabels included, skips not)
+        # Resumes after a failed switch, still running (a second cancel stopped the wait).
+        self._resuming: dict[int, asyncio.Future[Any]] = {}
 
     def hold(self, reason: str) -> None:
         """Refuse new switches until :meth:`release` of the same ``reason``."""
@@ -183,7 +185,10 @@ class RoleSwitcher:
             engine.switches += error is None
             self.completed += error is None
             now = self.clock()
-            self.pools.set_role(engine.engine_id, final, now)
+            resuming = self._resuming.get(engine.engine_id)
+            if resuming is None or resuming.done():
+                self.pools.set_role(engine.engine_id, final, now)
+            # else: still paused; the resume's end gives it back its role (_recover)
             if switch.drained_s is None:
                 switch.mark_drained(now)
             switch.mark_serving(now)
@@ -208,13 +213,19 @@ class RoleSwitcher:
                 self.config.control_timeout_s,
             )
         )
+        self._resuming[engine.engine_id] = resume
+        old_role = parse_role(engine.switch.from_role) if engine.switch else None
 
         def settle(task: asyncio.Future[Any]) -> None:
+            self._resuming.pop(engine.engine_id, None)
             failure = "cancelled" if task.cancelled() else task.exception()
             if failure is not None:
                 self.pools.mark_dead(
                     engine.engine_id, cause=f"role switch failed ({error}), then resume: {failure}"
                 )
+            elif engine.role is Role.SWITCHING and engine.switch is None and old_role:
+                # The switch ended (a second cancel) while this resume ran: routable now.
+                self.pools.set_role(engine.engine_id, old_role, self.clock())
 
         resume.add_done_callback(settle)
         with contextlib.suppress(Exception):  # settled above: the engine left service
