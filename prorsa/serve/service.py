@@ -11,7 +11,8 @@ trajectory in the telemetry (:mod:`prorsa.serve.sessions`).
 Control: ``pause``/``resume`` (vLLM's keep/abort/wait), ``sleep``/``wake_up``,
 ``update_weights_from_path`` (the cross-role protocol of :mod:`prorsa.serve.weight_sync`),
 ``collective_rpc`` for trainers that move weights themselves (wrapped in
-``begin_weight_update``/``finish_weight_update`` so nothing is served mixed), and role
+``begin_weight_update``/``finish_weight_update`` so nothing is served mixed:
+:mod:`prorsa.serve.trainer_push`), and role
 switches. The service is the only thing that starts role switches: its controller's
 actuator goes through :meth:`RolloutService.start_switch`, which refuses while weights
 change or engines sleep.
@@ -28,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from prorsa.errors import ConfigError, InputError, StateConflict
+from prorsa.errors import ConfigError, InputError
 from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.ray.barrier import BarrierClient, DispatchBarrier
 from prorsa.runtime.ray.client import answered_within
@@ -41,6 +42,7 @@ from prorsa.serve.results import ServeTurnResult, served_result
 from prorsa.serve.sampling import Sampling, ServeTurnRequest, parse_sampling
 from prorsa.serve.sessions import Sessions
 from prorsa.serve.startup import cluster_spec_for, load_tokenizer, make_policy_for, start_fleet
+from prorsa.serve.trainer_push import TrainerPushWindow
 from prorsa.serve.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -49,28 +51,11 @@ logger = logging.getLogger(__name__)
 #: dropped (an unbounded list grows for the life of the service).
 _DECISIONS_KEPT = 3600
 
-#: vLLM's calls that set up, open and close a weight transfer on its workers; they move
-#: no weights.
-_WINDOW_CALLS = ("init_weight_transfer_engine",)
-#: Worker-extension calls that open and close a trainer's weight push (SkyRL's).
-_OPENS_WINDOW = frozenset({"skyrl_start_weight_update"})
-_CLOSES_WINDOW = frozenset({"skyrl_finish_weight_update"})
-
-
-def _moves_weights(method: str) -> bool:
-    """A collective_rpc method that changes an engine's weights (vLLM's and the trainers'
-    worker extensions' names)."""
-    return method.startswith("update_weights") or method in ("load_weights", "reload_weights")
-
-
-#: An external weight update between its begin call and its window being open.
-_OPENING = "opening"
-
 ROUTING_KEYS = ("mode", "engine_id", "prefill_engine_id")
 SESSION_SWEEP_S = 5.0
 
 
-class RolloutService:
+class RolloutService(TrainerPushWindow):
     """Engines + router + controller + telemetry, long-lived.
 
     Args:
@@ -476,301 +461,6 @@ class RolloutService:
         if cancelled:
             raise asyncio.CancelledError
         return window.summary
-
-    async def begin_weight_update(self) -> dict[str, Any]:
-        """Quiesce for a trainer that pushes weights itself (``collective_rpc``, vLLM's
-        weight-transfer routes); end with :meth:`finish_weight_update`."""
-        if self._external_update is not None:
-            raise StateConflict("a weight update is already open", hint="finish it first")
-        self._check_can_update()
-        self._external_update = _OPENING  # taken before any wait: a retried begin is refused
-        try:
-            manager = self.sync.paused(self.config.sync_drain_timeout_s)
-            window = await manager.__aenter__()
-        except BaseException:
-            self._external_update = None
-            raise
-        self._external_update = (manager, window)
-        return {"from_version": window.from_version, "engines": window.engines}
-
-    def check_next_version(self, version: int | None) -> int:
-        """The version an update to ``version`` would stamp (None: the next); InputError
-        if it would not be above the current one."""
-        return self._next_version(version)
-
-    async def finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
-        """Stamp the new version, drop caches, resume (see :meth:`begin_weight_update`)."""
-        if not self.weight_update_open:
-            raise InputError("no weight update is open", hint="call begin_weight_update first")
-        # Checked while the window is still open: a trainer refused here may finish again.
-        version = self._check_finishable(version)
-        manager, window = self._external_update
-        self._external_update = None
-        pushed_wrong = self._pushes_failed()
-        try:
-            # An engine a push failed on leaves before anything is stamped on it.
-            self._retire(pushed_wrong, "weight push")
-            # Stamps the version and drops the prefix cache and the connector's stored KV
-            # (computed under the old weights); an engine that fails holds other weights.
-            results = await self.for_each_engine(
-                lambda c: c.set_weight_version(version),
-                tolerate=True,
-                timeout_s=self.config.engine_control_timeout_s,
-            )
-            failed = {**pushed_wrong, **self._retire_failed(results, "weight update")}
-            self.router.forget_caches()
-            self.weight_version = version
-            window.detail.update(external=True, failed=failed)
-        finally:
-            await manager.__aexit__(None, None, None)
-        if self.metrics is not None:
-            self.metrics.observe_sync(window.summary)
-        return window.summary
-
-    async def cancel_weight_update(self) -> None:
-        """Close an open update window without a new version (the push failed)."""
-        if not self.weight_update_open:
-            return
-        manager, window = self._external_update
-        self._external_update = None
-        # An engine a push failed on may hold part of it: it leaves, as on a finish,
-        # unless the push failed everywhere (then nothing tells the engines apart, and
-        # retiring all would end the service: they serve what they hold).
-        pushed_wrong = self._pushes_failed()
-        if set(pushed_wrong) < set(self.live_engines()):
-            self._retire(pushed_wrong, "weight push")
-        window.detail.update(external=True, cancelled=True, failed=pushed_wrong)
-        try:
-            # Some weights may have arrived: no KV cached under the old ones is reused.
-            await self.control_engines(lambda c: c.reset_prefix_cache(), "cache reset")
-            self.router.forget_caches()
-        finally:
-            await manager.__aexit__(None, None, None)
-
-    def _check_finishable(self, version: int | None) -> int:
-        """The version a finish would stamp; InputError if not above the current one,
-        StateConflict if the push failed on every engine (none holds the new weights)."""
-        version = self._next_version(version)
-        if self._window_failed and set(self._window_failed) >= set(self.live_engines()):
-            raise StateConflict(
-                "the weight push failed on every engine: no engine holds the new weights",
-                hint="push again, or cancel the window (cancel_weight_update)",
-            )
-        return version
-
-    def _pushes_failed(self) -> dict[int, str]:
-        """The engines a push failed on in the window now closing (id -> what failed)."""
-        failed, self._window_failed = self._window_failed, {}
-        return {eid: f"{method}: {error}" for eid, (method, error) in failed.items()}
-
-    def _refuse_in_update_window(self, what: str) -> None:
-        """StateConflict while a trainer's weight update window is open (or opening): the
-        window holds the update lock until it is finished, so the call would wait for a
-        request the trainer may never send."""
-        if self._external_update is not None:
-            raise StateConflict(
-                f"{what}: a weight update window is open",
-                hint="finish it (finish_weight_update) or cancel it (cancel_weight_update)",
-            )
-
-    @property
-    def weight_update_open(self) -> bool:
-        """A window from :meth:`begin_weight_update` is open (and not still opening)."""
-        return isinstance(self._external_update, tuple)
-
-    def _check_can_update(self) -> None:
-        if self.sleeping:
-            raise InputError(
-                "the engines are asleep: their weights are not in memory",
-                hint="wake_up first, then update the weights",
-            )
-        if not self.live_engines():
-            raise NoEngineAvailable("no live engine to update")
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: list[Any] | tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[int, list[Any]]:
-        """Call ``method`` on every worker of every live engine; results per engine.
-
-        To move weights this way, wrap the calls in :meth:`begin_weight_update` /
-        :meth:`finish_weight_update`; a call that moves weights (``update_weights*``,
-        ``load_weights``, ``reload_weights``) outside that window is refused with a
-        :class:`StateConflict`: it would change weights under turns being served. SkyRL's
-        worker-extension calls that start and finish its push
-        (``skyrl_start_weight_update``, ``skyrl_finish_weight_update``) open and close the
-        window themselves (the finish stamps the next version). Inside the window, an
-        engine whose call of a method fails (other than vLLM's set-up of the transfer,
-        which moves no weights) and does not succeed on a retry holds weights no one can
-        vouch for: the finish or cancel takes it out of service instead of serving from
-        it under either version, unless every engine failed (see
-        :meth:`finish_weight_update`). The first error is still raised here.
-        """
-        if method in _OPENS_WINDOW:
-            return await self.begin_weight_update_with(method, args, kwargs, timeout_s)
-        if method in _CLOSES_WINDOW:
-            results, _ = await self.finish_weight_update_with(method, None, args, kwargs, timeout_s)
-            return results
-        if _moves_weights(method) and not self.weight_update_open:
-            raise StateConflict(
-                f"collective_rpc {method!r} moves weights outside a weight update window",
-                hint="open one first (start_weight_update) and finish it after the push",
-            )
-        return await self._rpc(method, args, kwargs, timeout_s)
-
-    async def begin_weight_update_with(
-        self,
-        method: str,
-        args: list[Any] | tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[int, list[Any]]:
-        """:meth:`begin_weight_update`, then ``method`` on every engine (vLLM's or a
-        worker extension's start of a push).
-
-        A call that failed on every engine (or whose wait was cancelled) closes the
-        window again: nothing changed, and serving never stays paused behind an error.
-        One that failed on some engines only leaves the window open, its error raised:
-        the others are part-way into the push (vLLM's start readies their layers for new
-        weights), so the trainer finishes it and the engines it failed on leave then.
-        """
-        await self.begin_weight_update()
-        try:
-            return await self._rpc(method, args, kwargs, timeout_s)
-        except Exception:
-            if set(self._window_failed) >= set(self.live_engines()):
-                await self.cancel_weight_update()
-            raise
-        except BaseException:
-            await self.cancel_weight_update()
-            raise
-
-    async def finish_weight_update_with(
-        self,
-        method: str,
-        version: int | None = None,
-        args: list[Any] | tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> tuple[dict[int, list[Any]], dict[str, Any]]:
-        """``method`` on every engine (the end of a push), then
-        :meth:`finish_weight_update` to ``version``.
-
-        Refused first, with the window still open and ``method`` not called, when the
-        version would not be above the current one or the push failed on every engine.
-        A call that fails on some engines only goes on to the finish, which takes those
-        engines out of service; one that fails on all (or is cancelled) cancels the
-        window and raises.
-        """
-        if not self.weight_update_open:
-            raise StateConflict(
-                f"{method}: no weight update is open", hint="start one first (start_weight_update)"
-            )
-        self._check_finishable(version)
-        try:
-            results = await self._rpc(method, args, kwargs, timeout_s)
-        except Exception:
-            if set(self._window_failed) >= set(self.live_engines()):
-                await self.cancel_weight_update()
-                raise
-            results = {}  # the engines it failed on leave at the finish
-        except BaseException:
-            await self.cancel_weight_update()
-            raise
-        return results, await self.finish_weight_update(version)
-
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> dict[int, list[Any]]:
-        """vLLM's ``init_weight_transfer_engine`` on every live engine.
-
-        A trainer sees this service as one server of ``engines x tensor_parallel_size``
-        workers (``/get_world_size``) and gives it one NCCL ``rank_offset``; each engine's
-        workers take the ranks after those of the live engines before it, as separate
-        servers' offsets would (every engine given the same offset would repeat ranks,
-        and the group would never form)."""
-        offset = init_info.get("rank_offset")
-        if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool)):
-            raise InputError(f"rank_offset must be an integer, got {offset!r}", field="rank_offset")
-        ids = self.live_engines()
-        tp = self.tensor_parallel_size
-        per_engine = {
-            eid: init_info if offset is None else {**init_info, "rank_offset": offset + i * tp}
-            for i, eid in enumerate(ids)
-        }
-        results = await asyncio.gather(
-            *(
-                self.client(eid).collective_rpc(
-                    "init_weight_transfer_engine", (), {"init_info": per_engine[eid]}, None
-                )
-                for eid in ids
-            ),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return dict(zip(ids, results, strict=True))
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """Workers per engine."""
-        return self.fleet.spec.engine.tensor_parallel_size if self.fleet is not None else 1
-
-    async def _rpc(
-        self,
-        method: str,
-        args: list[Any] | tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[int, list[Any]]:
-        """:meth:`collective_rpc` without its window rules."""
-        results = await self.for_each_engine(
-            lambda c: c.collective_rpc(method, args, kwargs, timeout_s), tolerate=True
-        )
-        failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
-        if self.weight_update_open and method not in _WINDOW_CALLS:
-            for eid in results:
-                if eid in failed:
-                    self._window_failed[eid] = (method, repr(failed[eid]))
-                elif self._window_failed.get(eid, ("",))[0] == method:
-                    del self._window_failed[eid]  # the retry went through
-        for error in failed.values():
-            raise error
-        return results
-
-    def _next_version(self, version: int | None) -> int:
-        if version is None:
-            return self.weight_version + 1
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InputError(f"version must be an integer, got {version!r}", field="version")
-        if version <= self.weight_version:
-            raise InputError(
-                f"weight version {version} is not above the current {self.weight_version}",
-                field="version",
-                hint="weight versions never go backwards",
-            )
-        return version
-
-    def _retire_failed(self, results: dict[int, Any], what: str) -> dict[int, str]:
-        """Take engines whose update failed out of service: they hold other weights. When
-        every engine refused the request itself (an InputError), nothing changed: that
-        error is raised and no engine leaves."""
-        refused = [r for r in results.values() if isinstance(r, InputError)]
-        if refused and len(refused) == len(results):
-            raise refused[0]
-        failed = {eid: repr(r) for eid, r in results.items() if isinstance(r, BaseException)}
-        self._retire(failed, what)
-        if failed and len(failed) == len(results):
-            raise NoEngineAvailable(f"{what} failed on every engine: {failed}")
-        return failed
-
-    def _retire(self, failed: dict[int, str], what: str) -> None:
-        """Take the engines that failed ``what`` (id -> error) out of service."""
-        for engine_id, error in failed.items():
-            logger.error("engine %d failed the %s and leaves service: %s", engine_id, what, error)
-            self.router.pools.mark_dead(engine_id, cause=f"{what} failed: {error}")
 
     # ------------------------------------------------------------------ role switches
     def hold_switches(self, reason: str) -> None:
