@@ -57,6 +57,8 @@ def compact(summary: dict) -> dict:
         "speedup",
         "speedup_vs_baseline",
         "ceiling",
+        "valid",
+        "failed_cells",
     )
     out = {k: summary[k] for k in keep if k in summary}
     if out["best_static"]:

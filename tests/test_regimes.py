@@ -13,6 +13,7 @@ from prorsa.experiments.cells import Cell, run_cell
 from prorsa.experiments.families import ModelFamily
 from prorsa.experiments.grids import LOADS, WORKLOADS, full_grid, get_grid, select
 from prorsa.experiments.knobs import WorkloadKnobs
+from prorsa.experiments.regime_report import headline
 from prorsa.experiments.regimes import (
     MapConfig,
     Regime,
@@ -179,6 +180,7 @@ def test_goals_cell_by_cell():
             "label": label,
             "variant": "",
             "regime": {"model": model, "workload": workload, "load_per_gpu": load},
+            "gpus": 8,
             "speedup": {"predictive": pred, "oracle": oracle, "best-static": static},
         }
 
@@ -188,6 +190,8 @@ def test_goals_cell_by_cell():
         summary("below-colocation", 0.95, 0.96, 0.9, model="qwen2.5-7b"),
         summary("far-from-oracle", 1.0, 1.2, 1.0, model="qwen2.5-7b"),
         summary("below-static", 1.0, 1.0, 1.05, model="qwen2.5-7b"),
+        # every colocation layout failed: an infinite "speedup", no baseline (found by review)
+        {**summary("no-baseline", float("inf"), float("inf"), float("inf")), "valid": False},
     ]
     rows[1]["ceiling"] = {"ceiling": 1.2}  # no allocation could reach 1.3x there
     rows[0]["ceiling"] = {"ceiling": 1.6}
@@ -199,7 +203,10 @@ def test_goals_cell_by_cell():
     assert met["missed"]["vs_best_static_2pct"] == ["below-static"]
     assert met["seed_setting_cells"] == 2
     assert met["seed_setting_predictive_min"] == pytest.approx(1.10)
+    assert met["missed"]["valid_baseline"] == ["no-baseline"] and met["cells"] == 5
     assert not any(met["met"].values())
+    # seed-ok and seed-short pay; the regime without a baseline is not counted
+    assert [h["split_pays_cells"] for h in headline(rows) if h["model"] == "qwen3-30b-a3b"] == [2]
 
 
 def test_grids_and_filters():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -336,3 +337,40 @@ def test_sweep_names_the_forecast_threads_variable_the_forecasters_read():
     from prorsa.forecast import threads
 
     assert sweep.FORECAST_THREADS_ENV == threads.ENV
+
+
+def test_cell_key_covers_the_simulator_and_the_trained_model(tmp_path, monkeypatch):
+    # Found by review: results of other simulator code, profiles or a retrained model
+    # were reused on resume (the key held the package version, fixed at 0.1.0).
+    import prorsa.runtime.sim.version as version
+    from prorsa.experiments.cells import Cell
+
+    cell = Cell.from_dict(_cell().to_dict())
+    before = cell.key()
+    monkeypatch.setattr(version, "simulator_hash", lambda: "another simulator")
+    assert cell.key() != before and cell_key(cell) == cell.key()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "manifest.json").write_text('{"data_hash": "a"}')
+    with_model = dataclasses.replace(
+        cell, control=dataclasses.replace(cell.control, forecaster=str(model))
+    )
+    first = with_model.key()
+    (model / "manifest.json").write_text('{"data_hash": "b"}')  # retrained
+    assert with_model.key() != first
+
+
+def test_a_recorded_failure_runs_again_on_resume(tmp_path):
+    calls = []
+
+    def counted(cell):
+        from prorsa.experiments.cells import run_cell
+
+        calls.append(cell.seed)
+        return run_cell(cell)
+
+    path = tmp_path / "cells.jsonl"
+    failed = {"cell": _cell(0).to_dict(), "metrics": {}, "objective": "inf", "error": "boom"}
+    path.write_text(json.dumps({"key": cell_key(_cell(0)), "result": failed}) + "\n")
+    results = run_sweep([_cell(0)], results_path=path, workers=1, fn=counted)
+    assert calls == [0] and "error" not in results[0]

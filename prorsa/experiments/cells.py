@@ -112,12 +112,23 @@ class Cell:
         return dataclasses.asdict(self)
 
     def key(self) -> str:
-        """Stable 16-hex-digit key: a hash of :meth:`to_dict` and the package version
-        (sweeps skip cells whose key is already in their results file)."""
+        """Stable 16-hex-digit key: a hash of :meth:`to_dict`, the package version, the
+        simulator (its code and data: :func:`~prorsa.runtime.sim.version.simulator_hash`)
+        and the trained forecaster it reads, if any (sweeps skip cells whose key is
+        already in their results file, so a result is reused only from the same code,
+        data and model)."""
         from prorsa import __version__
+        from prorsa.runtime.sim.version import model_fingerprint, simulator_hash
 
+        forecaster = self.control.forecaster
         text = json.dumps(
-            {"version": __version__, "type": "Cell", "fields": self.to_dict()},
+            {
+                "version": __version__,
+                "simulator": simulator_hash(),
+                "model": model_fingerprint(forecaster) if forecaster else None,
+                "type": "Cell",
+                "fields": self.to_dict(),
+            },
             sort_keys=True,
             default=str,
         )

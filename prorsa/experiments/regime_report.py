@@ -109,7 +109,9 @@ def headline(summaries: list[dict]) -> list[dict]:
     """One row per model: cells, where the split pays, and the range of speedups."""
     out = []
     for model in models_of(summaries):
-        rows = [s for s in summaries if s["regime"]["model"] == model]
+        rows = [s for s in summaries if s["regime"]["model"] == model and s.get("valid", True)]
+        if not rows:
+            continue
         pred = [s["speedup"].get("predictive") for s in rows if "predictive" in s["speedup"]]
         best = max(rows, key=lambda s: s["speedup"].get("predictive", 0.0))
         entry = {

@@ -14,8 +14,10 @@ One runner serves ``prorsa compare`` (its best-static search included), ``prorsa
 
 Each finished cell is appended to a JSONL file (one line ``{"key", "result"}``, flushed at
 once) so a killed sweep loses at most the cells in flight; on re-run, cells whose key is
-already in the file are not run again. The key is a hash of every field of the cell and of
-the package version, so a changed cell or a new release never reuses a stale result.
+already in the file are not run again. The key is a hash of every field of the cell, the
+package version, the simulator's code and data and any trained model the cell reads, so
+a changed cell, simulator, profile or model never reuses a stale result; a recorded
+failure is run again.
 
 SIGINT and SIGTERM end a sweep the same way: pending tasks are cancelled, a local Ray
 instance is shut down and pool workers are terminated before the exception propagates,
@@ -56,14 +58,21 @@ class SweepInterrupted(KeyboardInterrupt):
 
 def cell_key(cell: Any) -> str:
     """Stable 16-hex-digit key of a cell: its own ``key()`` when it has one (a
-    :class:`~prorsa.experiments.cells.Cell`), else a hash of all its fields and the
-    package version."""
+    :class:`~prorsa.experiments.cells.Cell`), else a hash of all its fields, the package
+    version and the simulator."""
     own = getattr(cell, "key", None)
     if callable(own):
         return own()
+    from prorsa.runtime.sim.version import simulator_hash
+
     fields = dataclasses.asdict(cell) if dataclasses.is_dataclass(cell) else cell
     text = json.dumps(
-        {"version": __version__, "type": type(cell).__name__, "fields": fields},
+        {
+            "version": __version__,
+            "simulator": simulator_hash(),
+            "type": type(cell).__name__,
+            "fields": fields,
+        },
         sort_keys=True,
         default=str,
     )
@@ -216,18 +225,25 @@ class ResultLog:
             self._load(path)
 
     def _load(self, path: Path) -> None:
-        bad = 0
+        bad = failed = 0
         with path.open("rb") as f:
             for line in f:
                 try:
                     record = json.loads(line)
-                    self.done[record["key"]] = record["result"]
+                    result = record["result"]
+                    key = record["key"]
                 except (ValueError, KeyError, TypeError):
                     bad += 1  # a line cut short by a kill: run that cell again
                     continue
-                self._key_legacy(record["result"])
+                if isinstance(result, dict) and result.get("error"):
+                    failed += 1  # a recorded failure is not a result: run it again
+                    continue
+                self.done[key] = result
+                self._key_legacy(result)
         if bad:
             logger.warning("%s: %d unreadable line(s) skipped; those cells run again", path, bad)
+        if failed:
+            logger.warning("%s: %d failed cell(s) run again", path, failed)
         # A line cut short has no newline; start the next record on a line of its own.
         with path.open("rb+") as f:
             f.seek(0, os.SEEK_END)

@@ -19,10 +19,8 @@ GPU). Manifests record the dataset hash and the simulator version.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -34,6 +32,7 @@ import pyarrow as pa
 from prorsa.errors import InputError
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.control import ControlConfig
+from prorsa.runtime.sim.version import simulator_version
 from prorsa.workload.config import WorkloadConfig
 
 logger = logging.getLogger(__name__)
@@ -143,56 +142,6 @@ def simulate_runs(
         if progress is not None:
             progress(i, len(runs))
     return tables
-
-
-#: Package folders and modules whose code a simulated training run executes (the
-#: recipe included: it is in this module).
-SIMULATOR_CODE = (
-    "runtime/sim", "runtime/cluster", "runtime/controller.py", "workload", "policy",
-    "forecast/shipping.py",
-)  # fmt: skip
-
-
-def simulator_version() -> dict[str, str]:
-    """prorsa's version, a SHA-256 over everything a simulated run reads, and the commit.
-
-    The hash covers the code that runs (:data:`SIMULATOR_CODE`) and the data it reads:
-    the ``datasets/`` folder (cost profiles and layouts, model configs, workload profiles,
-    the traces replayed). A refit profile or workload changes it, so a kept training set
-    made before is not reused.
-    """
-    import prorsa
-    from prorsa.workload.scenarios import datasets_dir
-
-    root = Path(prorsa.__file__).resolve().parent
-    data = datasets_dir().resolve()
-    digest = hashlib.sha256()
-    code = [
-        f
-        for part in SIMULATOR_CODE
-        for f in ([root / part] if part.endswith(".py") else (root / part).rglob("*.py"))
-    ]
-    for base, files in ((root, sorted(code)), (data, sorted(data.rglob("*")))):
-        for file in files:
-            if file.is_file() and "__pycache__" not in file.parts:
-                digest.update(str(file.relative_to(base)).encode())
-                digest.update(file.read_bytes())
-    commit = _git(root, "rev-parse", "--short", "HEAD")
-    # Uncommitted edits to any of it: the commit alone would not reproduce the data.
-    dirty = bool(_git(root, "status", "--porcelain", "--", *SIMULATOR_CODE, str(data)))
-    return {
-        "prorsa": prorsa.__version__,
-        "source_sha256": digest.hexdigest(),
-        "commit": commit + ("+uncommitted" if dirty else ""),
-    }
-
-
-def _git(cwd: Path, *args: str) -> str:
-    try:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
-    except OSError:
-        return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 # -------------------------------------------------------------------------- train

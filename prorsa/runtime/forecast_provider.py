@@ -23,16 +23,11 @@ from prorsa.forecast import FORECASTERS, Forecaster, load_forecaster
 from prorsa.forecast.base import MANIFEST
 from prorsa.forecast.types import Forecast, check_horizons
 from prorsa.policy.types import ClusterObservation
+from prorsa.runtime.sim.version import models_dir
 from prorsa.telemetry.columns import EventLog
 from prorsa.workload.truth import GroundTruth
 
 logger = logging.getLogger(__name__)
-
-
-def models_dir() -> Path:
-    """The repository's shipped ``models/`` folder (override with ``PRORSA_MODELS``)."""
-    env = os.environ.get("PRORSA_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
 
 
 def resolve_forecaster(name_or_path: str | os.PathLike[str]) -> Forecaster:
