@@ -11,7 +11,7 @@ benchmarks/results/regimes/cells.jsonl, and writes:
 * docs/img/regimes-*.png and the README's headline table (between its
   ``regime-map`` markers), so the README shows the map's summary, never typed by hand.
 
-    .venv/bin/python benchmarks/regimes_bench.py              # full map (~40 min, 2 cores)
+    .venv/bin/python benchmarks/regimes_bench.py              # full map (~20 min on 2 idle cores)
     .venv/bin/python benchmarks/regimes_bench.py --quick      # minutes
 """
 
