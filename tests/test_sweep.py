@@ -278,7 +278,9 @@ def test_cell_reads_back_from_its_dict_and_from_old_flat_results():
     assert cell_of({"cell": flat}).cluster.role_tp["decode"] == 2
 
 
-def test_a_sweep_resumes_from_a_results_file_of_flat_cells(tmp_path):
+def test_a_results_file_of_flat_cells_is_run_again(tmp_path):
+    # Flat cells are written by code before the simulator entered the key: their
+    # results may come from another simulator, so none is reused (found by review).
     cell = _cell(2)
     old = run_sweep([cell], workers=1)[0]
     flat = {
@@ -296,12 +298,9 @@ def test_a_sweep_resumes_from_a_results_file_of_flat_cells(tmp_path):
     path = tmp_path / "cells.jsonl"
     path.write_text(json.dumps({"key": "0123456789abcdef", "result": {**old, "cell": flat}}) + "\n")
 
-    def never(_cell):
-        raise AssertionError("a cell of the old file ran again")
-
-    with Sweep(results_path=path, workers=1, fn=never) as sweep:
+    with Sweep(results_path=path, workers=1) as sweep:
         (again,) = sweep.map([cell])
-    assert sweep.reused == 1 and again["objective"] == old["objective"]
+    assert (sweep.reused, sweep.ran) == (0, 1) and again["objective"] == old["objective"]
 
 
 def test_cell_fields_are_named_once_and_checked():
@@ -374,3 +373,22 @@ def test_a_recorded_failure_runs_again_on_resume(tmp_path):
     path.write_text(json.dumps({"key": cell_key(_cell(0)), "result": failed}) + "\n")
     results = run_sweep([_cell(0)], results_path=path, workers=1, fn=counted)
     assert calls == [0] and "error" not in results[0]
+
+
+def test_a_replay_cell_has_the_same_key_in_another_checkout(tmp_path, monkeypatch):
+    # Found by review: the trace's absolute path was in the key, so a second checkout
+    # ran every replay cell again; datasets/ is hashed by content with the simulator.
+    import shutil
+
+    from prorsa.workload.scenarios import datasets_dir
+
+    def replay(folder):
+        cell = _cell()
+        trace = str(folder / "traces" / "swe-agent.parquet")
+        return dataclasses.replace(cell, work=dataclasses.replace(cell.work, trace=trace))
+
+    here = replay(datasets_dir()).key()
+    other = tmp_path / "checkout" / "datasets"
+    shutil.copytree(datasets_dir(), other)
+    monkeypatch.setenv("PRORSA_DATASETS", str(other))
+    assert replay(other).key() == here

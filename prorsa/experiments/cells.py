@@ -19,6 +19,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,13 +122,17 @@ class Cell:
         from prorsa.runtime.sim.version import model_fingerprint, simulator_hash
 
         forecaster = self.control.forecaster
+        fields = self.to_dict()
+        # A trace is named inside datasets/ (hashed by content with the simulator), so the
+        # key is the same in every checkout.
+        fields["work"]["trace"] = _portable_path(fields["work"].get("trace"))
         text = json.dumps(
             {
                 "version": __version__,
                 "simulator": simulator_hash(),
                 "model": model_fingerprint(forecaster) if forecaster else None,
                 "type": "Cell",
-                "fields": self.to_dict(),
+                "fields": fields,
             },
             sort_keys=True,
             default=str,
@@ -251,3 +256,15 @@ def _series(result) -> dict:
 
 def to_json(obj: object) -> str:
     return json.dumps(obj, default=float)
+
+
+def _portable_path(path: str | None) -> str | None:
+    """``path`` relative to ``datasets/`` when it lies there, else as given."""
+    if not path:
+        return path
+    from prorsa.workload.scenarios import datasets_dir
+
+    try:
+        return "datasets:" + Path(path).resolve().relative_to(datasets_dir().resolve()).as_posix()
+    except (ValueError, OSError, ConfigError):
+        return path

@@ -239,7 +239,6 @@ class ResultLog:
                     failed += 1  # a recorded failure is not a result: run it again
                     continue
                 self.done[key] = result
-                self._key_legacy(result)
         if bad:
             logger.warning("%s: %d unreadable line(s) skipped; those cells run again", path, bad)
         if failed:
@@ -251,22 +250,6 @@ class ResultLog:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     f.write(b"\n")
-
-    def _key_legacy(self, result: object) -> None:
-        """Also file a result whose cell is in the flat form written before cells
-        composed the run configurations under the key that cell has now, so a sweep
-        resumes from such a file (the simulation is the same; the key still covers the
-        package version)."""
-        cell = result.get("cell") if isinstance(result, dict) else None
-        if not isinstance(cell, dict) or "work" in cell:
-            return
-        from prorsa.experiments.cells import Cell
-
-        try:
-            key = Cell.from_dict(cell).key()
-        except (ProrsaError, TypeError, ValueError):
-            return  # not a cell this version can read: it runs again
-        self.done.setdefault(key, result)
 
     def append(self, key: str, result: dict) -> dict:
         """Record ``result`` (flushed at once); returns it as it will read back."""

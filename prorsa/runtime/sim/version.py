@@ -14,20 +14,19 @@ import os
 import subprocess
 from pathlib import Path
 
-#: Package folders and modules whose code a simulated run executes (the forecaster
-#: recipe included: a training set is simulated from it).
-SIMULATOR_CODE = (
-    "runtime/sim", "runtime/cluster", "runtime/controller.py", "workload", "policy",
-    "forecast/shipping.py",
-)  # fmt: skip
+#: Package folders whose code never runs in a simulated result: serving, the command
+#: line, trainer integrations. Everything else of the package counts (simulator, cluster
+#: model, controller, policies, workloads, forecasters and their features, telemetry,
+#: the experiments that turn a run into its objective, the forecaster recipe).
+NOT_SIMULATOR_CODE = ("serve", "cli", "integrations")
 
 
 def simulator_version() -> dict[str, str]:
     """prorsa's version, a SHA-256 over everything a simulated run reads, and the commit.
 
-    The hash covers the code that runs (:data:`SIMULATOR_CODE`) and the data it reads:
-    the ``datasets/`` folder (cost profiles and layouts, model configs, workload profiles,
-    the traces replayed). A refit profile or workload changes it.
+    The hash covers the package's code but :data:`NOT_SIMULATOR_CODE` and the data it
+    reads: the ``datasets/`` folder (cost profiles and layouts, model configs, workload
+    profiles, the traces replayed). A code change, refit profile or workload changes it.
     """
     import prorsa
     from prorsa.workload.scenarios import datasets_dir
@@ -35,11 +34,7 @@ def simulator_version() -> dict[str, str]:
     root = Path(prorsa.__file__).resolve().parent
     data = datasets_dir().resolve()
     digest = hashlib.sha256()
-    code = [
-        f
-        for part in SIMULATOR_CODE
-        for f in ([root / part] if part.endswith(".py") else (root / part).rglob("*.py"))
-    ]
+    code = [f for f in root.rglob("*.py") if f.relative_to(root).parts[0] not in NOT_SIMULATOR_CODE]
     for base, files in ((root, sorted(code)), (data, sorted(data.rglob("*")))):
         for file in files:
             if file.is_file() and "__pycache__" not in file.parts:
@@ -47,7 +42,8 @@ def simulator_version() -> dict[str, str]:
                 digest.update(file.read_bytes())
     commit = _git(root, "rev-parse", "--short", "HEAD")
     # Uncommitted edits to any of it: the commit alone would not reproduce the data.
-    dirty = bool(_git(root, "status", "--porcelain", "--", *SIMULATOR_CODE, str(data)))
+    excluded = [f":(exclude){part}" for part in NOT_SIMULATOR_CODE]
+    dirty = bool(_git(root, "status", "--porcelain", "--", ".", *excluded, str(data)))
     return {
         "prorsa": prorsa.__version__,
         "source_sha256": digest.hexdigest(),
