@@ -105,8 +105,8 @@ class RolloutService(TrainerPushWindow):
         self.let_go_of_read_events = True
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
         self._external_update: Any = None
-        #: engines a collective_rpc failed on inside the open window (id -> method, error)
-        self._window_failed: dict[int, tuple[str, str]] = {}
+        #: engines calls failed on inside the open window (id -> {call: what failed})
+        self._window_failed: dict[int, dict[str, str]] = {}
         self._sweeper: asyncio.Task | None = None
         self.started_s: float | None = None
         # The coming rollouts' expected shape, when the trainer or the config gives it.

@@ -13,6 +13,7 @@ kept in its own file: it reads the service's engines, router, weight sync and ve
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Any
 
@@ -27,6 +28,13 @@ _WINDOW_CALLS = ("init_weight_transfer_engine",)
 #: Worker-extension calls that open and close a trainer's weight push (SkyRL's).
 _OPENS_WINDOW = frozenset({"skyrl_start_weight_update"})
 _CLOSES_WINDOW = frozenset({"skyrl_finish_weight_update"})
+
+
+def _call_id(method: str, args: Any, kwargs: Any) -> str:
+    """One call of ``method`` with its arguments: a push in several buckets is several
+    calls of one method, and a bucket's failure is cleared only by that bucket's retry."""
+    digest = hashlib.sha256(repr((args, sorted((kwargs or {}).items()))).encode())
+    return f"{method}:{digest.hexdigest()[:16]}"
 
 
 def _moves_weights(method: str) -> bool:
@@ -103,7 +111,9 @@ class TrainerPushWindow:
         # unless the push failed everywhere (then nothing tells the engines apart, and
         # retiring all would end the service: they serve what they hold).
         pushed_wrong = self._pushes_failed()
-        if set(pushed_wrong) < set(self.live_engines()):
+        live = set(self.live_engines())
+        pushed_wrong = {eid: why for eid, why in pushed_wrong.items() if eid in live}
+        if set(pushed_wrong) < live:
             self._retire(pushed_wrong, "weight push")
         window.detail.update(external=True, cancelled=True, failed=pushed_wrong)
         try:
@@ -127,7 +137,7 @@ class TrainerPushWindow:
     def _pushes_failed(self) -> dict[int, str]:
         """The engines a push failed on in the window now closing (id -> what failed)."""
         failed, self._window_failed = self._window_failed, {}
-        return {eid: f"{method}: {error}" for eid, (method, error) in failed.items()}
+        return {eid: "; ".join(calls.values()) for eid, calls in failed.items()}
 
     def _refuse_in_update_window(self, what: str) -> None:
         """StateConflict while a trainer's weight update window is open (or opening): the
@@ -297,11 +307,15 @@ class TrainerPushWindow:
         )
         failed = {eid: r for eid, r in results.items() if isinstance(r, BaseException)}
         if self.weight_update_open and method not in _WINDOW_CALLS:
+            call = _call_id(method, args, kwargs)
             for eid in results:
+                calls = self._window_failed.setdefault(eid, {})
                 if eid in failed:
-                    self._window_failed[eid] = (method, repr(failed[eid]))
-                elif self._window_failed.get(eid, ("",))[0] == method:
-                    del self._window_failed[eid]  # the retry went through
+                    calls[call] = f"{method}: {failed[eid]!r}"
+                else:
+                    calls.pop(call, None)  # a retry of that same call went through
+                if not calls:
+                    del self._window_failed[eid]
         for error in failed.values():
             raise error
         return results

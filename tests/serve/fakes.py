@@ -201,7 +201,10 @@ class WeightedFakeEngine:
     async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None) -> list[Any]:
         self.rpc_calls.append(method)
         self.rpc_kwargs.append(kwargs or {})
-        if method in self.failing_rpcs:
+        if (
+            method in self.failing_rpcs
+            or (method, (kwargs or {}).get("bucket")) in self.failing_rpcs
+        ):
             raise RuntimeError(f"worker has no method {method!r}")
         return [f"{method} on engine {self.engine_id}"]
 

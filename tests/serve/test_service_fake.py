@@ -738,3 +738,46 @@ def test_a_session_id_used_again_after_its_end_is_a_new_trajectory_in_telemetry(
     table, _ = read_telemetry(tmp_path / "tel", validate=True)
     ids = set(table.column("trajectory_id").to_pylist()) - {""}
     assert {"s", "s#1"} <= ids
+
+
+def test_a_bucket_that_failed_is_not_forgiven_by_another_bucket_and_a_retry_clears_it(tmp_path):
+    # Found by review: a failure was cleared by any later success of the same method,
+    # so an engine that missed bucket 0 and took bucket 1 stayed in service, mixed.
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.begin_weight_update()
+            fakes[1].failing_rpcs.add(("update_weights", 0))
+            with pytest.raises(RuntimeError):
+                await svc.collective_rpc("update_weights", kwargs={"bucket": 0})
+            await svc.collective_rpc("update_weights", kwargs={"bucket": 1})
+            await svc.finish_weight_update(2)
+            missed_a_bucket = svc.live_engines()
+            # The same bucket retried and taken: the engine stays.
+            await svc.begin_weight_update()
+            fakes[2].failing_rpcs.add(("update_weights", 0))
+            with pytest.raises(RuntimeError):
+                await svc.collective_rpc("update_weights", kwargs={"bucket": 0})
+            fakes[2].failing_rpcs.clear()
+            await svc.collective_rpc("update_weights", kwargs={"bucket": 0})
+            await svc.finish_weight_update(3)
+            return missed_a_bucket, svc.live_engines(), svc.weight_version
+
+    missed_a_bucket, retried, version = run(go())
+    assert missed_a_bucket == [0, 2] and retried == [0, 2] and version == 3
+
+
+def test_a_cancel_retires_the_live_engines_a_push_failed_on_even_if_another_died(tmp_path):
+    # Found by review: failures on engines {1, 2} with engine 1 dead since did not count
+    # as "some engines", so engine 2 kept serving half a push.
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.begin_weight_update()
+            for i in (1, 2):
+                fakes[i].failing_rpcs.add("update_weights")
+            with pytest.raises(RuntimeError):
+                await svc.collective_rpc("update_weights")
+            svc.router.pools.mark_dead(1, cause="test")
+            await svc.cancel_weight_update()
+            return svc.live_engines()
+
+    assert run(go()) == [0]
