@@ -13,7 +13,7 @@ from prorsa.experiments.cells import Cell, run_cell
 from prorsa.experiments.families import ModelFamily
 from prorsa.experiments.grids import LOADS, WORKLOADS, full_grid, get_grid, select
 from prorsa.experiments.knobs import WorkloadKnobs
-from prorsa.experiments.regime_report import headline
+from prorsa.experiments.regime_report import goals_markdown, headline, headline_markdown
 from prorsa.experiments.regimes import (
     MapConfig,
     Regime,
@@ -207,6 +207,11 @@ def test_goals_cell_by_cell():
     assert not any(met["met"].values())
     # seed-ok and seed-short pay; the regime without a baseline is not counted
     assert [h["split_pays_cells"] for h in headline(rows) if h["model"] == "qwen3-30b-a3b"] == [2]
+    assert [h["invalid"] for h in headline(rows) if h["model"] == "qwen3-30b-a3b"] == [
+        ["no-baseline"]
+    ]
+    assert "Left out (no colocation layout finished): no-baseline." in headline_markdown(rows)
+    assert "no-baseline" in goals_markdown(met)
 
 
 def test_grids_and_filters():

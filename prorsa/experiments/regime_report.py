@@ -106,11 +106,15 @@ def speedup_bars(summaries: list[dict], path: Path) -> Path:
 
 
 def headline(summaries: list[dict]) -> list[dict]:
-    """One row per model: cells, where the split pays, and the range of speedups."""
+    """One row per model: cells, where the split pays, and the range of speedups (over
+    the regimes with a colocation baseline; the others are named in ``invalid``)."""
     out = []
     for model in models_of(summaries):
-        rows = [s for s in summaries if s["regime"]["model"] == model and s.get("valid", True)]
+        every = [s for s in summaries if s["regime"]["model"] == model]
+        rows = [s for s in every if s.get("valid", True)]
+        invalid = [s["label"] for s in every if not s.get("valid", True)]
         if not rows:
+            out.append({"model": model, "gpus": every[0]["gpus"], "cells": 0, "invalid": invalid})
             continue
         pred = [s["speedup"].get("predictive") for s in rows if "predictive" in s["speedup"]]
         best = max(rows, key=lambda s: s["speedup"].get("predictive", 0.0))
@@ -118,6 +122,7 @@ def headline(summaries: list[dict]) -> list[dict]:
             "model": model,
             "gpus": rows[0]["gpus"],
             "cells": len(rows),
+            "invalid": invalid,
             "split_pays_cells": sum(1 for v in pred if v > PAYS),
             "best_cell": best["label"],
         }
@@ -146,15 +151,21 @@ def headline_markdown(summaries: list[dict]) -> str:
         f"{p} min / median / max" for p in HEADLINE_POLICIES
     )
     lines = [head + " | best cell |", "|" + "---|" * (5 + len(HEADLINE_POLICIES))]
+    invalid = []
     for entry in headline(summaries):
+        invalid += entry.get("invalid", [])
         cells = []
         for policy in HEADLINE_POLICIES:
             v = entry.get(policy)
             cells.append(f"{v['min']:.2f} / {v['median']:.2f} / {v['max']:.2f}x" if v else "-")
         lines.append(
             f"| {entry['model']} | {entry['gpus']} | {entry['cells']} | "
-            f"{entry['split_pays_cells']} | " + " | ".join(cells) + f" | {entry['best_cell']} |"
+            f"{entry.get('split_pays_cells', '-')} | "
+            + " | ".join(cells)
+            + f" | {entry.get('best_cell', '-')} |"
         )
+    if invalid:
+        lines += ["", f"Left out (no colocation layout finished): {', '.join(invalid)}."]
     return "\n".join(lines)
 
 
@@ -209,10 +220,11 @@ def goals_markdown(met: dict) -> str:
         "vs_colocate_0.98": "predictive >= 0.98x colocation@best in every cell",
         "vs_oracle_5pct": "predictive within 5% of the oracle in every cell",
         "vs_best_static_2pct": "predictive never more than 2% below best-static",
+        "valid_baseline": "every regime has a colocation baseline (left out where none ran)",
     }
     lines = []
     for key, text in names.items():
-        missed = met["missed"][key]
+        missed = met["missed"].get(key, [])
         status = "met" if not missed else f"not met in {len(missed)} cell(s)"
         lines.append(f"* {text}: **{status}**")
         lines += [f"  * {label}" for label in missed[:12]]

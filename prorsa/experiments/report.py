@@ -198,7 +198,8 @@ def write_report(
             lines += [
                 f"best-static: {found['prefill_slots']} prefill slots "
                 f"({found['prefill_gpus']} GPUs; searched "
-                f"{len(found['objective_by_prefill_slots'])} splits on seed 0)",
+                f"{len(found['objective_by_prefill_slots'])} splits on a seed of its own, "
+                "one past the evaluated ones)",
                 "",
             ]
         slug = f"{workload_label(workload, sep='-')}-{mode}"

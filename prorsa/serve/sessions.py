@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 #: Session ids longer than this are refused (they become telemetry keys).
 MAX_SESSION_ID_CHARS = 256
+#: How long an ended session id is remembered, so a turn under it starts ``id#n``.
+ENDED_KEPT_S = 3600.0
 
 
 @dataclass(eq=False)
@@ -63,7 +65,9 @@ class Sessions:
         self._live: dict[str, Session] = {}
         self._ending: dict[str, Session] = {}  # finished, a turn still in flight
         self._anonymous = itertools.count()
-        self._ended: dict[str, int] = {}  # trajectories ended under each session id
+        # Trajectories ended under each session id, and when the last one ended; kept
+        # for ENDED_KEPT_S (a service outlives millions of unique ids that never return).
+        self._ended: dict[str, tuple[int, float]] = {}
         self.started_total = 0
         self.finished_total = 0
 
@@ -97,8 +101,11 @@ class Sessions:
                 hint="retry once that turn returns, or use a new session id",
             )
         if session is None:
-            earlier = self._ended.get(session_id, 0)
+            earlier = self._ended.get(session_id, (0, 0.0))[0]
             trajectory_id = f"{session_id}#{earlier}" if earlier else session_id
+            while earlier and trajectory_id in self._live:  # a live session of that name
+                earlier += 1
+                trajectory_id = f"{session_id}#{earlier}"
             session = Session(
                 session_id,
                 trajectory_id,
@@ -164,7 +171,8 @@ class Sessions:
     def _end(self, session: Session) -> None:
         session.ended = True
         if not session.one_shot:
-            self._ended[session.session_id] = self._ended.get(session.session_id, 0) + 1
+            count = self._ended.pop(session.session_id, (0, 0.0))[0]
+            self._ended[session.session_id] = (count + 1, self.clock())  # newest last
         if session.in_tool:
             self._event(session, K.TOOL_END, session.turns - 1)
         self._event(session, K.TRAJ_END, max(0, session.turns - 1))
@@ -181,6 +189,14 @@ class Sessions:
         for session_id in stale:
             logger.info("session %s idle for over %.0f s: ended", session_id, self.idle_s)
             self.finish(session_id)
+        # Ended ids, oldest first: forget those ended long ago (a later turn under one
+        # starts its trajectory under the plain id again).
+        horizon = now - max(ENDED_KEPT_S, 4 * self.idle_s)
+        while self._ended:
+            oldest = next(iter(self._ended))
+            if self._ended[oldest][1] >= horizon:
+                break
+            del self._ended[oldest]
         return stale
 
     def finish_all(self) -> None:

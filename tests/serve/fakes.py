@@ -47,7 +47,8 @@ class WeightedFakeEngine:
         self.transit_s = 0.0  # a call's time on its way before the engine registers it
         self.reload_s = 0.0
         self.hanging: set[str] = set()  # control calls that never answer (a stuck engine)
-        self.delays: dict[str, float] = {}  # control calls that answer late, in seconds
+        self.gates: dict[str, asyncio.Event] = {}  # control calls that answer once set
+        self.calls: list[str] = []  # control calls received, in order
         self.reply: list[int] | None = None  # a scripted reply that ends in a stop
         self.stalled = False  # steps no more, answering all the while (a hung GPU)
         self.busy: list[str] = []  # long control calls it reports running
@@ -55,9 +56,11 @@ class WeightedFakeEngine:
         self.steps = 0
 
     async def _answer(self, call: str) -> None:
+        self.calls.append(call)
         if call in self.hanging:
             await asyncio.Event().wait()
-        await asyncio.sleep(self.delays.get(call, 0.0))
+        if call in self.gates:
+            await self.gates[call].wait()
 
     # ------------------------------------------------------------------ serving
     async def generate_stream(

@@ -345,23 +345,29 @@ def test_a_push_that_fails_everywhere_retires_no_engine_and_a_retry_clears_a_fai
 def test_a_second_cancel_during_a_failed_switch_s_resume_keeps_the_engine(tmp_path):
     # Found by review: a switch cancelled part-way resumes its engine; a second cancel
     # (a shutdown) while that resume ran marked a healthy engine dead.
+    async def until(condition):
+        async with asyncio.timeout(10):
+            while not condition():
+                await asyncio.sleep(0.005)
+
     async def go():
         async with client(tmp_path) as (_, (svc, fakes)):
-            fakes[2].hanging.add("pause")
-            fakes[2].delays["resume"] = 0.2
+            fake, resumed = fakes[2], asyncio.Event()
+            fake.calls.clear()
+            fake.hanging.add("pause")
+            fake.gates["resume"] = resumed
             switch = asyncio.ensure_future(svc.switch_role(2, "prefill"))
-            while svc.status()["roles"][2] != "switching":
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.05)  # the switch waits on the pause that never answers
+            await until(lambda: "pause" in fake.calls)  # the pause that never answers
             switch.cancel()
-            await asyncio.sleep(0.05)  # the resume is under way
+            await until(lambda: "resume" in fake.calls)  # the resume is under way
             switch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await switch
             engine = svc.router.pools.get(2)
             role_while_resuming = engine.role.value
-            await asyncio.sleep(0.3)  # the resume answers
-            return role_while_resuming, engine.alive, engine.role.value, fakes[2].paused
+            resumed.set()  # the resume answers
+            await until(lambda: engine.role.value != "switching")
+            return role_while_resuming, engine.alive, engine.role.value, fake.paused
 
     role_while_resuming, alive, role, paused = run(go())
     # Not routable while still paused; back in its old role once the resume answers.

@@ -734,7 +734,8 @@ def test_a_session_id_used_again_after_its_end_is_a_new_trajectory_in_telemetry(
             return again, dict(svc._sessions()._ended)
 
     again, ended = run(go())
-    assert again.turn == 0 and again.session_id == "s" and ended == {"s": 1}
+    assert again.turn == 0 and again.session_id == "s" and list(ended) == ["s"]
+    assert ended["s"][0] == 1
     table, _ = read_telemetry(tmp_path / "tel", validate=True)
     ids = set(table.column("trajectory_id").to_pylist()) - {""}
     assert {"s", "s#1"} <= ids
@@ -781,3 +782,25 @@ def test_a_cancel_retires_the_live_engines_a_push_failed_on_even_if_another_died
             return svc.live_engines()
 
     assert run(go()) == [0]
+
+
+def test_ended_session_ids_are_forgotten_after_an_hour():
+    from prorsa.serve.sessions import ENDED_KEPT_S, Sessions
+
+    class Router:
+        def trajectory_event(self, *args, **kwargs):
+            pass
+
+    now = [0.0]
+    sessions = Sessions(Router(), lambda: now[0], idle_s=60.0)
+    for name in ("a", "b"):
+        sessions.get_or_start(name)
+        sessions.finish(name)
+    now[0] = ENDED_KEPT_S / 2
+    sessions.get_or_start("b")
+    sessions.finish("b")  # b ended again, later
+    now[0] = ENDED_KEPT_S + 1.0
+    sessions.expire()
+    assert list(sessions._ended) == ["b"]  # a's end is an hour old; b's is not
+    assert sessions.get_or_start("b").trajectory_id == "b#2"
+    assert sessions.get_or_start("a").trajectory_id == "a"
