@@ -50,6 +50,18 @@ def ray_local():
         ray.shutdown()
 
 
+def _counting(calls: list[int]):
+    """``run_cell`` that notes each cell's seed in ``calls`` as it runs."""
+
+    def counted(cell):
+        from prorsa.experiments.cells import run_cell
+
+        calls.append(cell.seed)
+        return run_cell(cell)
+
+    return counted
+
+
 def test_cell_key_is_stable_and_covers_every_field():
     assert cell_key(_cell()) == cell_key(_cell())
     keys = {
@@ -68,13 +80,8 @@ def test_cell_key_is_stable_and_covers_every_field():
 
 
 def test_resumed_sweep_skips_finished_cells_and_reruns_a_cut_line(tmp_path):
-    calls = []
-
-    def counted(cell):
-        from prorsa.experiments.cells import run_cell
-
-        calls.append(cell.seed)
-        return run_cell(cell)
+    calls: list[int] = []
+    counted = _counting(calls)
 
     path = tmp_path / "cells.jsonl"
     first = run_sweep([_cell(s) for s in range(3)], results_path=path, workers=1, fn=counted)
@@ -360,13 +367,8 @@ def test_cell_key_covers_the_simulator_and_the_trained_model(tmp_path, monkeypat
 
 
 def test_a_recorded_failure_runs_again_on_resume(tmp_path):
-    calls = []
-
-    def counted(cell):
-        from prorsa.experiments.cells import run_cell
-
-        calls.append(cell.seed)
-        return run_cell(cell)
+    calls: list[int] = []
+    counted = _counting(calls)
 
     path = tmp_path / "cells.jsonl"
     failed = {"cell": _cell(0).to_dict(), "metrics": {}, "objective": "inf", "error": "boom"}

@@ -222,7 +222,7 @@ class Forecaster(ABC):
         drift = self.drifting_features()
         if drift:
             return self._fallback(hs, drift)
-        if getattr(self, "_drift_logged", ()):
+        if self._drift_logged:
             logger.info(
                 "%s: live features back in the training range at t=%.1f s",
                 self.name,
@@ -283,7 +283,7 @@ class Forecaster(ABC):
 
     def _fallback(self, hs: tuple[float, ...], drift: tuple[str, ...]) -> Forecast:
         self._fallback_ticks += 1
-        if not getattr(self, "_drift_logged", ()):  # each time the features leave the range
+        if not self._drift_logged:  # each time the features leave the range
             logger.warning(
                 "%s: live features %s missing or outside the training range at t=%.1f s; "
                 "forecasting with %s while they stay out (%d such ticks so far)",

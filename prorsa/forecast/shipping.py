@@ -404,6 +404,7 @@ def ship(
             data.meta["simulator"] = version
             data.save(data_path)
             write_parquet(concat_tables(tables["heldout"]), heldout_path)
+        made_by = data.meta.get("simulator", version)  # a kept set may predate this commit
         heldout = _read_table(heldout_path)
         validate = [_every_nth_run(heldout, validate_every)] if validate_every > 0 else []
         results = {}
@@ -415,11 +416,7 @@ def ship(
                 out / name,
                 params=SHIP_PARAMS.get(name),
                 validate=validate,
-                # The simulator that made the data (a kept set may predate this commit).
-                extra_manifest={
-                    "recipe": ship_recipe(data),
-                    "simulator": data.meta.get("simulator", version),
-                },
+                extra_manifest={"recipe": ship_recipe(data), "simulator": made_by},
                 progress=_stage(progress, f"backtesting {name}"),
             )
         heldout_runs = len(set(validate[0].column("run_id").to_pylist())) if validate else 0
@@ -430,7 +427,7 @@ def ship(
         train_runs=len(data.runs),
         heldout_runs=heldout_runs,
         data_hash=data.data_hash(),
-        simulator=data.meta.get("simulator", version),
+        simulator=made_by,
     )
 
 

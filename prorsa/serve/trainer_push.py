@@ -127,12 +127,16 @@ class TrainerPushWindow:
         """The version a finish would stamp; InputError if not above the current one,
         StateConflict if the push failed on every engine (none holds the new weights)."""
         version = self._next_version(version)
-        if self._window_failed and set(self._window_failed) >= set(self.live_engines()):
+        if self._window_failed and self._failed_on_every_live_engine():
             raise StateConflict(
                 "the weight push failed on every engine: no engine holds the new weights",
                 hint="push again, or cancel the window (cancel_weight_update)",
             )
         return version
+
+    def _failed_on_every_live_engine(self) -> bool:
+        """Whether a call inside the open window failed on every engine still live."""
+        return set(self._window_failed) >= set(self.live_engines())
 
     def _pushes_failed(self) -> dict[int, str]:
         """The engines a push failed on in the window now closing (id -> what failed)."""
@@ -217,7 +221,7 @@ class TrainerPushWindow:
         try:
             return await self._rpc(method, args, kwargs, timeout_s)
         except Exception:
-            if set(self._window_failed) >= set(self.live_engines()):
+            if self._failed_on_every_live_engine():
                 await self.cancel_weight_update()
             raise
         except BaseException:
@@ -249,7 +253,7 @@ class TrainerPushWindow:
         try:
             results = await self._rpc(method, args, kwargs, timeout_s)
         except Exception:
-            if set(self._window_failed) >= set(self.live_engines()):
+            if self._failed_on_every_live_engine():
                 await self.cancel_weight_update()
                 raise
             results = {}  # the engines it failed on leave at the finish
