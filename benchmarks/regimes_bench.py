@@ -6,12 +6,14 @@ benchmarks/results/regimes/cells.jsonl, and writes:
 
 * benchmarks/results/regimes.json: per regime the speedups of best-static, predictive,
   mpc and oracle over colocation at its best layout (and over colocation at TP1 or the
-  smallest TP, labelled), the headline per model, the goals cell by cell, the mechanisms;
+  smallest TP, labelled), every plan chosen on seed 0 and scored on held-out seeds 1-3
+  (geometric mean of paired ratios, 95% interval), the headline per model, the goals
+  cell by cell, the mechanisms;
 * benchmarks/results/regimes/: report.md, a heatmap per model, mechanism plots;
 * docs/img/regimes-*.png and the README's headline table (between its
   ``regime-map`` markers), so the README shows the map's summary, never typed by hand.
 
-    .venv/bin/python benchmarks/regimes_bench.py              # full map (~20 min on 2 idle cores)
+    .venv/bin/python benchmarks/regimes_bench.py              # full map (~1 h on 2 idle cores)
     .venv/bin/python benchmarks/regimes_bench.py --quick      # minutes
 """
 
@@ -48,6 +50,8 @@ def compact(summary: dict) -> dict:
         "variant",
         "gpus",
         "shape",
+        "eval_seeds",
+        "selection",
         "planned_layouts",
         "run_plan",
         "colocate_best",
@@ -55,6 +59,8 @@ def compact(summary: dict) -> dict:
         "planner_colocated_regret",
         "best_static",
         "speedup",
+        "speedup_ci95",
+        "speedup_by_seed",
         "speedup_vs_baseline",
         "ceiling",
         "valid",
@@ -65,12 +71,16 @@ def compact(summary: dict) -> dict:
         out["best_static"] = {
             k: v for k, v in out["best_static"].items() if k != "objective_by_prefill_slots"
         }
-    out["colocate"] = {k: v["objective"] for k, v in summary["colocate"].items()}
+    out["colocate"] = {
+        k: {"objective": v["objective"], "objective_by_seed": v["objective_by_seed"]}
+        for k, v in summary["colocate"].items()
+    }
     out["policies"] = {
         name: {
             k: p.get(k)
             for k in (
                 "objective",
+                "objective_by_seed",
                 "switches",
                 "completion_s_p99",
                 "busy_fraction",

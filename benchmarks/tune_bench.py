@@ -87,7 +87,9 @@ def losing_cells() -> list[Cell]:
         for r in wanted:
             regime, plan = r["regime"], r["run_plan"]
             if (
-                regime["model"] in cell.cluster.profile
+                # one held-out seed's cell per regime (``evaluate`` runs its own seeds)
+                cell.work.seed == min(r.get("eval_seeds") or [regime["seed"]])
+                and regime["model"] in cell.cluster.profile
                 and cell.workload == regime["workload"]
                 and cell.mode == regime["mode"]
                 and cell.work.max_in_flight == regime["load_per_gpu"] * r["gpus"]

@@ -97,6 +97,6 @@ def test_decode_is_priced_at_each_turns_starting_context():
 def test_async_regime_bound_reads_the_runs_trajectories():
     regime = Regime("toy-7b", "search", "async", 4)
     cfg = MapConfig(regimes=[regime], families={"toy-7b": TOY}, forecaster="ewma", workers=1)
-    c = regime_ceiling_of(cfg, plan_regime(regime, cfg), {"layout": "tp1", "objective": 1.0})
+    c = regime_ceiling_of(cfg, plan_regime(regime, cfg), "tp1", 1.0)
     assert set(c["parts"]) == {"critical_path_s", "in_flight_s", "gpu_work_s"}
     assert c["bound"] > 0 and c["ceiling"] == pytest.approx(1.0 / c["bound"])

@@ -75,7 +75,13 @@ def test_demo_verdict_says_where_the_split_pays():
         "colocate_best": {"layout": "tp4"},
         "best_static": {"prefill_layout": "tp1", "prefill_gpus": 8, "decode_layout": "dp8"},
     }
-    pays = verdict({**base, "speedup": {"predictive": 1.12, "best-static": 1.10}})
-    assert pays.startswith("the split pays: 1.12x") and "tp4" in pays
+    speedup = {"predictive": 1.12, "best-static": 1.10}
+    sure = {**base, "eval_seeds": [1, 2, 3], "speedup": speedup}
+    pays = verdict({**sure, "speedup_ci95": {"predictive": [1.05, 1.2]}})
+    assert pays.startswith("the split pays: predictive 1.120x (1.05-1.20)") and "tp4" in pays
+    assert "3 held-out seeds" in pays
+    # as fast on average, but the interval over the held-out seeds reaches 1x: not shown
+    unsure = verdict({**sure, "speedup_ci95": {"predictive": [0.97, 1.29]}})
+    assert unsure.startswith("the split is not shown to pay: predictive 1.120x (0.97-1.29)")
     flat = verdict({**base, "speedup": {"predictive": 1.0, "best-static": 0.97}})
     assert flat.startswith("colocation at tp4 is as good as any split")

@@ -73,44 +73,89 @@ def test_knobs_change_the_simulated_workload():
 def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
     result = run_map(toy_config(tmp_path))
     (summary,) = result["regimes"]
+    assert summary["eval_seeds"] == [1, 2, 3]
     colocate = {k: v["objective"] for k, v in summary["colocate"].items()}
     assert set(colocate) == {"tp1", "tp2"}
     best_layout = min(colocate, key=colocate.get)
-    assert summary["colocate_best"] == {"layout": best_layout, "objective": colocate[best_layout]}
+    best = summary["colocate_best"]
+    assert best["layout"] == best_layout and best["objective"] == colocate[best_layout]
+    by_seed = best["objective_by_seed"]
+    assert set(by_seed) == {1, 2, 3} and best["objective"] == pytest.approx(
+        np.mean([*by_seed.values()])
+    )
     for policy in ("best-static", "predictive", "mpc", "oracle"):
-        objective = summary["policies"][policy]["objective"]
-        assert summary["speedup"][policy] == pytest.approx(colocate[best_layout] / objective)
-        assert summary["speedup_vs_baseline"][policy] == pytest.approx(colocate["tp1"] / objective)
-    # best-static is the best split any searched (prefill, decode) pair found
+        ran = summary["policies"][policy]["objective_by_seed"]
+        ratios = [by_seed[s] / ran[s] for s in (1, 2, 3)]
+        # a paired ratio per held-out seed, their geometric mean, its t-interval around it
+        assert summary["speedup_by_seed"][policy] == pytest.approx(
+            dict(zip((1, 2, 3), ratios, strict=True))
+        )
+        assert summary["speedup"][policy] == pytest.approx(np.exp(np.mean(np.log(ratios))))
+        low, high = summary["speedup_ci95"][policy]
+        assert low <= summary["speedup"][policy] <= high
+        tp1 = summary["colocate"]["tp1"]["objective_by_seed"]
+        assert summary["speedup_vs_baseline"][policy] == pytest.approx(
+            np.exp(np.mean(np.log([tp1[s] / ran[s] for s in (1, 2, 3)])))
+        )
+    # best-static is the best split any searched (prefill, decode) pair found on the
+    # selection seed, and is scored at that very split on the held-out seeds
     searched = [s["objective"] for s in summary["static_searches"]]
     assert summary["best_static"]["objective"] == min(searched)
+    assert (
+        summary["policies"]["best-static"]["prefill_gpus"] == summary["best_static"]["prefill_gpus"]
+    )
     pairs = {(s["prefill_layout"], s["decode_layout"]) for s in summary["static_searches"]}
     assert ("tp1", "tp1") in pairs
-    # the dynamic policies ran with the simulated searches' layouts and start
+    # the dynamic policies ran with the layouts and start the selection seed's searches chose
+    selection = summary["selection"]
+    assert selection["seed"] == 0
+    chosen = selection["colocate_best_layout"]
+    assert chosen == min(selection["colocate"], key=selection["colocate"].get)
     run_plan = summary["run_plan"]
-    best = summary["best_static"]
+    chosen_split = summary["best_static"]
     assert run_plan["by"] == "simulation"
     assert run_plan["layouts"] == {
-        "prefill": best["prefill_layout"],
-        "decode": best["decode_layout"],
-        "colocated": best_layout,
+        "prefill": chosen_split["prefill_layout"],
+        "decode": chosen_split["decode_layout"],
+        "colocated": chosen,
     }
-    split_won = best["objective"] < colocate[best_layout]
+    split_won = chosen_split["objective"] < selection["colocate"][chosen]
     assert run_plan["start"] == ("split" if split_won else "colocated")
     assert set(summary["planned_layouts"].values()) <= {"tp1", "tp2"}
     lines = (tmp_path / "cells.jsonl").read_text().splitlines()
     cells = [Cell.from_dict(json.loads(line)["result"]["cell"]) for line in lines]
+    # the searches ran on seed 0 only; every held-out seed ran each plan once
+    assert {c.work.seed for c in cells if c.policy == "static"} >= {0, 1, 2, 3}
+    searched_cells = [c for c in cells if c.policy == "static" and c.work.seed == 0]
+    assert len(searched_cells) == sum(
+        len(s["objective_by_prefill_slots"]) for s in summary["static_searches"]
+    )
+    for seed in (1, 2, 3):
+        assert sum(c.policy == "static" and c.work.seed == seed for c in cells) == 1
     dynamic = [c for c in cells if c.policy in ("predictive", "mpc", "oracle")]
+    assert sorted(c.work.seed for c in dynamic) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     assert all(c.cluster.layouts == run_plan["layouts"] for c in dynamic)
     assert all(c.control.policy_params["start"] == run_plan["start"] for c in dynamic)
     assert all(c.control.forecaster == "ewma" for c in dynamic if c.policy != "oracle")
-    # No simulated allocation beats the regime's bound: every speedup is within the ceiling.
+    # No simulated allocation beats its seed's bound: every speedup is within the ceiling.
     ceiling = summary["ceiling"]
     assert ceiling["binding"] == "critical_path"
     assert 1.0 < ceiling["ceiling"] < 50.0
     assert all(sp <= ceiling["ceiling"] for sp in summary["speedup"].values())
-    runs = [*colocate.values(), *(s["objective"] for s in summary["static_searches"])]
-    assert min(runs) >= ceiling["bound"]
+    for seed, bound in ceiling["by_seed"].items():
+        ran = [p["objective_by_seed"][seed] for p in summary["colocate"].values()]
+        ran += [p["objective_by_seed"][seed] for p in summary["policies"].values()]
+        assert min(ran) >= bound["bound"]
+        assert all(r[seed] <= bound["ceiling"] for r in summary["speedup_by_seed"].values())
+
+
+def test_eval_seeds_never_include_the_seed_that_chose_the_plans():
+    with pytest.raises(ConfigError, match="cannot also score"):
+        toy_config(eval_seeds=(0, 1)).validate()
+    with pytest.raises(ConfigError, match="distinct"):
+        toy_config(eval_seeds=(1, 1)).validate()
+    with pytest.raises(ConfigError, match="distinct"):
+        toy_config(eval_seeds=()).validate()
 
 
 def test_simulated_plan_starts_split_only_where_the_split_won():
@@ -207,6 +252,9 @@ def test_goals_cell_by_cell():
     assert not any(met["met"].values())
     # seed-ok and seed-short pay; the regime without a baseline is not counted
     assert [h["split_pays_cells"] for h in headline(rows) if h["model"] == "qwen3-30b-a3b"] == [2]
+    # a speedup whose interval over the held-out seeds reaches 1x does not pay
+    rows[1]["speedup_ci95"] = {"predictive": [0.99, 1.22]}
+    assert [h["split_pays_cells"] for h in headline(rows) if h["model"] == "qwen3-30b-a3b"] == [1]
     assert [h["invalid"] for h in headline(rows) if h["model"] == "qwen3-30b-a3b"] == [
         ["no-baseline"]
     ]
@@ -268,10 +316,11 @@ def test_a_failing_cell_is_recorded_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setattr(cells, "run_cell", flaky)
     (summary,) = run_map(toy_config(tmp_path))["regimes"]
     assert summary["failed_cells"] == ["mpc"]
-    assert summary["policies"]["mpc"]["error"] == "ValueError: rank over max_batch"
-    assert summary["speedup"]["mpc"] == 0.0 and summary["speedup"]["oracle"] > 0
+    assert summary["policies"]["mpc"]["error"] == "seed 1: ValueError: rank over max_batch"
+    assert summary["speedup"]["mpc"] == 0.0 and summary["speedup_ci95"]["mpc"] is None
+    assert summary["speedup"]["oracle"] > 0
     saved = [json.loads(line)["result"] for line in (tmp_path / "cells.jsonl").open()]
-    assert sum("error" in r for r in saved) == 1
+    assert sum("error" in r for r in saved) == 3  # one per held-out seed
 
     def broken(cell):
         raise ConfigError("bad cell")

@@ -4,6 +4,7 @@ read by the learned policy."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -189,3 +190,27 @@ def test_the_rl_policy_can_be_told_to_ignore_the_shape(read):
     policy.decide(obs, None)
     known = policy.agent_.seen[-1][OBS_FEATURES.index("workload_known")]
     assert known == (1.0 if read else 0.0)
+
+
+def test_a_trace_replays_in_order_on_seed_0_and_resamples_on_other_seeds():
+    """Seed 0 replays the recorded trajectories in order; any other seed is a bootstrap
+    draw of them, so a replay's held-out seeds are other samples, not the same run."""
+    trace = str(REPO / "datasets" / "traces" / "mini-swe-agent-swebench.parquet")
+
+    def ids(mode: str, seed: int) -> list[str]:
+        work = WorkloadConfig(scenario=None, trace=trace, mode=mode, trajectories=40, seed=seed)
+        driver = build_driver(work)
+        specs = driver.batches[0] if mode == "sync" else list(itertools.islice(driver.specs, 40))
+        return [s.trajectory_id.split("#")[0] for s in specs]
+
+    from prorsa.workload import specs_from_trace
+
+    recorded = [s.trajectory_id for s in specs_from_trace(trace)]
+    for mode in ("sync", "async"):
+        assert ids(mode, 0) == [recorded[i % len(recorded)] for i in range(40)]
+        one, two = ids(mode, 1), ids(mode, 2)
+        assert one == ids(mode, 1)  # deterministic
+        assert one != two and one != ids(mode, 0)
+        assert set(one) <= set(recorded) and len(set(one)) < 40  # with replacement
+    with pytest.raises(ConfigError, match="seed must be >= 0"):
+        WorkloadConfig(scenario=None, trace=trace, seed=-1).validate()

@@ -16,11 +16,11 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _loads(text: str) -> list[int]:
+def _ints(text: str, flag: str) -> list[int]:
     try:
         return [int(t) for t in _split(text)]
     except ValueError:
-        raise ConfigError(f"--loads must be integers, got '{text}'") from None
+        raise ConfigError(f"{flag} must be integers, got '{text}'") from None
 
 
 def run_map_with_progress(cfg, *, quiet: bool = False) -> dict:
@@ -49,7 +49,9 @@ def headline_table(summaries: list[dict]) -> Table:
 
 
 def regimes_table(summaries: list[dict]) -> Table:
-    table = Table(title="regimes")
+    from prorsa.experiments.regime_report import with_interval
+
+    table = Table(title="regimes: speedup over colocation@best on held-out seeds (95% CI)")
     for col in ("regime", "colocation@best", "best-static", "predictive", "mpc", "oracle"):
         table.add_column(col, justify="left" if col == "regime" else "right")
     for s in summaries:
@@ -58,7 +60,7 @@ def regimes_table(summaries: list[dict]) -> Table:
             s["label"],
             s["colocate_best"]["layout"],
             *(
-                f"{sp[p]:.3f}x" if p in sp else "-"
+                with_interval(s, p) if p == "predictive" else (f"{sp[p]:.3f}x" if p in sp else "-")
                 for p in ("best-static", "predictive", "mpc", "oracle")
             ),
         )
@@ -87,6 +89,10 @@ def explore_cmd(
     ),
     resume: bool = typer.Option(
         True, "--resume/--fresh", help="skip cells already finished in OUT/cells.jsonl"
+    ),
+    eval_seeds: str = typer.Option(
+        "1,2,3",
+        help="seeds every plan is scored on (each regime's plans are chosen on seed 0)",
     ),
     plan_by: str = typer.Option(
         "simulation",
@@ -118,7 +124,7 @@ def explore_cmd(
         models=_split(models),
         workloads=_split(workloads),
         modes=_split(modes),
-        loads=_loads(loads),
+        loads=_ints(loads, "--loads"),
     )
     cfg = MapConfig(
         regimes=regimes,
@@ -128,6 +134,7 @@ def explore_cmd(
         cells_path=out / "cells.jsonl",
         resume=resume,
         plan_by=plan_by,
+        eval_seeds=tuple(_ints(eval_seeds, "--eval-seeds")),
     )
     cfg.validate()  # before anything is printed or planned
     if not as_json:

@@ -363,8 +363,9 @@ def _run_with_telemetry(cell):
 
 def completion_tail(out: Path, summary: dict, cfg) -> dict:
     """Mechanism (c) for one mapped regime (``summary`` from :func:`run_map`): completion
-    times under colocation at its best layout, best-static and predictive; the makespan is
-    the slowest trajectory, so how much of it is the tail after most have finished."""
+    times under colocation at its best layout, best-static and predictive on the first
+    held-out seed the map scored them on; the makespan is the slowest trajectory, so how
+    much of it is the tail after most have finished."""
     from prorsa.experiments.cells import run_cell
     from prorsa.experiments.regimes import (
         Regime,
@@ -381,21 +382,20 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
     if regime.mode != "sync":
         raise ConfigError("mechanism (c) is about sync steps: give a sync regime")
     plan = plan_regime(regime, cfg)
-    cells = {
-        "colocation@best": _cell(cfg, plan, "colocate", _same(summary["colocate_best"]["layout"]))
-    }
+    seed = min(summary.get("eval_seeds") or [regime.seed])
+    best = summary["colocate_best"]["layout"]
+    cells = {"colocation@best": _cell(cfg, plan, "colocate", _same(best), seed=seed)}
     static = summary.get("best_static")
     if static:
         layouts = _static_layouts(static["prefill_layout"], static["decode_layout"])
-        cells["best-static"] = _cell(
-            cfg, plan, "static", layouts, params={"prefill_gpus": static["prefill_gpus"]}
-        )
+        params = {"prefill_gpus": static["prefill_gpus"]}
+        cells["best-static"] = _cell(cfg, plan, "static", layouts, params=params, seed=seed)
     if "predictive" in summary["policies"]:
         # the plan the map ran the policy with (summaries before it was recorded: the
         # cost-model planner's)
         recorded = summary.get("run_plan")
         run_plan = RunPlan(**recorded) if recorded else analytic_run_plan(plan)
-        cells["predictive"] = _dynamic_cell(cfg, plan, "predictive", run_plan)
+        cells["predictive"] = _dynamic_cell(cfg, plan, "predictive", run_plan, seed)
     runs = {name: run_cell(replace(cell, series=True)) for name, cell in cells.items()}
     stats = {}
     for name, run in runs.items():
@@ -430,9 +430,9 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
     ax.axhline(0.9, color="grey", lw=0.6)
     ax.set_xlabel("trajectory completion time (s)")
     ax.set_ylabel("fraction of trajectories done")
-    ax.set_title(f"{regime.label}: the tail sets the sync makespan", fontsize=9)
+    ax.set_title(f"{regime.label}, seed {seed}: the tail sets the sync makespan", fontsize=9)
     ax.legend(fontsize=7)
-    return _save(out, "c", {"regime": asdict(regime), "runs": stats}, fig)
+    return _save(out, "c", {"regime": asdict(regime), "seed": seed, "runs": stats}, fig)
 
 
 def brief(result: dict, max_items: int = 8) -> dict:

@@ -3,7 +3,9 @@
 A *regime* is one workload on one model's cluster: model (and so layout family and GPU
 budget), workload (a scenario or a replayed real trace), sync or async, load in
 trajectories per GPU, and the workload knobs (tool latency, context growth) and KV reuse
-mode. For every regime the map runs, on the same trajectories (one seed):
+mode. Every choice is made on the regime's own seed (the *selection* seed) and every
+speedup is scored on other seeds (``MapConfig.eval_seeds``), so no plan is scored on
+the trajectories it was chosen on. On the selection seed the map runs:
 
 * **colocation at every layout of the family**; the fastest is *colocation at its best
   layout*, the baseline of every speedup. Colocation at TP1 (or the smallest TP that fits
@@ -23,6 +25,12 @@ mode. For every regime the map runs, on the same trajectories (one seed):
   ``"analytic"`` takes the cost-model planner's choice
   (:mod:`prorsa.policy.layout_plan`), which needs no simulation but can pick a colocated
   layout slower than the best (its regret is reported either way).
+
+On each held-out seed it runs colocation at every layout again, best-static's chosen
+pair and split, and the dynamic policies with their plan. The baseline is colocation at
+the layout fastest *on the held-out seeds* (chosen in sample, which can only favour
+colocation); each speedup is the geometric mean of per-seed paired ratios with a 95%
+interval (:mod:`prorsa.experiments.held_out`).
 
 Cells run through :class:`~prorsa.experiments.sweep.Sweep` (Ray tasks, local by default or
 on a cluster with ``address``), streamed to a JSONL file and skipped on a re-run.
@@ -150,6 +158,8 @@ class MapConfig:
     # How the dynamic policies' layouts and start are chosen: "simulation" (from the
     # colocation and best-static searches) or "analytic" (the cost-model planner alone).
     plan_by: str = "simulation"
+    # Seeds every plan is scored on (never a regime's own seed, which chooses the plans).
+    eval_seeds: tuple[int, ...] = (1, 2, 3)
 
     def family(self, regime: Regime) -> ModelFamily:
         return self.families.get(regime.model) or regime.family
@@ -169,6 +179,15 @@ class MapConfig:
             raise ConfigError(f"unknown backend '{self.backend}'", hint=f"one of {BACKENDS}")
         if self.plan_by not in PLAN_BY:
             raise ConfigError(f"unknown plan_by '{self.plan_by}'", hint=f"one of {PLAN_BY}")
+        seeds = tuple(self.eval_seeds)
+        if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            raise ConfigError(f"eval_seeds must be distinct seeds >= 0, got {seeds}")
+        chosen_on = sorted({r.seed for r in self.regimes} & set(seeds))
+        if chosen_on:
+            raise ConfigError(
+                f"seed(s) {chosen_on} choose the regimes' plans and cannot also score them",
+                hint="give eval_seeds that no regime uses as its seed",
+            )
         unknown = set(self.dynamic_policies) - set(DYNAMIC_POLICIES)
         if unknown:
             raise ConfigError(
@@ -287,7 +306,9 @@ def _cell(
     layouts: dict[str, str],
     *,
     params: dict | None = None,
+    seed: int | None = None,
 ) -> Cell:
+    """One cell of ``plan``'s regime, on the regime's own seed unless ``seed`` is given."""
     regime = plan.regime
     scenario, trace = regime.workload_source()
     in_flight = regime.load_per_gpu * plan.family.gpus
@@ -301,7 +322,7 @@ def _cell(
         # only the ramp-up and the drain
         trajectories=in_flight if regime.mode == "sync" else 2 * in_flight,
         max_in_flight=in_flight,
-        seed=regime.seed,
+        seed=regime.seed if seed is None else seed,
     )
     cluster = ClusterConfig(
         profile=plan.family.profile,
@@ -373,10 +394,12 @@ def simulated_run_plan(
     return RunPlan(layouts, start, fraction, "simulation")
 
 
-def _dynamic_cell(cfg: MapConfig, plan: RegimePlan, policy: str, run: RunPlan) -> Cell:
+def _dynamic_cell(
+    cfg: MapConfig, plan: RegimePlan, policy: str, run: RunPlan, seed: int | None = None
+) -> Cell:
     """A dynamic policy on ``run``'s layouts, starting in its mode."""
     params = {"start": run.start, "prefill_fraction": run.prefill_fraction}
-    return _cell(cfg, plan, policy, run.layouts, params=params)
+    return _cell(cfg, plan, policy, run.layouts, params=params, seed=seed)
 
 
 def _same(layout: str) -> dict[str, str]:
@@ -410,10 +433,12 @@ def _refinement(seen: dict[int, float], slots: int, exhaustive_up_to: int) -> li
     return [x for x in range(low, high + 1) if x not in seen]
 
 
-def _static_cell(cfg: MapConfig, plan: RegimePlan, pair: tuple[str, str], x: int) -> Cell:
+def _static_cell(
+    cfg: MapConfig, plan: RegimePlan, pair: tuple[str, str], x: int, seed: int | None = None
+) -> Cell:
     layouts = _static_layouts(*pair)
     gpus = x * plan.slot_gpus(layouts)
-    return _cell(cfg, plan, "static", layouts, params={"prefill_gpus": gpus})
+    return _cell(cfg, plan, "static", layouts, params={"prefill_gpus": gpus}, seed=seed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -423,9 +448,11 @@ def _static_cell(cfg: MapConfig, plan: RegimePlan, pair: tuple[str, str], x: int
 def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run every regime of ``cfg``; returns ``{"regimes": [summary, ...], "cells": {...}}``.
 
-    Three batches through one sweep: colocation at every layout and the coarse static
-    grids; the grids' refinements; then the dynamic policies, planned from what the first
-    two found (``plan_by="simulation"``) or by the cost model alone (``"analytic"``).
+    Three batches through one sweep, on each regime's own seed: colocation at every
+    layout and the coarse static grids; the grids' refinements; then, on every held-out
+    seed, colocation at every layout, best-static's choice and the dynamic policies,
+    planned from what the first two found (``plan_by="simulation"``) or by the cost model
+    alone (``"analytic"``).
     """
     cfg.validate()
     plans = [plan_regime(r, cfg) for r in cfg.regimes]
@@ -469,25 +496,26 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
             seen[key][x] = run["objective"]
         searches = {key: _best_split(plans[key[0]], key[1], seen[key]) for key in grids}
         by_plan: dict[int, dict] = {
-            i: {"colocate": {}, "policies": {}, "static": []} for i in range(len(plans))
+            i: {"colocate": {}, "static": [], "held_out": {}} for i in range(len(plans))
         }
         for (i, name, _), run in zip(colocate_cells, colocate_runs, strict=True):
             by_plan[i]["colocate"][name] = run
         for (i, _pair), found in searches.items():
             by_plan[i]["static"].append(found)
         run_plans = [_run_plan(cfg, plan, by_plan[i]) for i, plan in enumerate(plans)]
-        dynamic = [
-            (i, policy, _dynamic_cell(cfg, plans[i], policy, run_plans[i]))
-            for i in range(len(plans))
-            for policy in cfg.dynamic_policies
+        held_out = [
+            (i, seed, name, cell)
+            for i, plan in enumerate(plans)
+            for seed in cfg.eval_seeds
+            for name, cell in _held_out_cells(cfg, plan, by_plan[i], run_plans[i], seed)
         ]
-        for (i, policy, _), run in zip(
-            dynamic, counter.map(sweep, [c for *_, c in dynamic]), strict=True
+        for (i, seed, name, _), run in zip(
+            held_out, counter.map(sweep, [c for *_, c in held_out]), strict=True
         ):
-            by_plan[i]["policies"][policy] = run
+            by_plan[i]["held_out"].setdefault(seed, {})[name] = run
     summaries = [summarise_regime(plan, by_plan[i], run_plans[i]) for i, plan in enumerate(plans)]
     for plan, summary in zip(plans, summaries, strict=True):
-        summary["ceiling"] = regime_ceiling_of(cfg, plan, summary["colocate_best"])
+        summary["ceiling"] = held_out_ceiling(cfg, plan, summary["colocate_best"])
     return {
         "regimes": summaries,
         "cells": {
@@ -498,15 +526,57 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
     }
 
 
-def regime_ceiling_of(cfg: MapConfig, plan: RegimePlan, colocate_best: dict) -> dict:
-    """The bound no allocation beats in ``plan``'s regime and the largest speedup over
-    colocation@best it leaves (:mod:`prorsa.experiments.ceiling`), on the trajectories
-    every cell of the regime runs."""
+def _held_out_cells(
+    cfg: MapConfig, plan: RegimePlan, runs: dict, run: RunPlan, seed: int
+) -> list[tuple[tuple[str, str], Cell]]:
+    """What a held-out seed runs: colocation at every layout, best-static's chosen pair
+    and split (when a split finished on the selection seed) and the dynamic policies."""
+    cells = [(("colocate", layout), _cell(cfg, plan, "colocate", _same(layout), seed=seed))
+             for layout in plan.colocated]  # fmt: skip
+    static = best_static_search(runs["static"])
+    if static is not None and math.isfinite(static["objective"]):
+        pair = (static["prefill_layout"], static["decode_layout"])
+        cells.append(
+            (
+                ("policy", "best-static"),
+                _static_cell(cfg, plan, pair, static["prefill_slots"], seed),
+            )
+        )
+    for policy in cfg.dynamic_policies:
+        cells.append((("policy", policy), _dynamic_cell(cfg, plan, policy, run, seed)))
+    return cells
+
+
+def held_out_ceiling(cfg: MapConfig, plan: RegimePlan, colocate_best: dict) -> dict:
+    """The ceiling on each held-out seed (:func:`regime_ceiling_of`) and, as
+    ``ceiling``, their geometric mean: no geometric-mean speedup over the same seeds can
+    exceed it, since no seed's speedup exceeds its own ceiling."""
+    from prorsa.experiments.held_out import geometric_mean
+
+    by_seed = {
+        seed: regime_ceiling_of(cfg, plan, colocate_best["layout"], objective, seed)
+        for seed, objective in colocate_best["objective_by_seed"].items()
+    }
+    bindings = {c["binding"] for c in by_seed.values()}
+    return {
+        "ceiling": geometric_mean([c["ceiling"] for c in by_seed.values()]),
+        "binding": bindings.pop() if len(bindings) == 1 else "mixed",
+        "by_seed": by_seed,
+    }
+
+
+def regime_ceiling_of(
+    cfg: MapConfig, plan: RegimePlan, layout: str, objective: float, seed: int | None = None
+) -> dict:
+    """The bound no allocation beats in ``plan``'s regime on ``seed`` and the largest
+    speedup over colocation at ``layout`` (whose objective there is ``objective``) it
+    leaves (:mod:`prorsa.experiments.ceiling`), on the trajectories every cell of that
+    seed runs."""
     from prorsa.experiments.ceiling import layout_floors, regime_ceiling
     from prorsa.experiments.knobs import transformed_driver
     from prorsa.runtime.sim.cost.layout_registry import get_layout_cost
 
-    cell = _cell(cfg, plan, "colocate", _same(colocate_best["layout"]))
+    cell = _cell(cfg, plan, "colocate", _same(layout), seed=seed)
     driver = transformed_driver(cell.work, cell.knobs)
     sync = plan.regime.mode == "sync"
     # An async stream may cycle forever (replayed traces); a run takes ``total`` of it.
@@ -520,7 +590,7 @@ def regime_ceiling_of(cfg: MapConfig, plan: RegimePlan, colocate_best: dict) -> 
         floors,
         in_flight=cell.work.max_in_flight or cell.work.trajectories,
         gpus=plan.family.gpus,
-        colocate_objective=colocate_best["objective"],
+        colocate_objective=objective,
     )
 
 
@@ -624,44 +694,71 @@ def run_metrics(run: dict) -> dict:
 
 def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
     """Speedups of best-static and the dynamic policies over colocation at its best layout
-    (and, labelled, over colocation at the family's TP1 or smallest TP); ``run_plan`` is
-    what the dynamic policies ran with."""
-    colocate = {name: run_metrics(run) for name, run in runs["colocate"].items()}
+    (and, labelled, over colocation at the family's TP1 or smallest TP), scored on the
+    held-out seeds; ``run_plan`` is what the dynamic policies ran with, chosen on the
+    selection seed like best-static's split (``selection``)."""
+    from prorsa.experiments.held_out import mean_run, paired_speedup
+
+    held_out = runs["held_out"]
+    seeds = sorted(held_out)
+
+    def over_seeds(name: tuple[str, str]) -> dict:
+        return mean_run({seed: run_metrics(held_out[seed][name]) for seed in seeds})
+
+    colocate = {layout: over_seeds(("colocate", layout)) for layout in plan.colocated}
     best_layout = min(colocate, key=lambda n: (colocate[n]["objective"], n))
-    best = colocate[best_layout]["objective"]
+    best = colocate[best_layout]
     baseline_layout = plan.family.baseline_layout
-    baseline = colocate.get(baseline_layout, {}).get("objective")
-    if baseline is not None and baseline == float("inf"):
+    baseline = colocate.get(baseline_layout)
+    if baseline is not None and not math.isfinite(baseline["objective"]):
         baseline = None
     static = best_static_search(runs["static"])
-    policies = {name: run_metrics(run) for name, run in runs["policies"].items()}
-    if static is not None:
-        policies["best-static"] = {
-            "objective": static["objective"],
-            "layouts": _static_layouts(static["prefill_layout"], static["decode_layout"]),
-            "prefill_gpus": static["prefill_gpus"],
-        }
-    speedup = {name: best / p["objective"] for name, p in policies.items()}
+    names = sorted({name for seed in seeds for kind, name in held_out[seed] if kind == "policy"})
+    policies = {name: over_seeds(("policy", name)) for name in names}
+    if "best-static" in policies:
+        policies["best-static"].update(
+            layouts=_static_layouts(static["prefill_layout"], static["decode_layout"]),
+            prefill_gpus=static["prefill_gpus"],
+        )
+    paired = {
+        name: paired_speedup(best["objective_by_seed"], p["objective_by_seed"])
+        for name, p in policies.items()
+    }
+    selection = {n: run_metrics(run)["objective"] for n, run in runs["colocate"].items()}
     planned_colocated = plan.planned.colocated
     return {
         # No colocation layout finished: no baseline, so no speedup here means anything
         # (goals and the headline leave the regime out and name it).
-        "valid": math.isfinite(best),
+        "valid": math.isfinite(best["objective"]),
         "regime": asdict(plan.regime),
         "label": plan.regime.label,
         "variant": plan.regime.variant,
         "gpus": plan.family.gpus,
         "shape": {**asdict(plan.shape), "prefill_share": plan.shape.prefill_share},
+        "eval_seeds": seeds,
+        # what the plans were chosen from, on the regime's own seed
+        "selection": {
+            "seed": plan.regime.seed,
+            "colocate": selection,
+            "colocate_best_layout": min(selection, key=lambda n: (selection[n], n)),
+        },
         # the cost-model planner's choice, and what the dynamic policies ran with
         "planned_layouts": plan.planned.as_layouts(),
         "planned_start": asdict(plan.start),
         "run_plan": asdict(run_plan),
         "colocate": colocate,
-        "colocate_best": {"layout": best_layout, "objective": best},
-        "colocate_baseline": {"layout": baseline_layout, "objective": baseline},
+        "colocate_best": {
+            "layout": best_layout,
+            "objective": best["objective"],
+            "objective_by_seed": best["objective_by_seed"],
+        },
+        "colocate_baseline": {
+            "layout": baseline_layout,
+            "objective": baseline["objective"] if baseline else None,
+        },
         # how much slower colocation is at the planner's colocated layout than at its best
         "planner_colocated_regret": (
-            colocate[planned_colocated]["objective"] / best
+            colocate[planned_colocated]["objective"] / best["objective"]
             if planned_colocated in colocate
             else None
         ),
@@ -672,14 +769,23 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
         "failed_cells": [f"colocate@{n}" for n, c in colocate.items() if "error" in c]
         + [n for n, p in policies.items() if "error" in p]
         + [
-            f"static {s['prefill_layout']}/{s['decode_layout']} x{x}"
+            f"selection static {s['prefill_layout']}/{s['decode_layout']} x{x}"
             for s in runs["static"]
             for x, v in s["objective_by_prefill_slots"].items()
             if v == float("inf")
         ],
-        "speedup": speedup,
+        "speedup": {name: p["speedup"] for name, p in paired.items()},
+        "speedup_ci95": {name: p["ci95"] for name, p in paired.items()},
+        "speedup_by_seed": {name: p["by_seed"] for name, p in paired.items()},
         "speedup_vs_baseline": (
-            {name: baseline / p["objective"] for name, p in policies.items()} if baseline else {}
+            {
+                name: paired_speedup(baseline["objective_by_seed"], p["objective_by_seed"])[
+                    "speedup"
+                ]
+                for name, p in policies.items()
+            }
+            if baseline
+            else {}
         ),
     }
 

@@ -41,7 +41,13 @@ class WorkloadConfig:
     train_step_s: float = field(
         default=0.0, metadata={"help": "async: seconds one trainer step takes"}
     )
-    seed: int = field(default=0, metadata={"help": "seeds the sampled trajectories"})
+    seed: int = field(
+        default=0,
+        metadata={
+            "help": "seeds the sampled trajectories (a trace: 0 replays it in order, any "
+            "other seed draws its trajectories with replacement)"
+        },
+    )
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for settings that cannot work."""
@@ -53,6 +59,8 @@ class WorkloadConfig:
             raise ConfigError("trajectories, group_size and steps must be >= 1")
         if self.max_in_flight < 1:
             raise ConfigError("max_in_flight must be >= 1")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not 0 <= self.train_step_s < math.inf:  # NaN fails both
             raise ConfigError(f"train_step_s must be a finite number >= 0, got {self.train_step_s}")
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from prorsa.errors import ConfigError
 from prorsa.policy import make_policy
@@ -58,7 +61,7 @@ def _build_driver(
         batches = []
         for step in range(work.steps):
             if replay is not None:
-                batches.append(_replay_batch(replay, work.trajectories, step))
+                batches.append(_replay_batch(replay, work.trajectories, step, work.seed))
             else:
                 batches.append(
                     profile.sample(
@@ -70,7 +73,9 @@ def _build_driver(
                 )
         return SyncDriver(batches)
     if replay is not None:
-        stream = (_renamed(s, i) for i, s in enumerate(itertools.cycle(replay)))
+        stream = (
+            _renamed(replay[j], i) for i, j in enumerate(_replay_stream(len(replay), work.seed))
+        )
     else:
         stream = _profile_stream(profile, work)
     return AsyncDriver(
@@ -106,9 +111,29 @@ def _renamed(spec: TrajectorySpec, i: int) -> TrajectorySpec:
     )
 
 
-def _replay_batch(replay: list[TrajectorySpec], n: int, step: int) -> list[TrajectorySpec]:
-    """``n`` replayed trajectories (repeating the trace when it holds fewer)."""
-    return [_renamed(replay[i % len(replay)], step * n + i) for i in range(n)]
+def _replay_batch(
+    replay: list[TrajectorySpec], n: int, step: int, seed: int
+) -> list[TrajectorySpec]:
+    """``n`` replayed trajectories: seed 0 takes the trace in its recorded order
+    (repeating it when it holds fewer); any other seed draws them with replacement, so
+    that runs on other seeds are other samples of the trace's trajectories (a replay
+    whose every seed were the same run would show no seed-to-seed spread at all)."""
+    if seed == 0:
+        picks = [i % len(replay) for i in range(n)]
+    else:
+        picks = np.random.default_rng([seed, step]).integers(0, len(replay), n).tolist()
+    return [_renamed(replay[j], step * n + i) for i, j in enumerate(picks)]
+
+
+def _replay_stream(size: int, seed: int) -> Iterator[int]:
+    """Indices of an async replay: the trace in order, cycling (seed 0), or an endless
+    draw with replacement (any other seed; see :func:`_replay_batch`)."""
+    if seed == 0:
+        yield from itertools.cycle(range(size))
+        return
+    rng = np.random.default_rng([seed])
+    while True:
+        yield from rng.integers(0, size, 1024).tolist()
 
 
 @dataclass
