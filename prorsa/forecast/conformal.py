@@ -2,11 +2,12 @@
 
 A quantile model fitted by pinball loss is calibrated on the data it was trained on, which
 makes its intervals too narrow on new data. Split conformal fixes that without
-assumptions on the model: hold out whole runs, measure on them how far the outcome lands
-above each predicted quantile, and shift the quantile by that amount's empirical quantile
-at the same level. On exchangeable data the shifted level-``a`` quantile then covers the
-outcome with probability about ``a`` (slightly more: the order statistic is rounded
-outward, the finite-sample correction).
+assumptions on the model: hold out whole sources of trajectories (every run of one
+scenario sample or replayed trace, :mod:`prorsa.forecast.sources`), measure on them how
+far the outcome lands above each predicted quantile, and shift the quantile by that
+amount's empirical quantile at the same level. On exchangeable data the shifted
+level-``a`` quantile then covers the outcome with probability about ``a`` (slightly more:
+the order statistic is rounded outward, the finite-sample correction).
 """
 
 from __future__ import annotations
@@ -20,21 +21,27 @@ logger = logging.getLogger(__name__)
 
 
 def held_out_runs(runs: list[str], fraction: float, seed: int) -> set[str]:
-    """A seeded share of the runs (at least one when there are two or more, never all).
+    """The runs of a seeded share of the runs' sources (:mod:`prorsa.forecast.sources`):
+    at least one source when there are two or more, never all, so no held-out run shares
+    trajectories with a training run.
 
-    With one run nothing is held out: the quantiles keep the quantile models' own
-    in-sample fit, too narrow on new data (logged)."""
+    With one source nothing is held out (logged): the quantiles keep the quantile
+    models' own in-sample fit, too narrow on new data."""
+    from prorsa.forecast.sources import runs_by_source
+
     if fraction <= 0:
         return set()
-    if len(runs) < 2:
+    groups = list(runs_by_source(runs).values())
+    if len(groups) < 2:
         logger.warning(
-            "one training run: none is held out to calibrate the quantiles, which stay "
-            "in-sample (too narrow on new data); train on several runs for coverage"
+            "one source of trajectories: none is held out to calibrate the quantiles, "
+            "which stay in-sample (too narrow on new data); train on several workloads "
+            "or seeds for coverage"
         )
         return set()
-    k = min(len(runs) - 1, max(1, round(fraction * len(runs))))
-    chosen = np.random.default_rng(seed).choice(len(runs), k, replace=False)
-    return {runs[i] for i in sorted(chosen)}
+    k = min(len(groups) - 1, max(1, round(fraction * len(groups))))
+    chosen = np.random.default_rng(seed).choice(len(groups), k, replace=False)
+    return {run for i in sorted(chosen) for run in groups[i]}
 
 
 def conformal_offset(actual: np.ndarray, predicted: np.ndarray, level: float) -> float:

@@ -15,8 +15,9 @@ targets in closed form (:mod:`prorsa.forecast.bottomup`): the remaining decode t
 running decode, the remaining tool time and the next prefill size are what the issue asks
 the models for, expressed as distributions. A calibration stage (``calibrate=True``) then
 maps the bottom-up sums plus the aggregate features to the targets with LightGBM (mean,
-p50, p90); it is trained on out-of-fold bottom-up sums (folds by run) so it learns how far
-to trust them, and it supplies what the sum cannot see (trajectories not yet started).
+p50, p90); it is trained on out-of-fold bottom-up sums (folds by source of trajectories,
+:mod:`prorsa.forecast.sources`) so it learns how far to trust them, and it supplies
+what the sum cannot see (trajectories not yet started).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from prorsa.forecast.compiled_trees import MIN_ROWS
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import PER_GPU_FEATURES, aggregate_feature_names
 from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
+from prorsa.forecast.sources import source_folds
 from prorsa.forecast.threads import forecast_threads, scoring_pool
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
@@ -91,7 +93,8 @@ class LightGBMTrajectoryForecaster(Forecaster):
         n_estimators / learning_rate / num_leaves / min_child_samples: per-turn models.
         calibrate: add the calibration stage (mean, p50, p90); False gives the raw
             bottom-up expectation as the point forecast and no quantiles.
-        folds: run folds for the out-of-fold predictions the calibration trains on.
+        folds: folds (by source of trajectories) for the out-of-fold predictions the
+            calibration trains on.
         calibration_estimators: trees of each calibration model.
         max_rows: rows kept per model (seeded sample).
         decode_offset: what the calibration trees correct for the three decode targets:
@@ -176,13 +179,18 @@ class LightGBMTrajectoryForecaster(Forecaster):
             raise InputError("dataset has no turn rows: lightgbm-trajectory needs trajectories")
         x = turns[list(EVENT_FEATURES)].to_numpy(float)
         task = np.nan_to_num(turns["task"].to_numpy(float), nan=len(self.tasks_)).astype(int)
-        runs = sorted(turns["run_id"].unique())
-        order = np.random.default_rng(self.seed).permutation(len(runs))
-        fold_of_run = {runs[i]: k % max(self.folds, 1) for k, i in enumerate(order)}
-        fold = turns["run_id"].map(fold_of_run).to_numpy()
-        n_folds = len(set(fold_of_run.values()))
-        if n_folds < 2:
-            logger.warning("one run only: calibration trains on in-sample predictions")
+        run_of_row = turns["run_id"].to_numpy()
+        # Folds by source of trajectories: a replayed trace or scenario sample is in one
+        # fold only, and each fold stops adding trees on other sources than it predicts.
+        plan = source_folds(run_of_row, self.folds, self.seed)
+        if not plan:
+            logger.warning(
+                "one source of trajectories: calibration trains on in-sample predictions"
+            )
+        role = {"test": [], "fit": [], "stop": []}
+        for f in plan:
+            for name in role:
+                role[name].append(np.isin(run_of_row, list(getattr(f, name))))
         oof = np.full((len(turns), len(TURN_MODELS)), np.nan)
         self.boosters_: dict[str, object] = {}
         self.spread_: dict[str, list[float]] = {}
@@ -205,21 +213,22 @@ class LightGBMTrajectoryForecaster(Forecaster):
                 oof[:, j] = const
                 self.spread_[name] = [1.0] * n_tasks
                 continue
-            # Out-of-fold predictions, with early stopping on the held-out fold: the final
-            # model gets as many trees as helped there (fewer trees: cheaper every tick).
+            # Out-of-fold predictions, each fold's trees stopped on sources it does not
+            # predict: the final model gets as many trees as helped there (fewer trees:
+            # cheaper every tick).
             best = []
-            for k in sorted(set(fold_of_run.values())):
-                train = idx[fold[idx] != k] if n_folds > 1 else idx
+            for k in range(len(plan)) if plan else [None]:
+                train = idx[role["fit"][k][idx]] if plan else idx
                 if len(train) < 2:
                     continue
-                check = idx[fold[idx] == k] if n_folds > 1 else idx[:0]
+                check = idx[role["stop"][k][idx]] if plan else idx[:0]
                 valid = None
                 if len(check) >= 20:
                     valid = (x[check], transform(label[check]))
                 model = self._train(x[train], transform(label[train]), objective, valid=valid)
                 if valid is not None:
                     best.append(max(int(model.best_iteration), 1))
-                test = np.flatnonzero(fold == k) if n_folds > 1 else np.arange(len(turns))
+                test = np.flatnonzero(role["test"][k]) if plan else np.arange(len(turns))
                 oof[test, j] = lgbm.predict(model, x[test])
             trees = max(10, round(float(np.mean(best)))) if best else self.n_estimators
             self.boosters_[name] = self._train(x[idx], y, objective, n_estimators=trees)
