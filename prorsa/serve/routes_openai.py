@@ -254,10 +254,21 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's tokenize route: a text ``prompt``, or chat ``messages`` rendered exactly as
+    the chat route renders them (``tools``, ``chat_template_kwargs``), so a client that
+    counts a chat prompt's tokens here gets the count the chat route will serve."""
     body = await json_object(request)
     check_model(request, body.get("model"))
     if "messages" in body:
-        tokens = render_chat(request, body["messages"], body.get("add_generation_prompt", True))
+        tools = body.get("tools")
+        check_tools(tools, None)
+        tokens = render_chat(
+            request,
+            body["messages"],
+            body.get("add_generation_prompt", True),
+            body.get("chat_template_kwargs"),
+            tools=tools,
+        )
     elif isinstance(body.get("prompt"), str):
         tokenizer = _tokenizer(request)
         tokens = tokenizer.encode(
@@ -265,11 +276,14 @@ async def tokenize(request: Request) -> dict[str, Any]:
         )
     else:
         raise HTTPError(400, "tokenize needs a text 'prompt' or 'messages'", param="prompt")
+    strings = None
+    if body.get("return_token_strs"):
+        strings = _tokenizer(request).convert_ids_to_tokens(list(tokens))
     return {
         "count": len(tokens),
         "max_model_len": request.app.state.service.config.max_model_len,
         "tokens": list(tokens),
-        "token_strs": None,
+        "token_strs": strings,
     }
 
 

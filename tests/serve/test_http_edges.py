@@ -405,6 +405,12 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
                 return http.post("/v1/chat/completions", json=body)
 
             called = await chat(tools=TOOLS, reasoning_effort="low", parallel_tool_calls=False)
+            counted = await http.post(
+                "/tokenize",
+                json={"messages": CHAT, "tools": TOOLS, "return_token_strs": True,
+                      "chat_template_kwargs": {"enable_thinking": False}},
+            )  # fmt: skip
+            bad_count = await http.post("/tokenize", json={"messages": CHAT, "tools": {"x": 1}})
             plain = await chat(tools=TOOLS, tool_choice="none")
             after_tool = await chat(messages=history, tools=TOOLS)
             served = sum(f.steps for f in fakes)
@@ -413,9 +419,10 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
                 "not a list": await chat(tools={"run": 1}),
                 "not a tool": await chat(tools=[{"type": "function"}]),
             }
-            return called, plain, after_tool, bad, served == sum(f.steps for f in fakes)
+            bad["tokenize tools"] = bad_count
+            return called, plain, after_tool, bad, served == sum(f.steps for f in fakes), counted
 
-    called, plain, after_tool, bad, bad_served_nothing = run(go())
+    called, plain, after_tool, bad, bad_served_nothing, counted = run(go())
     assert called.status_code == 200, called.text
     body = called.json()
     prompt = tokenizer.apply_chat_template(
@@ -423,6 +430,15 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
     )
     assert prompt.endswith(" tools: run<s>assistant: ")  # the template saw the tools
     assert body["prompt_token_ids"] == tokenizer.encode(prompt, add_special_tokens=False)
+    # /tokenize renders a chat with its tools and template variables as the chat route
+    # does (it dropped both: a client counting its prompt there got a shorter one)
+    thinking_off = tokenizer.apply_chat_template(
+        CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert counted.status_code == 200, counted.text
+    tokens = tokenizer.encode(thinking_off, add_special_tokens=False)
+    assert counted.json()["tokens"] == tokens and counted.json()["count"] == len(tokens)
+    assert counted.json()["token_strs"] == tokenizer.convert_ids_to_tokens(tokens)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "I will look."
@@ -438,7 +454,7 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
     assert "call:pwd" in history_prompt.replace(" ", "")
     assert {k: (r.status_code, r.json()["error"]["param"]) for k, r in bad.items()} == {
         "required": (400, "tool_choice"), "not a list": (400, "tools"),
-        "not a tool": (400, "tools"),
+        "not a tool": (400, "tools"), "tokenize tools": (400, "tools"),
     }  # fmt: skip
     assert bad_served_nothing  # refused before any engine worked on them
 
