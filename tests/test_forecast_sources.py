@@ -44,7 +44,7 @@ RUNS = [
 ]  # fmt: skip
 
 
-def test_held_out_runs_never_split_a_source():
+def test_held_out_runs_never_split_a_source_and_hold_out_a_replay():
     groups = runs_by_source(RUNS)
     assert len(groups) == 7  # five scenario seeds, two trace halves
     for seed in range(20):
@@ -52,6 +52,10 @@ def test_held_out_runs_never_split_a_source():
         assert held and held != set(RUNS)
         for members in groups.values():
             assert set(members) <= held or not set(members) & held
+        # replays are a stratum of their own: one of the two is always held out (a
+        # fifth of the seven sources by count alone would often be scenarios only)
+        replays = {source_of_run(r) for r in held if source_of_run(r).startswith("replay:")}
+        assert len(replays) == 1
 
 
 @pytest.mark.parametrize("folds", [2, 3, 10])
@@ -66,6 +70,8 @@ def test_source_folds_are_disjoint_and_stop_on_other_sources(folds):
         assert f.stop and f.fit  # early stopping on sources the fold neither fits nor predicts
         sides = [{source_of_run(r) for r in side} for side in (f.fit, f.stop, f.test)]
         assert all(not a & b for a, b in itertools.combinations(sides, 2))
+    if folds == 2:  # the two trace halves are dealt to different folds
+        assert all(any(source_of_run(r).startswith("replay:") for r in f.test) for f in plan)
     assert source_folds([sim_run_id(0), sim_run_id(0, "async")], 2, seed=0) == []  # one source
 
 

@@ -78,12 +78,12 @@ def test_completion_tail_of_colocation_and_the_split(tmp_path):
         if name == "colocation@best":
             assert stats["speedup_at_makespan"] == pytest.approx(1.0)
     # the same makespans the map measured for these allocations on its first held-out seed
-    assert result["seed"] == 1
+    assert result["seed"] == 9
     assert runs["colocation@best"]["makespan_s"] == pytest.approx(
-        summary["colocate_best"]["objective_by_seed"][1]
+        summary["colocate_best"]["objective_by_seed"][9]
     )
     for name in ("best-static", "predictive"):
-        measured = summary["policies"][name]["objective_by_seed"][1]
+        measured = summary["policies"][name]["objective_by_seed"][9]
         assert runs[name]["makespan_s"] == pytest.approx(measured)
     assert (tmp_path / "mechanism-c.png").stat().st_size > 0
     assert "[16 values]" in json.dumps(mechanisms.brief(result))

@@ -17,28 +17,28 @@ from prorsa.cli.common import console, friendly_errors
 from prorsa.cli.explore import regimes_table, run_map_with_progress
 from prorsa.experiments import DEFAULT_FORECASTER
 
-VERDICT_AT = 1.02  # a split may pay above this speedup over colocation at its best layout
-
 
 def verdict(summary: dict) -> str:
     """One line on whether the split pays in this regime, and why (on the held-out
-    seeds, with the 95% interval of the speedup)."""
-    from prorsa.experiments.regime_report import pays, with_interval
+    seeds, with the 95% interval of the speedup): predictive's or best-static's,
+    whichever pays (predictive first), else the faster of the two."""
+    from prorsa.experiments.regime_report import PAYS, pays, with_interval
 
     sp = summary["speedup"]
-    name = max(("predictive", "best-static"), key=lambda p: sp.get(p, 0.0))
-    best = sp.get(name, 0.0)
     coloc = summary["colocate_best"]["layout"]
     seeds = len(summary.get("eval_seeds", [])) or 1
-    if pays(summary, name):
+    paying = [p for p in ("predictive", "best-static") if pays(summary, p)]
+    if paying:
         static = summary.get("best_static") or {}
         return (
-            f"the split pays: {name} {with_interval(summary, name)} over colocation at "
-            f"{coloc} on {seeds} held-out seeds (prefill {static.get('prefill_layout', '?')} "
-            f"on {static.get('prefill_gpus', '?')} GPUs, decode "
-            f"{static.get('decode_layout', '?')})"
+            f"the split pays: {paying[0]} {with_interval(summary, paying[0])} over "
+            f"colocation at {coloc} on {seeds} held-out seeds (prefill "
+            f"{static.get('prefill_layout', '?')} on {static.get('prefill_gpus', '?')} GPUs, "
+            f"decode {static.get('decode_layout', '?')})"
         )
-    if best > VERDICT_AT:
+    name = max(("predictive", "best-static"), key=lambda p: sp.get(p, 0.0))
+    best = sp.get(name, 0.0)
+    if best > PAYS:
         return (
             f"the split is not shown to pay: {name} {with_interval(summary, name)} over "
             f"colocation at {coloc}, an interval that reaches 1x on {seeds} held-out seeds"

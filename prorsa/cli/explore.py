@@ -91,8 +91,9 @@ def explore_cmd(
         True, "--resume/--fresh", help="skip cells already finished in OUT/cells.jsonl"
     ),
     eval_seeds: str = typer.Option(
-        "1,2,3",
-        help="seeds every plan is scored on (each regime's plans are chosen on seed 0)",
+        "",
+        help="seeds every plan is scored on, two or more (default 9,10,11: each regime's "
+        "plans are chosen on seed 0, the shipped forecasters trained on 0-8)",
     ),
     plan_by: str = typer.Option(
         "simulation",
@@ -134,8 +135,9 @@ def explore_cmd(
         cells_path=out / "cells.jsonl",
         resume=resume,
         plan_by=plan_by,
-        eval_seeds=tuple(_ints(eval_seeds, "--eval-seeds")),
     )
+    if eval_seeds:
+        cfg.eval_seeds = tuple(_ints(eval_seeds, "--eval-seeds"))
     cfg.validate()  # before anything is printed or planned
     if not as_json:
         console.print(f"[bold]prorsa explore[/]: {len(regimes)} regimes")

@@ -19,9 +19,10 @@ from scipy import stats
 
 def mean_run(metrics_by_seed: Mapping[int, dict]) -> dict:
     """One run's metrics (:func:`~prorsa.experiments.regimes.run_metrics`) over seeds:
-    numbers averaged, per-role dicts averaged key by key, each seed's objective kept in
-    ``objective_by_seed``. A seed whose run failed makes the objective infinite and
-    names itself in ``error``."""
+    the objective's geometric mean (so that one objective over another is their paired
+    speedup, :func:`paired_speedup`), other numbers and per-role dicts averaged, each
+    seed's objective kept in ``objective_by_seed``. A seed whose run failed makes the
+    objective infinite and names itself in ``error``."""
     seeds = sorted(metrics_by_seed)
     runs = [metrics_by_seed[s] for s in seeds]
     by_seed = {s: metrics_by_seed[s]["objective"] for s in seeds}
@@ -37,6 +38,7 @@ def mean_run(metrics_by_seed: Mapping[int, dict]) -> dict:
     for key in runs[0]:
         values = [r.get(key) for r in runs]
         out[key] = _mean(values)
+    out["objective"] = geometric_mean(list(by_seed.values()))
     out["objective_by_seed"] = by_seed
     return out
 

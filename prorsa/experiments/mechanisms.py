@@ -386,7 +386,7 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
     best = summary["colocate_best"]["layout"]
     cells = {"colocation@best": _cell(cfg, plan, "colocate", _same(best), seed=seed)}
     static = summary.get("best_static")
-    if static:
+    if static and "best-static" in summary["policies"]:  # scored where its search finished
         layouts = _static_layouts(static["prefill_layout"], static["decode_layout"])
         params = {"prefill_gpus": static["prefill_gpus"]}
         cells["best-static"] = _cell(cfg, plan, "static", layouts, params=params, seed=seed)

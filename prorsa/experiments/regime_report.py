@@ -281,8 +281,9 @@ def write_map_report(
         "(best-static's split, the dynamic policies' layouts and start) is chosen on the "
         "regime's own seed, each speedup is the geometric mean of the per-seed ratios with "
         "a 95% interval, and the baseline's layout is the fastest on the held-out seeds "
-        "themselves (which can only favour colocation). Ceiling = the largest speedup any "
-        "allocation could reach (prorsa/experiments/ceiling.py).",
+        "themselves (which can only favour colocation). A 95% interval is wrong one time in "
+        "twenty: over many regimes a few 'pays' and a few misses can be chance. Ceiling = "
+        "the largest speedup any allocation could reach (prorsa/experiments/ceiling.py).",
         "",
     ]
     lines += [headline_markdown(summaries), "", "## Goals", "", goals_markdown(met), ""]

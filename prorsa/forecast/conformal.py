@@ -21,17 +21,17 @@ logger = logging.getLogger(__name__)
 
 
 def held_out_runs(runs: list[str], fraction: float, seed: int) -> set[str]:
-    """The runs of a seeded share of the runs' sources (:mod:`prorsa.forecast.sources`):
-    at least one source when there are two or more, never all, so no held-out run shares
-    trajectories with a training run.
+    """The runs of a seeded share of the runs' sources, replays and scenario samples
+    drawn separately (:func:`prorsa.forecast.sources.held_out_sources`), so no held-out
+    run shares trajectories with a training run and replays are held out too.
 
     With one source nothing is held out (logged): the quantiles keep the quantile
     models' own in-sample fit, too narrow on new data."""
-    from prorsa.forecast.sources import runs_by_source
+    from prorsa.forecast.sources import held_out_sources, runs_by_source
 
     if fraction <= 0:
         return set()
-    groups = list(runs_by_source(runs).values())
+    groups = runs_by_source(runs)
     if len(groups) < 2:
         logger.warning(
             "one source of trajectories: none is held out to calibrate the quantiles, "
@@ -39,9 +39,7 @@ def held_out_runs(runs: list[str], fraction: float, seed: int) -> set[str]:
             "or seeds for coverage"
         )
         return set()
-    k = min(len(groups) - 1, max(1, round(fraction * len(groups))))
-    chosen = np.random.default_rng(seed).choice(len(groups), k, replace=False)
-    return {run for i in sorted(chosen) for run in groups[i]}
+    return {run for source in held_out_sources(groups, fraction, seed) for run in groups[source]}
 
 
 def conformal_offset(actual: np.ndarray, predicted: np.ndarray, level: float) -> float:

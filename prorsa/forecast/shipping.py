@@ -298,6 +298,12 @@ HELDOUT_CELLS = (
 )
 
 
+#: Seeds the shipped forecasters trained on: a simulated result scored on one of them
+#: would score the forecaster on its own training trajectories (the regime map refuses
+#: them as held-out seeds).
+TRAINING_SEEDS = frozenset(c.seed for c in TRAIN_CELLS)
+
+
 def split_trace(path: Path, out_dir: Path) -> tuple[Path, Path]:
     """Write the even- and odd-numbered trajectories of a trace (sorted ids) to two files:
     the first half trains the shipped models, the second is held out."""

@@ -45,7 +45,7 @@ from prorsa.forecast.compiled_trees import MIN_ROWS
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import PER_GPU_FEATURES, aggregate_feature_names
 from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
-from prorsa.forecast.sources import source_folds
+from prorsa.forecast.sources import Fold, source_folds
 from prorsa.forecast.threads import forecast_threads, scoring_pool
 from prorsa.forecast.tracker import EVENT_FEATURES
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
@@ -184,13 +184,14 @@ class LightGBMTrajectoryForecaster(Forecaster):
         # fold only, and each fold stops adding trees on other sources than it predicts.
         plan = source_folds(run_of_row, self.folds, self.seed)
         if not plan:
-            logger.warning(
-                "one source of trajectories: calibration trains on in-sample predictions"
-            )
-        role = {"test": [], "fit": [], "stop": []}
-        for f in plan:
-            for name in role:
-                role[name].append(np.isin(run_of_row, list(getattr(f, name))))
+            why = "folds < 2" if self.folds < 2 else "one source of trajectories"
+            logger.warning("%s: calibration trains on in-sample predictions", why)
+            everything = frozenset(run_of_row.tolist())
+            plan = [Fold(fit=everything, stop=frozenset(), test=everything)]
+        role = {
+            name: [np.isin(run_of_row, list(getattr(f, name))) for f in plan]
+            for name in ("fit", "stop", "test")
+        }
         oof = np.full((len(turns), len(TURN_MODELS)), np.nan)
         self.boosters_: dict[str, object] = {}
         self.spread_: dict[str, list[float]] = {}
@@ -217,18 +218,21 @@ class LightGBMTrajectoryForecaster(Forecaster):
             # predict: the final model gets as many trees as helped there (fewer trees:
             # cheaper every tick).
             best = []
-            for k in range(len(plan)) if plan else [None]:
-                train = idx[role["fit"][k][idx]] if plan else idx
-                if len(train) < 2:
+            for k in range(len(plan)):
+                test = np.flatnonzero(role["test"][k])
+                train = idx[role["fit"][k][idx]]
+                check = idx[role["stop"][k][idx]]
+                if len(train) < 2:  # too few rows to fit on: stop on none, fit on both
+                    train, check = np.union1d(train, check), check[:0]
+                if len(train) < 2:  # still too few: the fold's turns get the mean
+                    oof[test, j] = float(np.mean(y))
                     continue
-                check = idx[role["stop"][k][idx]] if plan else idx[:0]
                 valid = None
                 if len(check) >= 20:
                     valid = (x[check], transform(label[check]))
                 model = self._train(x[train], transform(label[train]), objective, valid=valid)
                 if valid is not None:
                     best.append(max(int(model.best_iteration), 1))
-                test = np.flatnonzero(role["test"][k]) if plan else np.arange(len(turns))
                 oof[test, j] = lgbm.predict(model, x[test])
             trees = max(10, round(float(np.mean(best)))) if best else self.n_estimators
             self.boosters_[name] = self._train(x[idx], y, objective, n_estimators=trees)
