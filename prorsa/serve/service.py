@@ -33,7 +33,7 @@ from prorsa.errors import ConfigError, InputError
 from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.ray.barrier import BarrierClient, DispatchBarrier
 from prorsa.runtime.ray.client import answered_within
-from prorsa.runtime.ray.engine_control import PAUSE_MODES
+from prorsa.runtime.ray.engine_control import PAUSE_MODES, SLEEP_TAGS
 from prorsa.runtime.ray.turns import NoEngineAvailable
 from prorsa.runtime.ray.weights import check_weight_dir
 from prorsa.serve.config import ServeConfig
@@ -92,6 +92,9 @@ class RolloutService(TrainerPushWindow):
         #: The mode of the trainer's pause in force (None when not paused by the trainer).
         self.trainer_pause_mode: str | None = None
         self.sleeping = False
+        #: The memory sleep released and no wake-up has brought back (vLLM's tags): a
+        #: trainer wakes ``weights`` alone, pushes new ones, then wakes ``kv_cache``.
+        self.asleep: set[str] = set()
         self.router: Any = None
         self.sessions: Sessions | None = None
         self.controller: Any = None
@@ -397,16 +400,27 @@ class RolloutService(TrainerPushWindow):
         await self.wait_for_switches()
         async with self.sync.lock:
             self.sleeping = True
+            self.asleep = {"weights", "kv_cache"} if level else set()  # 0: scheduling only
             return await self.for_each_engine(lambda c: c.sleep(level, mode))
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Wake every engine; serving resumes once all are fully awake."""
+        """Wake every engine (``tags``: only ``weights`` or ``kv_cache``, vLLM's partial
+        wake); serving resumes once all are fully awake. With the weights awake and the
+        KV cache still asleep, weights can be updated (SkyRL's colocated flow: wake the
+        weights, push, wake the KV cache)."""
+        unknown = set(tags or ()) - set(SLEEP_TAGS)
+        if unknown:
+            raise InputError(
+                f"unknown wake-up tag(s) {sorted(unknown)}", field="tags", hint=f"{SLEEP_TAGS}"
+            )
         self._refuse_in_update_window("wake_up")
         async with self.sync.lock:
             awake = await self.for_each_engine(lambda c: c.wake_up(tags))
             if not all(awake.values()):
+                self.asleep -= set(tags or SLEEP_TAGS)
                 return False
             self.sleeping = False
+            self.asleep = set()
             if self.engines_paused_by_trainer:  # the trainer's pause outlives the sleep
                 await self.control_engines(lambda c: c.pause("keep"), "pause")
         self.release_switches("sleeping")
@@ -586,6 +600,7 @@ class RolloutService(TrainerPushWindow):
             "gate_closed": self.gate.reasons,
             "paused": self.engines_paused_by_trainer,
             "sleeping": self.sleeping,
+            "asleep": sorted(self.asleep),
             "weight_sync": self.sync.window is not None,
             "switches_running": self.router.switches_running,
             "switches_done": self.switches_done,

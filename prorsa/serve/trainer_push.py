@@ -159,10 +159,10 @@ class TrainerPushWindow:
         return isinstance(self._external_update, tuple)
 
     def _check_can_update(self) -> None:
-        if self.sleeping:
+        if self.sleeping and "weights" in self.asleep:
             raise InputError(
                 "the engines are asleep: their weights are not in memory",
-                hint="wake_up first, then update the weights",
+                hint="wake_up first (tags=weights wakes only them), then update the weights",
             )
         if not self.live_engines():
             raise NoEngineAvailable("no live engine to update")

@@ -218,11 +218,16 @@ class WeightedFakeEngine:
             while self.requests:
                 await asyncio.sleep(0.001)
         self.sleeping = True
+        self.asleep = {"weights", "kv_cache"} if level else set()  # level 0: scheduling only
         return {"engine_id": self.engine_id, "level": level, "freed": []}
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        self.sleeping = False
-        return True
+        # As vLLM: a partial wake brings back the memory its tags name; once none sleeps
+        # the scheduler resumes, whatever paused it meanwhile.
+        self.asleep = getattr(self, "asleep", set()) - set(tags or ("weights", "kv_cache"))
+        if not self.asleep:
+            self.sleeping = self.paused = False
+        return not self.asleep
 
     async def health(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "ready": True}

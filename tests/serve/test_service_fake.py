@@ -325,6 +325,30 @@ def test_a_trainers_pause_holds_role_switches_and_an_update_waits_for_wake_up(tm
     assert refused is False and paused == [True, True, True]
 
 
+def test_a_partial_wake_lets_a_trainer_push_weights_before_the_kv_cache_wakes(tmp_path):
+    """SkyRL's colocated flow: sleep, wake the weights alone, update them, wake the KV
+    cache. Refused before (the service counted as asleep until fully awake)."""
+
+    async def go():
+        async with fake_service(tmp_path) as (svc, _):
+            await svc.sleep(1)
+            with pytest.raises(InputError, match="unknown wake-up tag"):
+                await svc.wake_up(["everything"])
+            half = await svc.wake_up(["weights"])
+            turn = asyncio.ensure_future(svc.generate("w", PROMPT, {"max_tokens": 2}))
+            summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
+            await asyncio.sleep(0.05)
+            held = not turn.done() and svc.sleeping and svc.asleep == {"kv_cache"}
+            whole = await svc.wake_up(["kv_cache"])
+            return half, summary, held, whole, await asyncio.wait_for(turn, 5), svc
+
+    half, summary, held, whole, result, svc = run(go())
+    assert half is False and whole is True
+    assert summary["version"] == 1
+    assert held  # no turn is served while the KV cache sleeps
+    assert single_version(result) == 1 and not svc.sleeping and svc.asleep == set()
+
+
 def test_an_update_cancelled_mid_reload_finishes_the_reload_before_serving_again(tmp_path):
     async def go():
         async with fake_service(tmp_path) as (svc, fakes):

@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 #: How ``pause`` treats requests in flight (vLLM's pause modes).
 PAUSE_MODES: tuple[str, ...] = ("keep", "abort", "wait")
+#: What vLLM's sleep releases and a partial wake-up brings back, by tag (``scheduling``:
+#: a level-0 sleep, which releases no memory).
+SLEEP_TAGS: tuple[str, ...] = ("weights", "kv_cache", "scheduling")
 
 
 class EngineControl:
