@@ -69,6 +69,9 @@ from prorsa.workload.config import WorkloadConfig
 logger = logging.getLogger(__name__)
 
 DYNAMIC_POLICIES = ("predictive", "mpc", "oracle")
+#: Seeds the map scores plans on: not 0 (each regime's own, which chooses them) nor 0-8
+#: (the shipped forecasters' training seeds).
+DEFAULT_EVAL_SEEDS = (9, 10, 11)
 PLAN_BY = ("simulation", "analytic")
 #: Replayed real traces (datasets/traces) the map can use, by short name.
 REPLAYS = {
@@ -161,7 +164,7 @@ class MapConfig:
     plan_by: str = "simulation"
     # Seeds every plan is scored on: never a regime's own seed (which chooses the plans)
     # nor one the shipped forecasters trained on (0-8).
-    eval_seeds: tuple[int, ...] = (9, 10, 11)
+    eval_seeds: tuple[int, ...] = DEFAULT_EVAL_SEEDS
 
     def family(self, regime: Regime) -> ModelFamily:
         return self.families.get(regime.model) or regime.family
