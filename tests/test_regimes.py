@@ -334,3 +334,27 @@ def test_a_failing_cell_is_recorded_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setattr(cells, "run_cell", broken)
     with pytest.raises(ConfigError, match="bad cell"):
         run_map(toy_config(tmp_path / "again"))
+
+
+def test_plots_draw_the_intervals_and_survive_a_failed_run(tmp_path):
+    from prorsa.experiments.regime_report import heatmap, pays, speedup_bars
+
+    def summary(load, pred, ci):
+        return {
+            "label": f"toy search sync {load}/GPU",
+            "variant": "",
+            "gpus": 4,
+            "regime": {
+                "model": "toy-7b",
+                "workload": "search",
+                "mode": "sync",
+                "load_per_gpu": load,
+            },
+            "speedup": {"predictive": pred, "best-static": 1.0},
+            "speedup_ci95": {"predictive": ci, "best-static": [0.95, 1.05]},
+        }
+
+    rows = [summary(4, 1.10, [1.04, 1.16]), summary(16, 1.10, [0.9, 1.3]), summary(64, 0.0, None)]
+    assert [pays(r) for r in rows] == [True, False, False]
+    assert speedup_bars(rows, tmp_path / "bars.png").stat().st_size > 0
+    assert heatmap(rows, "toy-7b", tmp_path / "map.png").stat().st_size > 0

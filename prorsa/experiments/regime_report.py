@@ -73,7 +73,8 @@ def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predic
             continue
         grid[i, j] = value
         static = s["speedup"].get("best-static")
-        text[i][j] = f"{value:.2f}" + (f"\n({static:.2f})" if static is not None else "")
+        mark = "*" if pays(s, policy) else ""  # above 1.02x with its interval above 1
+        text[i][j] = f"{value:.2f}{mark}" + (f"\n({static:.2f})" if static is not None else "")
     fig, ax = plt.subplots(figsize=(max(4.8, 2.4 + 1.15 * len(loads)), 1.4 + 0.55 * len(keys)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.4, aspect="auto")
     for i in range(len(keys)):
@@ -85,7 +86,8 @@ def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predic
     ax.set_xlabel("trajectories per GPU")
     gpus = rows[0]["gpus"] if rows else "?"
     ax.set_title(
-        f"{model}, {gpus} GPUs\nspeedup of {policy} (best-static) over colocation@best",
+        f"{model}, {gpus} GPUs\nspeedup of {policy} (best-static) over colocation@best"
+        "\n(* pays: 95% interval above 1)",
         fontsize=9,
     )
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="speedup (x)")
@@ -96,7 +98,8 @@ def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predic
 
 
 def speedup_bars(summaries: list[dict], path: Path) -> Path:
-    """Speedup over colocation at its best layout per regime and policy (one bar each)."""
+    """Speedup over colocation at its best layout per regime and policy (one bar each,
+    with its 95% interval over the held-out seeds)."""
     plt = _plt()
     from prorsa.experiments.report import COLORS
 
@@ -106,9 +109,16 @@ def speedup_bars(summaries: list[dict], path: Path) -> Path:
     for i, policy in enumerate(policies):
         xs = [g + (i - (len(policies) - 1) / 2) * width for g in range(len(summaries))]
         ys = [s["speedup"].get(policy, np.nan) for s in summaries]
-        ax.bar(xs, ys, width, label=policy, color=COLORS.get(policy))
+        cis = [
+            s.get("speedup_ci95", {}).get(policy) or [y, y]
+            for s, y in zip(summaries, ys, strict=True)
+        ]
+        err = np.abs(np.array([[y - lo, hi - y] for y, (lo, hi) in zip(ys, cis, strict=True)]).T)
+        ax.bar(xs, ys, width, label=policy, color=COLORS.get(policy), yerr=err, capsize=2)
     ax.axhline(1.0, color="black", lw=0.8)
-    shown = [v for s in summaries for v in s["speedup"].values()] or [1.0]
+    shown = [v for s in summaries for v in s["speedup"].values()]
+    shown += [b for s in summaries for ci in s.get("speedup_ci95", {}).values() if ci for b in ci]
+    shown = [v for v in shown if np.isfinite(v)] or [1.0]
     ax.set_ylim(min(min(shown), 1.0) - 0.05, max(max(shown), 1.0) + 0.05)
     labels = [
         f"{s['regime']['model']}\n{workload_label(s['regime']['workload'])} "
@@ -116,7 +126,7 @@ def speedup_bars(summaries: list[dict], path: Path) -> Path:
         for s in summaries
     ]
     ax.set_xticks(range(len(summaries)), labels, fontsize=8)
-    ax.set_ylabel("speedup over colocation@best layout (x)")
+    ax.set_ylabel("speedup over colocation@best layout (x, 95% interval)")
     ax.legend(fontsize=8, ncol=len(policies))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
