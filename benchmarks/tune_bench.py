@@ -92,7 +92,7 @@ def losing_cells() -> list[Cell]:
             regime, plan = r["regime"], r["run_plan"]
             if (
                 # one held-out seed's cell per regime (``evaluate`` runs its own seeds)
-                cell.work.seed == min(r.get("eval_seeds") or [regime["seed"]])
+                cell.work.seed == DEFAULT_EVAL_SEEDS[0]
                 and regime["model"] in cell.cluster.profile
                 and cell.workload == regime["workload"]
                 and cell.mode == regime["mode"]
@@ -196,6 +196,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     cells = losing_cells() if args.losing else chosen_cells(args.max_cell_wall_s)
+    first = DEFAULT_EVAL_SEEDS[0]
+    if not cells:
+        raise SystemExit(
+            f"no predictive cell of the map on held-out seed {DEFAULT_EVAL_SEEDS[0]} in "
+            f"{MAP_CELLS}: rerun the map (benchmarks/regimes_bench.py) first"
+        )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         storage = f"sqlite:///{Path(tmp) / 'optuna.db'}"
@@ -231,7 +237,7 @@ def main() -> None:
                 "cells": "where predictive misses a goal" if args.losing else "quickest per family",
                 "trials": args.trials,
                 "tune_seeds": f"1000..{1000 + args.tune_seeds - 1}",
-                "eval_seeds": f"0..{args.eval_seeds - 1}",
+                "eval_seeds": f"{first}..{first + args.eval_seeds - 1}",
                 "workers": args.workers,
             },
             "summary": summary,

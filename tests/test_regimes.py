@@ -355,6 +355,8 @@ def test_plots_draw_the_intervals_and_survive_a_failed_run(tmp_path):
         }
 
     rows = [summary(4, 1.10, [1.04, 1.16]), summary(16, 1.10, [0.9, 1.3]), summary(64, 0.0, None)]
-    assert [pays(r) for r in rows] == [True, False, False]
+    # no colocation layout finished: an infinite "speedup" that is neither paid nor drawn
+    rows.append({**summary(128, float("inf"), None), "valid": False})
+    assert [pays(r) for r in rows] == [True, False, False, False]
     assert speedup_bars(rows, tmp_path / "bars.png").stat().st_size > 0
     assert heatmap(rows, "toy-7b", tmp_path / "map.png").stat().st_size > 0

@@ -17,7 +17,10 @@ HEADLINE_POLICIES = ("best-static", "predictive", "mpc", "oracle")
 
 def pays(summary: dict, policy: str = "predictive") -> bool:
     """``policy`` beats colocation at its best layout by more than 2% (geometric mean over
-    the held-out seeds) and its 95% interval lies above 1 (when it has one)."""
+    the held-out seeds) and its 95% interval lies above 1 (when it has one); never in a
+    regime without a colocation baseline."""
+    if not summary.get("valid", True):
+        return False
     value = summary["speedup"].get(policy)
     if value is None or value <= PAYS:
         return False
@@ -60,7 +63,7 @@ def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predic
     """Speedup of ``policy`` over colocation at its best layout: rows workload x mode,
     columns load; each cell also shows best-static's speedup."""
     plt = _plt()
-    rows = _main(summaries, model)
+    rows = [s for s in _main(summaries, model) if s.get("valid", True)]
     keys = sorted({(s["regime"]["workload"], s["regime"]["mode"]) for s in rows})
     loads = sorted({s["regime"]["load_per_gpu"] for s in rows})
     grid = np.full((len(keys), len(loads)), np.nan)
@@ -87,7 +90,7 @@ def heatmap(summaries: list[dict], model: str, path: Path, policy: str = "predic
     gpus = rows[0]["gpus"] if rows else "?"
     ax.set_title(
         f"{model}, {gpus} GPUs\nspeedup of {policy} (best-static) over colocation@best"
-        "\n(* pays: 95% interval above 1)",
+        "\n(* pays: over 1.02x, 95% interval above 1)",
         fontsize=9,
     )
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="speedup (x)")
@@ -103,6 +106,7 @@ def speedup_bars(summaries: list[dict], path: Path) -> Path:
     plt = _plt()
     from prorsa.experiments.report import COLORS
 
+    summaries = [s for s in summaries if s.get("valid", True)]  # no baseline: no speedup
     policies = [p for p in HEADLINE_POLICIES if any(p in s["speedup"] for s in summaries)]
     width = 0.8 / max(len(policies), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(summaries)), 4.2))

@@ -132,9 +132,19 @@ async def cancel_weight_update(request: Request) -> dict[str, Any]:
 
 @router.post("/wake_up")
 async def wake_up(request: Request) -> dict[str, Any]:
+    """vLLM's route: ``tags`` in the query (``?tags=weights``), or in a JSON body as
+    SkyRL's HTTP client sends them (``{"tags": ["weights"]}``)."""
     tags = request.query_params.getlist("tags") or None
+    if tags is None and await request.body():
+        body = await json_object(request)
+        tags = body.get("tags")
+        if tags is not None and (
+            not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)
+        ):
+            raise HTTPError(400, "tags must be a list of strings", param="tags")
+        tags = tags or None
     awake = await _service(request).wake_up(tags)
-    return {"status": "awake" if awake else "partially awake", "fully_awake": awake}
+    return {"status": "awake" if awake else "sleeping", "tags": tags, "fully_awake": awake}
 
 
 @router.get("/is_sleeping")

@@ -143,15 +143,11 @@ async def chat_completions(request: Request) -> dict[str, Any]:
     parser = request.app.state.service.tool_parser
     parsing = parser is not None and bool(tools) and tool_choice != "none"
     parse_request = parser.request_for(body) if parsing else None  # checked before serving
-    template_kwargs = body.get("chat_template_kwargs")
-    if body.get("reasoning_effort") is not None and isinstance(template_kwargs or {}, dict):
-        # A template variable, as vLLM's server hands it to templates that read it.
-        template_kwargs = {"reasoning_effort": body["reasoning_effort"], **(template_kwargs or {})}
     prompt = render_chat(
         request,
         body.get("messages"),
         body.get("add_generation_prompt", True),
-        template_kwargs,
+        template_variables(body),
         tools=tools,
     )
     service = request.app.state.service
@@ -189,6 +185,22 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         "prompt_token_ids": prompt if body.get("return_token_ids") else None,
         "prorsa": {"weight_version": result.weight_version, "path": result.path},
     }
+
+
+def template_variables(body: dict[str, Any]) -> Any:
+    """The chat template's extra variables a request asks for: ``chat_template_kwargs``
+    and ``reasoning_effort`` (handed to templates that read it, as vLLM's server does);
+    :func:`render_chat` checks them."""
+    template_kwargs = body.get("chat_template_kwargs")
+    if body.get("reasoning_effort") is not None and isinstance(template_kwargs or {}, dict):
+        template_kwargs = {"reasoning_effort": body["reasoning_effort"], **(template_kwargs or {})}
+    return template_kwargs
+
+
+#: vLLM's tokenize-chat options prorsa does not serve: refused rather than ignored, so a
+#: count never silently differs from vLLM's.
+_TOKENIZE_UNSERVED = ("continue_final_message", "chat_template", "mm_processor_kwargs",
+                      "media_io_kwargs", "add_special_tokens")  # fmt: skip
 
 
 def render_chat(
@@ -260,13 +272,16 @@ async def tokenize(request: Request) -> dict[str, Any]:
     body = await json_object(request)
     check_model(request, body.get("model"))
     if "messages" in body:
+        unserved = [name for name in _TOKENIZE_UNSERVED if body.get(name)]
+        if unserved:
+            raise HTTPError(400, f"{unserved[0]} is not served by prorsa", param=unserved[0])
         tools = body.get("tools")
         check_tools(tools, None)
         tokens = render_chat(
             request,
             body["messages"],
             body.get("add_generation_prompt", True),
-            body.get("chat_template_kwargs"),
+            template_variables(body),
             tools=tools,
         )
     elif isinstance(body.get("prompt"), str):

@@ -400,7 +400,8 @@ class RolloutService(TrainerPushWindow):
         await self.wait_for_switches()
         async with self.sync.lock:
             self.sleeping = True
-            self.asleep = {"weights", "kv_cache"} if level else set()  # 0: scheduling only
+            if level:  # level 0 pauses the scheduler only: what slept before still sleeps
+                self.asleep |= {"weights", "kv_cache"}
             return await self.for_each_engine(lambda c: c.sleep(level, mode))
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -415,9 +416,19 @@ class RolloutService(TrainerPushWindow):
             )
         self._refuse_in_update_window("wake_up")
         async with self.sync.lock:
-            awake = await self.for_each_engine(lambda c: c.wake_up(tags))
-            if not all(awake.values()):
-                self.asleep -= set(tags or SLEEP_TAGS)
+            awake = await self.for_each_engine(lambda c: c.wake_up(tags), tolerate=True)
+            if not all(answer is True for answer in awake.values()):
+                # As vLLM's executor: a partial wake naming a tag already awake wakes
+                # nothing. An engine that came back fully awake has resumed its scheduler:
+                # paused again, it serves nothing while the service still sleeps.
+                if tags and set(tags) <= self.asleep:
+                    self.asleep -= set(tags)
+                woke = [eid for eid, answer in awake.items() if answer is True]
+                if woke:
+                    await self.control_engines(lambda c: c.pause("keep"), "pause", woke)
+                failed = [a for a in awake.values() if isinstance(a, BaseException)]
+                if failed:
+                    raise failed[0]
                 return False
             self.sleeping = False
             self.asleep = set()

@@ -64,6 +64,12 @@ class TrainerPushWindow:
         except BaseException:
             self._external_update = None
             raise
+        try:  # again, under the lock: a sleep that passed its own check may have won it
+            self._check_can_update()
+        except BaseException as exc:
+            self._external_update = None
+            await manager.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
         self._external_update = (manager, window)
         return {"from_version": window.from_version, "engines": window.engines}
 

@@ -115,7 +115,16 @@ class WeightSync:
                 await svc.control_engines(lambda c: c.pause("keep"), "pause")
             else:
                 window.aborted_turns = svc.gate.in_flight
-                if not aborted_by_trainer:
+                if svc.sleeping:
+                    # Frozen by a `keep` sleep: asleep, they cannot finish under the old
+                    # weights, and kept they would go on under the new ones.
+                    window.detail["aborted_because"] = "engines asleep"
+                    logger.warning(
+                        "weight sync: %d turns frozen in sleeping engines; aborted, they "
+                        "are served again under the new weights",
+                        window.aborted_turns,
+                    )
+                elif not aborted_by_trainer:
                     logger.warning(
                         "weight sync: %d turns still running after %.1f s; aborted, they "
                         "are served again under the new weights",

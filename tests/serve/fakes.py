@@ -36,6 +36,7 @@ class WeightedFakeEngine:
         self.version = 0
         self.paused = False
         self.sleeping = False
+        self.asleep: set[str] = set()  # the memory a sleep released (vLLM's tags)
         self.requests: set[str] = set()
         self.aborted: set[str] = set()
         self.violations: list[str] = []
@@ -168,6 +169,8 @@ class WeightedFakeEngine:
 
     async def resume(self) -> None:
         await self._answer("resume")
+        if self.asleep:  # vLLM would step onto memory that is not there
+            self.violations.append(f"resumed while {sorted(self.asleep)} sleep")
         self.paused = False
 
     async def is_paused(self) -> bool:
@@ -190,6 +193,8 @@ class WeightedFakeEngine:
             self.violations.append(f"weights changed while holding {sorted(self.requests)}")
         if not self.paused:
             self.violations.append("weights changed while not paused")
+        if "weights" in self.asleep:
+            self.violations.append("weights written while they sleep")
         if self.reload_s:
             await asyncio.sleep(self.reload_s)
             if self.requests:
@@ -203,6 +208,8 @@ class WeightedFakeEngine:
 
     async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None) -> list[Any]:
         self.rpc_calls.append(method)
+        if "weights" in self.asleep:
+            self.violations.append(f"{method} while the weights sleep")
         self.rpc_kwargs.append(kwargs or {})
         if (
             method in self.failing_rpcs
@@ -217,17 +224,23 @@ class WeightedFakeEngine:
         elif mode == "wait":  # as vLLM: until the requests in flight finish
             while self.requests:
                 await asyncio.sleep(0.001)
-        self.sleeping = True
-        self.asleep = {"weights", "kv_cache"} if level else set()  # level 0: scheduling only
+        self.sleeping = self.paused = True
+        if level:  # level 0 pauses the scheduler only: what slept before still sleeps
+            self.asleep = self.asleep | {"weights", "kv_cache"}
         return {"engine_id": self.engine_id, "level": level, "freed": []}
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        # As vLLM: a partial wake brings back the memory its tags name; once none sleeps
-        # the scheduler resumes, whatever paused it meanwhile.
-        self.asleep = getattr(self, "asleep", set()) - set(tags or ("weights", "kv_cache"))
-        if not self.asleep:
+        # As vLLM's executor: a partial wake naming a tag already awake wakes nothing;
+        # once no memory sleeps the scheduler resumes, whatever paused it meanwhile.
+        asleep = self.asleep
+        if not tags:
+            asleep = set()
+        elif set(tags) <= asleep:
+            asleep = asleep - set(tags)
+        self.asleep = asleep
+        if not asleep:
             self.sleeping = self.paused = False
-        return not self.asleep
+        return not asleep
 
     async def health(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "ready": True}

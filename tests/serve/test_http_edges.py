@@ -411,6 +411,9 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
                       "chat_template_kwargs": {"enable_thinking": False}},
             )  # fmt: skip
             bad_count = await http.post("/tokenize", json={"messages": CHAT, "tools": {"x": 1}})
+            unserved = await http.post(
+                "/tokenize", json={"messages": CHAT, "continue_final_message": True}
+            )
             plain = await chat(tools=TOOLS, tool_choice="none")
             after_tool = await chat(messages=history, tools=TOOLS)
             served = sum(f.steps for f in fakes)
@@ -420,6 +423,7 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
                 "not a tool": await chat(tools=[{"type": "function"}]),
             }
             bad["tokenize tools"] = bad_count
+            bad["continue_final_message"] = unserved
             return called, plain, after_tool, bad, served == sum(f.steps for f in fakes), counted
 
     called, plain, after_tool, bad, bad_served_nothing, counted = run(go())
@@ -455,6 +459,7 @@ def test_chat_tools_reach_the_template_and_vllm_s_parser_returns_tool_calls(tmp_
     assert {k: (r.status_code, r.json()["error"]["param"]) for k, r in bad.items()} == {
         "required": (400, "tool_choice"), "not a list": (400, "tools"),
         "not a tool": (400, "tools"), "tokenize tools": (400, "tools"),
+        "continue_final_message": (400, "continue_final_message"),
     }  # fmt: skip
     assert bad_served_nothing  # refused before any engine worked on them
 

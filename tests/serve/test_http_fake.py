@@ -70,6 +70,11 @@ def test_skyrl_generate_session_and_control_plane(tmp_path):
                 "/reset_prefix_cache", json={"reset_running_requests": False}, headers=ADMIN
             )
             slept = await http.post("/sleep", params={"level": "2"}, headers=ADMIN)
+            # SkyRL's HTTP client sends the tags in a JSON body: a partial wake
+            half = await http.post("/wake_up", json={"tags": ["weights"]}, headers=ADMIN)
+            bad_tags = await http.post("/wake_up", json={"tags": "weights"}, headers=ADMIN)
+            assert half.json() == {"status": "sleeping", "tags": ["weights"], "fully_awake": False}
+            assert bad_tags.status_code == 400 and bad_tags.json()["error"]["param"] == "tags"
             woke = await http.post("/wake_up", headers=ADMIN)
             return (
                 first,

@@ -330,23 +330,53 @@ def test_a_partial_wake_lets_a_trainer_push_weights_before_the_kv_cache_wakes(tm
     cache. Refused before (the service counted as asleep until fully awake)."""
 
     async def go():
-        async with fake_service(tmp_path) as (svc, _):
-            await svc.sleep(1)
+        async with fake_service(tmp_path) as (svc, fakes):
+            frozen = asyncio.ensure_future(
+                svc.generate("f", PROMPT, {"max_tokens": 60, "ignore_eos": True})
+            )
+            await asyncio.sleep(0.03)
+            await svc.sleep(1, "keep")  # the turn stays frozen inside its engine
             with pytest.raises(InputError, match="unknown wake-up tag"):
                 await svc.wake_up(["everything"])
             half = await svc.wake_up(["weights"])
+            # a level-0 sleep now pauses only the scheduler: the KV cache still sleeps
+            await svc.sleep(0)
+            still = set(svc.asleep)
+            # as vLLM, a wake naming a tag already awake wakes nothing
+            again = await svc.wake_up(["weights", "kv_cache"])
             turn = asyncio.ensure_future(svc.generate("w", PROMPT, {"max_tokens": 2}))
             summary = await svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
             await asyncio.sleep(0.05)
             held = not turn.done() and svc.sleeping and svc.asleep == {"kv_cache"}
             whole = await svc.wake_up(["kv_cache"])
-            return half, summary, held, whole, await asyncio.wait_for(turn, 5), svc
+            results = [await asyncio.wait_for(t, 5) for t in (turn, frozen)]
+            return half, still, again, summary, held, whole, results, svc, fakes
 
-    half, summary, held, whole, result, svc = run(go())
-    assert half is False and whole is True
+    half, still, again, summary, held, whole, results, svc, fakes = run(go())
+    assert half is False and again is False and whole is True
+    assert still == {"kv_cache"}
     assert summary["version"] == 1
     assert held  # no turn is served while the KV cache sleeps
-    assert single_version(result) == 1 and not svc.sleeping and svc.asleep == set()
+    # the frozen turn was aborted and served again, whole, under the new weights
+    assert all(single_version(r) == 1 for r in results)
+    assert results[1].output_token_ids == tokens_for(PROMPT, 60, 1)
+    assert not svc.sleeping and svc.asleep == set()
+    assert all(not f.violations for f in fakes), [f.violations for f in fakes]
+
+
+def test_an_update_is_refused_while_the_weights_sleep(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.sleep(2)
+            await svc.sleep(0)  # does not bring the weights back
+            with pytest.raises(InputError, match="asleep"):
+                await svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
+            with pytest.raises(InputError, match="asleep"):
+                await svc.begin_weight_update()
+            return await svc.wake_up(), fakes
+
+    awake, fakes = run(go())
+    assert awake and all(not f.violations for f in fakes)
 
 
 def test_an_update_cancelled_mid_reload_finishes_the_reload_before_serving_again(tmp_path):
