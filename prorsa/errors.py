@@ -17,6 +17,11 @@ class ConfigError(ProrsaError):
     """A configuration value is missing, inconsistent or out of range."""
 
 
+class CapacityError(ConfigError):
+    """A trajectory's context can never fit an engine's KV memory: a property of this
+    workload draw on this layout, not of the request alone (a larger layout may fit it)."""
+
+
 class InputError(ProrsaError):
     """An input record is malformed. Names the source, the record and the field."""
 

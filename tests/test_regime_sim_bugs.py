@@ -12,6 +12,8 @@ waits for room on its rank.
 
 from __future__ import annotations
 
+import pytest
+
 from prorsa.experiments.cells import Cell, run_cell
 
 
@@ -51,3 +53,28 @@ def test_dp_rank_over_its_cap_in_a_mixed_step():
         record=False,
     )
     assert run_cell(cell)["objective"] > 0
+
+
+def test_a_draw_too_long_for_the_layout_fails_its_cell_not_the_map():
+    # Held-out seed 9 of Qwen3-30B-A3B mixed sync drew a trajectory of 68,929 tokens of
+    # context where one layout's engine holds 68,892: that layout loses the draw (its
+    # cell is recorded failed, named) and the map goes on.
+    from prorsa.experiments.regimes import run_cell_recorded
+
+    cell = Cell.of(
+        scenario="swe", mode="sync", policy="colocate", seed=0, num_slots=2,
+        trajectories=4, kv_capacity_tokens=2_000, series=False, record=False,
+    )  # fmt: skip
+    result = run_cell_recorded(cell)
+    assert result["objective"] == float("inf")
+    assert result["error"].startswith("CapacityError: trajectory ")
+    assert "2000 KV tokens" in result["error"]
+
+
+def test_other_configuration_errors_still_stop_the_map():
+    from prorsa.errors import ConfigError
+    from prorsa.experiments.regimes import run_cell_recorded
+
+    cell = Cell.of(policy="no-such-policy", series=False, record=False)
+    with pytest.raises(ConfigError, match="no-such-policy"):
+        run_cell_recorded(cell)

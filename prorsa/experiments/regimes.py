@@ -633,22 +633,30 @@ def best_static_search(searches: list[dict]) -> dict | None:
 def run_cell_recorded(cell: Cell) -> dict:
     """``run_cell``, with a failure inside the simulation recorded as the cell's result
     (objective infinite, the error named) so one failing cell does not end a map of
-    thousands; configuration errors still stop the map."""
-    from prorsa.errors import ProrsaError
+    thousands. A trajectory too long for the layout's KV memory is such a failure: the
+    draw (a held-out seed) is infeasible on that layout, which loses it, while the map
+    goes on. Other configuration errors still stop the map."""
+    from prorsa.errors import CapacityError, ProrsaError
     from prorsa.experiments.cells import run_cell
 
     try:
         return run_cell(cell)
+    except CapacityError as exc:
+        return _failed_cell(cell, exc)
     except ProrsaError:
         raise
     except Exception as exc:  # a simulator failure: keep it, named, in the results
-        logger.warning("cell %s failed: %s: %s", cell.policy, type(exc).__name__, exc)
-        return {
-            "cell": cell.to_dict(),
-            "metrics": {},
-            "objective": float("inf"),
-            "error": f"{type(exc).__name__}: {exc}",
-        }
+        return _failed_cell(cell, exc)
+
+
+def _failed_cell(cell: Cell, exc: Exception) -> dict:
+    logger.warning("cell %s failed: %s: %s", cell.policy, type(exc).__name__, exc)
+    return {
+        "cell": cell.to_dict(),
+        "metrics": {},
+        "objective": float("inf"),
+        "error": f"{type(exc).__name__}: {exc}",
+    }
 
 
 class _Progress:

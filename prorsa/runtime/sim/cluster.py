@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from heapq import heappush
 
-from prorsa.errors import ConfigError
+from prorsa.errors import CapacityError, ConfigError
 from prorsa.policy.base import ClusterSpec
 from prorsa.policy.types import ROLES, ClusterObservation, SlotView, WorkloadShape
 from prorsa.runtime.cluster import telemetry as ev
@@ -563,7 +563,7 @@ class SimCluster:
             self.switcher.engine_settled(engine)
 
     def fail_capacity(self, req: SimTurn, engine: SimEngine) -> None:
-        raise ConfigError(
+        raise CapacityError(
             f"trajectory {req.traj.spec.trajectory_id} turn {req.turn} needs "
             f"{req.context + req.decoded} KV tokens but engine {engine.engine_id} holds only "
             f"{engine.kv_capacity}",

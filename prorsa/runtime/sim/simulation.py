@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from prorsa.errors import ConfigError
+from prorsa.errors import CapacityError, ConfigError
 from prorsa.policy.base import ClusterSpec, Policy
 from prorsa.policy.types import ClusterObservation, WorkloadShape
 from prorsa.runtime.cluster.config import ClusterConfig
@@ -265,7 +265,7 @@ class Simulation:
             for s in batch:
                 need = int(s.new_tokens.sum() + s.output_tokens.sum())
                 if need > capacity:
-                    raise ConfigError(
+                    raise CapacityError(
                         f"trajectory {s.trajectory_id} reaches {need} tokens of context but an "
                         f"engine holds only {capacity} KV tokens",
                         hint="use a larger-memory profile or TP, or cap the profile's context",
