@@ -6,7 +6,7 @@ benchmarks/results/regimes/cells.jsonl, and writes:
 
 * benchmarks/results/regimes.json: per regime the speedups of best-static, predictive,
   mpc and oracle over colocation at its best layout (and over colocation at TP1 or the
-  smallest TP, labelled), every plan chosen on seed 0 and scored on held-out seeds 1-3
+  smallest TP, labelled), every plan chosen on seed 0 and scored on held-out seeds 9-11
   (geometric mean of paired ratios, 95% interval), the headline per model, the goals
   cell by cell, the mechanisms;
 * benchmarks/results/regimes/: report.md, a heatmap per model, mechanism plots;
