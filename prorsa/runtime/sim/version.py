@@ -14,11 +14,25 @@ import os
 import subprocess
 from pathlib import Path
 
-#: Package folders whose code never runs in a simulated result: serving, the command
-#: line, trainer integrations. Everything else of the package counts (simulator, cluster
-#: model, controller, policies, workloads, forecasters and their features, telemetry,
-#: the experiments that turn a run into its objective, the forecaster recipe).
-NOT_SIMULATOR_CODE = ("serve", "cli", "integrations")
+#: Package paths whose code never runs in a simulated result: serving, the command line,
+#: trainer integrations, and the modules that only format results already computed
+#: (tables, plots), so mending a report does not make a map recompute its cells.
+#: Everything else of the package counts (simulator, cluster model, controller, policies,
+#: workloads, forecasters and their features, telemetry, the experiments that turn a run
+#: into its objective, the forecaster recipe).
+NOT_SIMULATOR_CODE = (
+    "serve",
+    "cli",
+    "integrations",
+    "experiments/regime_report.py",
+    "experiments/report.py",
+)
+
+
+def _is_simulator_code(relative: Path) -> bool:
+    return not any(
+        relative.parts[: len(Path(part).parts)] == Path(part).parts for part in NOT_SIMULATOR_CODE
+    )
 
 
 def simulator_version() -> dict[str, str]:
@@ -34,7 +48,7 @@ def simulator_version() -> dict[str, str]:
     root = Path(prorsa.__file__).resolve().parent
     data = datasets_dir().resolve()
     digest = hashlib.sha256()
-    code = [f for f in root.rglob("*.py") if f.relative_to(root).parts[0] not in NOT_SIMULATOR_CODE]
+    code = [f for f in root.rglob("*.py") if _is_simulator_code(f.relative_to(root))]
     for base, files in ((root, sorted(code)), (data, sorted(data.rglob("*")))):
         for file in files:
             if file.is_file() and "__pycache__" not in file.parts:
