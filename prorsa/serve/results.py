@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.runtime.ray.turns import TurnResult
+from prorsa.serve.weight_labels import WeightLabels
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +29,20 @@ class ServeTurnResult(TurnResult):
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     weight_version: int = 0
+    weight_version_label: str = "0"  # the trainer's name for it (prorsa.serve.weight_labels)
+    # [label, start, end]: output tokens [start, end) sampled by the weights so named
     weight_versions: list[list[Any]] = field(default_factory=list)
     ttft_s: float | None = None
     tpot_s: float | None = None
     engine_s: float | None = None  # time inside the engine actors (all legs)
 
 
-def served_result(result: TurnResult, session_id: str, prompt_tokens: int) -> ServeTurnResult:
-    """The router's result with logprobs, weight version and TTFT/TPOT from the legs."""
+def served_result(
+    result: TurnResult, session_id: str, prompt_tokens: int, labels: WeightLabels | None = None
+) -> ServeTurnResult:
+    """The router's result with logprobs, weight version (named by ``labels``; by its
+    number without) and TTFT/TPOT from the legs."""
+    labels = labels or WeightLabels()
     decode = result.legs.get("decode", {})
     prefill = result.legs.get("prefill")
     versions = {decode.get("weight_version")}
@@ -63,7 +70,10 @@ def served_result(result: TurnResult, session_id: str, prompt_tokens: int) -> Se
         prompt_logprobs=prompt_logprobs,
         prompt_top_logprobs=(prefill or decode).get("prompt_top_logprobs"),
         weight_version=int(version) if version is not None else -1,
-        weight_versions=decode.get("weight_versions") or [],
+        weight_version_label=labels.label(int(version)) if version is not None else "-1",
+        weight_versions=[
+            [labels.label(v), start, end] for v, start, end in decode.get("weight_versions") or []
+        ],
         ttft_s=ttft,
         engine_s=sum(leg.get("timings", {}).get("total_s") or 0.0 for leg in result.legs.values()),
         tpot_s=decode_s / (n_out - 1) if decode_s is not None and n_out > 1 else None,

@@ -14,7 +14,8 @@ trainer that fans control calls out to a list of servers can list this one serve
 * weights pushed by the trainer (vLLM's weight-transfer API, as SkyRL uses it):
   ``/start_weight_update``, ``/update_weights {"update_info"}``, ``/finish_weight_update``,
   ``/init_weight_transfer_engine``, ``/collective_rpc``, ``GET /get_world_size``,
-  ``GET /weight_info``.
+  ``GET /weight_info``, ``POST /update_weight_version {"new_version"}``. A version may be
+  a number or a label (:mod:`prorsa.serve.weight_labels`).
 * ``POST /reset_prefix_cache``; prorsa's ``POST /prorsa/switch_role``, ``GET /prorsa/status``,
   and ``POST /prorsa/workload`` (the coming rollouts' expected shape, as
   :class:`~prorsa.policy.types.WorkloadShape` fields; ``DELETE`` forgets it).
@@ -211,9 +212,7 @@ async def start_weight_update(request: Request) -> dict[str, Any]:
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> dict[str, Any]:
     body = await json_object(request)
-    version = body.get("weight_version")
-    if isinstance(version, str) and version.isdigit():
-        version = int(version)
+    version = body.get("weight_version")  # a number or a label (vLLM's is a label)
     _, summary = await _service(request).finish_weight_update_with("finish_weight_update", version)
     return {"message": "Weight update finished", **summary}
 
@@ -251,7 +250,27 @@ async def get_world_size(request: Request) -> dict[str, Any]:
 
 @router.get("/weight_info")
 async def weight_info(request: Request) -> dict[str, Any]:
-    return {"weight_version": str(_service(request).weight_version)}
+    service = _service(request)
+    return {
+        "weight_version": service.weight_labels.label(service.weight_version),
+        "weight_version_number": service.weight_version,
+    }
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> dict[str, Any]:
+    """vLLM's relabel: name the weights served now, without changing them."""
+    body = await json_object(request)
+    label = body.get("new_version")
+    if isinstance(label, int) and not isinstance(label, bool):
+        label = str(label)
+    if not isinstance(label, str):
+        raise HTTPError(
+            400, "update_weight_version needs 'new_version' (a label)", param="new_version"
+        )
+    service = _service(request)
+    service.weight_labels.relabel(service.weight_version, label)
+    return {"success": True, "new_version": label}
 
 
 # ---------------------------------------------------------------------- prorsa

@@ -119,7 +119,11 @@ async def completions(request: Request) -> Response:
             "model": request.app.state.model_names[0],
             "choices": [choice],
             "usage": _usage(result),
-            "prorsa": {"weight_version": result.weight_version, "path": result.path},
+            "prorsa": {
+                "weight_version": result.weight_version,
+                "weight_version_label": result.weight_version_label,
+                "path": result.path,
+            },
         }
     )
 
@@ -183,7 +187,11 @@ async def chat_completions(request: Request) -> dict[str, Any]:
         "choices": [choice],
         "usage": _usage(result),
         "prompt_token_ids": prompt if body.get("return_token_ids") else None,
-        "prorsa": {"weight_version": result.weight_version, "path": result.path},
+        "prorsa": {
+            "weight_version": result.weight_version,
+            "weight_version_label": result.weight_version_label,
+            "path": result.path,
+        },
     }
 
 

@@ -228,6 +228,7 @@ def prorsa_fields(result: Any) -> dict[str, Any]:
         "session_id": result.session_id,
         "turn": result.turn,
         "weight_version": result.weight_version,
+        "weight_version_label": result.weight_version_label,
         "path": result.path,
         "decode_engine_id": result.decode_engine_id,
         "prefill_engine_id": result.prefill_engine_id,

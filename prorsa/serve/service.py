@@ -43,6 +43,7 @@ from prorsa.serve.sampling import Sampling, ServeTurnRequest, parse_sampling
 from prorsa.serve.sessions import Sessions
 from prorsa.serve.startup import cluster_spec_for, load_tokenizer, make_policy_for, start_fleet
 from prorsa.serve.trainer_push import TrainerPushWindow
+from prorsa.serve.weight_labels import WeightLabels
 from prorsa.serve.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class RolloutService(TrainerPushWindow):
         self.barrier = DispatchBarrier()
         self.sync = WeightSync(self)
         self.weight_version = 0
+        self.weight_labels = WeightLabels()  # trainers' names for the versions
         self.engines_paused_by_trainer = False
         self._resumes = 0  # resume() calls: a `wait` pause undone while it drained ends there
         #: The mode of the trainer's pause in force (None when not paused by the trainer).
@@ -315,7 +317,7 @@ class RolloutService(TrainerPushWindow):
                 sessions.check_open(session)
                 request.turn = sessions.before_turn(session, len(prompt_ids))
                 result = await self.router.generate(request, checked=True)
-                served = served_result(result, session_id, len(prompt_ids))
+                served = served_result(result, session_id, len(prompt_ids), self.weight_labels)
                 sessions.after_turn(
                     session, request.turn, len(prompt_ids) + len(result.output_token_ids)
                 )
@@ -446,13 +448,18 @@ class RolloutService(TrainerPushWindow):
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_path(
-        self, path: str, version: int | None = None, *, drain_timeout_s: float | None = None
+        self,
+        path: str,
+        version: int | str | None = None,
+        *,
+        drain_timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Load a ``save_pretrained`` folder on every engine, whatever its role.
 
         Args:
             path: the folder, visible to every engine.
-            version: the new weight version (> the current one); None: current + 1.
+            version: the new weight version (> the current one) or a label for the next
+                (:mod:`prorsa.serve.weight_labels`); None: current + 1.
             drain_timeout_s: how long turns in flight may finish under the old weights
                 (later ones are served again under the new); None: the config's.
 
@@ -479,7 +486,7 @@ class RolloutService(TrainerPushWindow):
             results, cancelled = await _uncancelled(reloads)
             failed = self._retire_failed(results, "weight update")
             self.router.forget_caches()
-            self.weight_version = version
+            self._stamp_version(requested)
             window.detail.update(path=folder, failed=failed, reload_s=_reload_times(results))
         if self.metrics is not None:
             self.metrics.observe_sync(window.summary)
@@ -601,6 +608,7 @@ class RolloutService(TrainerPushWindow):
         return {
             "model": self.config.model_name,
             "weight_version": self.weight_version,
+            "weight_version_label": self.weight_labels.label(self.weight_version),
             "roles": {eid: role.value for eid, role in pools.roles().items()},
             "engines_per_role": pools.counts(),
             "sessions": len(self._sessions()),

@@ -73,16 +73,19 @@ class TrainerPushWindow:
         self._external_update = (manager, window)
         return {"from_version": window.from_version, "engines": window.engines}
 
-    def check_next_version(self, version: int | None) -> int:
-        """The version an update to ``version`` would stamp (None: the next); InputError
-        if it would not be above the current one."""
+    def check_next_version(self, version: int | str | None) -> int:
+        """The version an update to ``version`` (a number or a label,
+        :mod:`prorsa.serve.weight_labels`) would stamp (None: the next); InputError if
+        it would not be above the current one or the label names another version."""
         return self._next_version(version)
 
-    async def finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
-        """Stamp the new version, drop caches, resume (see :meth:`begin_weight_update`)."""
+    async def finish_weight_update(self, version: int | str | None = None) -> dict[str, Any]:
+        """Stamp the new version (a number or a label), drop caches, resume (see
+        :meth:`begin_weight_update`)."""
         if not self.weight_update_open:
             raise InputError("no weight update is open", hint="call begin_weight_update first")
         # Checked while the window is still open: a trainer refused here may finish again.
+        requested = version
         version = self._check_finishable(version)
         manager, window = self._external_update
         self._external_update = None
@@ -99,7 +102,7 @@ class TrainerPushWindow:
             )
             failed = {**pushed_wrong, **self._retire_failed(results, "weight update")}
             self.router.forget_caches()
-            self.weight_version = version
+            self._stamp_version(requested)
             window.detail.update(external=True, failed=failed)
         finally:
             await manager.__aexit__(None, None, None)
@@ -129,7 +132,7 @@ class TrainerPushWindow:
         finally:
             await manager.__aexit__(None, None, None)
 
-    def _check_finishable(self, version: int | None) -> int:
+    def _check_finishable(self, version: int | str | None) -> int:
         """The version a finish would stamp; InputError if not above the current one,
         StateConflict if the push failed on every engine (none holds the new weights)."""
         version = self._next_version(version)
@@ -237,7 +240,7 @@ class TrainerPushWindow:
     async def finish_weight_update_with(
         self,
         method: str,
-        version: int | None = None,
+        version: int | str | None = None,
         args: list[Any] | tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
@@ -330,18 +333,14 @@ class TrainerPushWindow:
             raise error
         return results
 
-    def _next_version(self, version: int | None) -> int:
-        if version is None:
-            return self.weight_version + 1
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InputError(f"version must be an integer, got {version!r}", field="version")
-        if version <= self.weight_version:
-            raise InputError(
-                f"weight version {version} is not above the current {self.weight_version}",
-                field="version",
-                hint="weight versions never go backwards",
-            )
-        return version
+    def _next_version(self, version: int | str | None) -> int:
+        return self.weight_labels.resolve(version, self.weight_version)[0]
+
+    def _stamp_version(self, requested: int | str | None) -> None:
+        """Serve the version ``requested`` names (checked under the update lock)."""
+        version, label = self.weight_labels.resolve(requested, self.weight_version)
+        self.weight_labels.stamp(version, label)
+        self.weight_version = version
 
     def _retire_failed(self, results: dict[int, Any], what: str) -> dict[int, str]:
         """Take engines whose update failed out of service: they hold other weights. When

@@ -154,6 +154,7 @@ class WeightSync:
             window.summary = {
                 "from_version": window.from_version,
                 "version": svc.weight_version,
+                "label": svc.weight_labels.label(svc.weight_version),
                 "drained": window.drained,
                 "aborted_turns": window.aborted_turns,
                 "engines": window.engines,
