@@ -360,3 +360,39 @@ def test_plots_draw_the_intervals_and_survive_a_failed_run(tmp_path):
     assert [pays(r) for r in rows] == [True, False, False, False]
     assert speedup_bars(rows, tmp_path / "bars.png").stat().st_size > 0
     assert heatmap(rows, "toy-7b", tmp_path / "map.png").stat().st_size > 0
+
+
+def test_paying_regimes_over_a_whole_map_are_read_at_a_false_discovery_rate():
+    from prorsa.experiments.regime_report import (
+        chance_pays,
+        many_tests_markdown,
+        p_value,
+        pays_at_fdr,
+    )
+
+    def summary(label, by_seed, valid=True):
+        ratios = list(by_seed)
+        centre = float(np.exp(np.mean(np.log(ratios))))
+        return {
+            "label": label, "variant": "", "valid": valid, "gpus": 8,
+            "regime": {"model": "qwen3-30b-a3b", "workload": "swe", "load_per_gpu": 16},
+            "speedup": {"predictive": centre},
+            "speedup_ci95": {"predictive": [centre * 0.99, centre * 1.01]},  # "pays"
+            "speedup_by_seed": {"predictive": dict(zip((9, 10, 11), ratios, strict=True))},
+        }  # fmt: skip
+
+    strong = summary("strong", [1.20, 1.21, 1.19])
+    # pays on its own interval, but among many regimes a p of ~0.02 is what chance gives
+    marginal = summary("marginal", [1.05, 1.10, 1.07])
+    noise = [summary(f"flat-{i}", [1.0 + d, 1.0 - d, 1.0 + d / 2]) for i, d in
+             enumerate(np.linspace(0.01, 0.05, 30))]  # fmt: skip
+    rows = [strong, marginal, *noise, summary("gone", [1.3, 1.3, 1.3], valid=False)]
+    assert p_value(strong) < 1e-3 < p_value(marginal) < 0.05
+    failed = {**strong, "speedup_by_seed": {"predictive": {9: 1.2, 10: 0.0, 11: 1.2}}}
+    assert p_value(failed) is None  # a failed run has no log speedup
+    assert pays_at_fdr(rows) == ["strong"]
+    assert pays_at_fdr([strong, marginal]) == ["strong", "marginal"]  # two tests only
+    assert chance_pays(rows) == pytest.approx(0.025 * 32)  # the invalid one is not tested
+    text = many_tests_markdown(rows)
+    assert "pays in 2 of 32" in text and "1 remain: strong." in text
+    assert [h["split_pays_fdr_cells"] for h in headline(rows)] == [1]
