@@ -32,7 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import RESULTS, save
 from prorsa.experiments import DEFAULT_FORECASTER, mechanisms
 from prorsa.experiments.grids import get_grid, select
-from prorsa.experiments.regime_report import headline, headline_markdown, write_map_report
+from prorsa.experiments.regime_report import (
+    FDR,
+    chance_pays,
+    headline,
+    headline_markdown,
+    pays,
+    pays_at_fdr,
+    write_map_report,
+)
 from prorsa.experiments.regimes import MapConfig, Regime, goals, run_map
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,6 +175,13 @@ def main() -> None:
             "regimes": [compact(s) for s in summaries],
             "headline": headline(summaries),
             "goals": met,
+            # how many "pays" chance alone would give, and those left at a 5% FDR
+            "many_tests": {
+                "pays": [s["label"] for s in summaries if pays(s)],
+                "chance_pays_if_none_did": chance_pays(summaries),
+                "fdr": FDR,
+                "pays_at_fdr": pays_at_fdr(summaries),
+            },
             "mechanisms": mech,
             "cells": result["cells"],
             "map_wall_s": map_s,
