@@ -390,6 +390,8 @@ def test_paying_regimes_over_a_whole_map_are_read_at_a_false_discovery_rate():
     assert p_value(strong) < 1e-3 < p_value(marginal) < 0.05
     failed = {**strong, "speedup_by_seed": {"predictive": {9: 1.2, 10: 0.0, 11: 1.2}}}
     assert p_value(failed) is None  # a failed run has no log speedup
+    assert p_value(summary("same", [1.1, 1.1, 1.1])) == 0.0
+    assert p_value(summary("unchanged", [1.0, 1.0, 1.0])) == 1.0
     assert pays_at_fdr(rows) == ["strong"]
     assert pays_at_fdr([strong, marginal]) == ["strong", "marginal"]  # two tests only
     assert chance_pays(rows) == pytest.approx(0.025 * 32)  # the invalid one is not tested

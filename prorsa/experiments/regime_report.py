@@ -36,8 +36,10 @@ def p_value(summary: dict, policy: str = "predictive") -> float | None:
 
     ratios = list(summary.get("speedup_by_seed", {}).get(policy, {}).values())
     logs = np.log([r for r in ratios if 0 < r < np.inf]) if ratios else np.array([])
-    if len(logs) < 2 or len(logs) < len(ratios) or np.ptp(logs) == 0:
+    if len(logs) < 2 or len(logs) < len(ratios):
         return None
+    if np.ptp(logs) == 0:  # no spread: the t statistic is undefined, the sign is not
+        return 0.0 if logs[0] > 0 else 1.0
     return float(ttest_1samp(logs, 0.0, alternative="greater").pvalue)
 
 
