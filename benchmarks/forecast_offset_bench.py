@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save
 from benchmarks.forecast_bench import cell_of
+from prorsa.experiments.held_out import geometric_mean
 from prorsa.forecast import load_forecaster, make_forecaster
 from prorsa.forecast.backtest import backtest, score
 from prorsa.forecast.shipping import SHIP_TRACES, ship, train_model
@@ -88,7 +88,7 @@ def decode_geomean(span: dict, variant: str) -> float:
     """Geometric mean over the three decode targets of the variant's ratio to the best
     baseline."""
     ratios = [span[f"{variant} / best baseline"][t] for t in TARGETS[1:]]
-    return round(float(np.exp(np.mean(np.log(ratios)))), 3)
+    return round(geometric_mean(ratios), 3)
 
 
 def main() -> None:
