@@ -389,11 +389,14 @@ def test_paying_regimes_over_a_whole_map_are_read_at_a_false_discovery_rate():
     rows = [strong, marginal, *noise, summary("gone", [1.3, 1.3, 1.3], valid=False)]
     assert p_value(strong) < 1e-3 < p_value(marginal) < 0.05
     failed = {**strong, "speedup_by_seed": {"predictive": {9: 1.2, 10: 0.0, 11: 1.2}}}
-    assert p_value(failed) is None  # a failed run has no log speedup
+    assert p_value(failed) == 1.0  # tested, no evidence: it counts in the family
+    assert p_value({**strong, "speedup_by_seed": {"predictive": {9: 1.2}}}) is None
     assert p_value(summary("same", [1.1, 1.1, 1.1])) == 0.0
     assert p_value(summary("unchanged", [1.0, 1.0, 1.0])) == 1.0
     assert pays_at_fdr(rows) == ["strong"]
     assert pays_at_fdr([strong, marginal]) == ["strong", "marginal"]  # two tests only
+    # regimes where the plan failed on a seed are tests too: they tighten the threshold
+    assert pays_at_fdr([strong, marginal, *[failed] * 30]) == ["strong"]
     assert chance_pays(rows) == pytest.approx(0.025 * 32)  # the invalid one is not tested
     text = many_tests_markdown(rows)
     assert "pays in 2 of 32" in text and "1 remain: strong." in text

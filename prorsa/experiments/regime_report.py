@@ -31,13 +31,16 @@ def pays(summary: dict, policy: str = "predictive") -> bool:
 
 def p_value(summary: dict, policy: str = "predictive") -> float | None:
     """One-sided p-value of ``policy`` being no faster than colocation at its best layout
-    (a t-test of its per-seed log speedups against 0); None without two finite seeds."""
+    (a t-test of its per-seed log speedups against 0): 1 where its run failed on a seed
+    (tested, no evidence), None with fewer than two seeds."""
     from scipy.stats import ttest_1samp
 
     ratios = list(summary.get("speedup_by_seed", {}).get(policy, {}).values())
-    logs = np.log([r for r in ratios if 0 < r < np.inf]) if ratios else np.array([])
-    if len(logs) < 2 or len(logs) < len(ratios):
+    if len(ratios) < 2:
         return None
+    if not all(0 < r < np.inf for r in ratios):
+        return 1.0
+    logs = np.log(ratios)
     if np.ptp(logs) == 0:  # no spread: the t statistic is undefined, the sign is not
         return 0.0 if logs[0] > 0 else 1.0
     return float(ttest_1samp(logs, 0.0, alternative="greater").pvalue)
@@ -51,7 +54,7 @@ def pays_at_fdr(summaries: list[dict], policy: str = "predictive", q: float = FD
     among those kept at ``q``."""
     from scipy.stats import false_discovery_control
 
-    tested = [(s, p_value(s, policy)) for s in summaries if s.get("valid", True)]
+    tested = [(s, p_value(s, policy)) for s in summaries if _tested(s, policy)]
     tested = [(s, p) for s, p in tested if p is not None]
     if not tested:
         return []
@@ -65,7 +68,12 @@ def chance_pays(summaries: list[dict]) -> float:
     """How many regimes :func:`pays` would call paying by chance if the split paid in
     none: a one-sided 2.5% per regime with a baseline (the interval's lower end above
     1), an upper bound since the 1.02x threshold also has to be cleared."""
-    return 0.025 * sum(1 for s in summaries if s.get("valid", True))
+    return 0.025 * sum(1 for s in summaries if _tested(s, "predictive"))
+
+
+def _tested(summary: dict, policy: str) -> bool:
+    """A regime with a baseline where ``policy`` ran: one test of the map's family."""
+    return summary.get("valid", True) and policy in summary.get("speedup", {})
 
 
 def with_interval(summary: dict, policy: str) -> str:
@@ -261,7 +269,6 @@ def regime_table(rows: list[dict]) -> str:
         run = s.get("run_plan") or {"layouts": s["planned_layouts"], "start": "-"}
         plan = run["layouts"]
         static = s.get("best_static") or {}
-        sp = s["speedup"]
         where = (
             f"{static['prefill_layout']} x{static['prefill_gpus']} GPUs / {static['decode_layout']}"
             if static
@@ -277,19 +284,35 @@ def regime_table(rows: list[dict]) -> str:
             f"{plan['prefill']} / {plan['decode']} / {plan['colocated']}, {run['start']} | "
             f"{where} | "
             + " | ".join(
-                with_interval(s, p) if p == "predictive" else (f"{sp[p]:.3f}x" if p in sp else "-")
-                for p in ("best-static", "predictive", "mpc", "oracle")
+                _speedup_cell(s, p) for p in ("best-static", "predictive", "mpc", "oracle")
             )
             + tail
         )
+    failed = [
+        f"* {s['label']}: {', '.join(s['failed_cells'])}" for s in rows if s.get("failed_cells")
+    ]
+    if failed:
+        lines += ["", "Runs that failed (a speedup of a failed plan reads 'failed'):", *failed]
     return "\n".join(lines)
+
+
+def _speedup_cell(summary: dict, policy: str) -> str:
+    """A speedup for the table; a plan that failed on a held-out seed says so (its
+    speedup, 0, would read as merely slow)."""
+    error = summary.get("policies", {}).get(policy, {}).get("error")
+    if error:
+        return "failed (" + error.split(":")[0] + ")"  # "seed 9"
+    if policy == "predictive":
+        return with_interval(summary, policy)
+    value = summary["speedup"].get(policy)
+    return f"{value:.3f}x" if value is not None else "-"
 
 
 def many_tests_markdown(summaries: list[dict]) -> str:
     """What the count of paying regimes means over a whole map (chance and FDR)."""
     paying = [s["label"] for s in summaries if pays(s)]
     kept = pays_at_fdr(summaries)
-    tested = sum(1 for s in summaries if s.get("valid", True))
+    tested = sum(1 for s in summaries if _tested(s, "predictive"))
     text = (
         f"Predictive's split pays in {len(paying)} of {tested} regimes with a baseline; "
         f"if it paid in none, about {chance_pays(summaries):.1f} would look paying by "

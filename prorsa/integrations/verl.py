@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.errors import ConfigError
+from prorsa.serve.weight_labels import is_number
 
 URL_ENV = "PRORSA_URL"
 #: verl sampling keys prorsa takes as they are.
@@ -137,7 +138,12 @@ class ProrsaLLMClient:
         content = (choice.get("logprobs") or {}).get("content")
         finish = choice.get("finish_reason")
         version = data.get("prorsa", {}).get("weight_version")
-        spanned = [int(span["version"]) for span in choice.get("weight_versions") or []]
+        # Spans carry the trainer's labels; only a numbered one is a step count.
+        spanned = [
+            int(label)
+            for span in choice.get("weight_versions") or []
+            if is_number(label := str(span["version"]))
+        ]
         return _token_output(
             token_ids=choice["token_ids"],
             log_probs=[entry["logprob"] for entry in content] if content else None,

@@ -131,6 +131,13 @@ _PROMPT_FIELD = {
 }
 
 
+#: What each weight route calls the version (the service says ``version``).
+_VERSION_FIELD = {
+    "/finish_weight_update": "weight_version",
+    "/update_weight_version": "new_version",
+}
+
+
 def _client_field(field: str | None, request: Request | None) -> str | None:
     """An error's field as the route's client named it (the service's own names differ:
     the prompt, and the token route's sampling fields under ``sampling_params``)."""
@@ -139,6 +146,8 @@ def _client_field(field: str | None, request: Request | None) -> str | None:
     path = request.url.path
     if field == "prompt_token_ids":
         return _PROMPT_FIELD.get(path, field)
+    if field == "version":
+        return _VERSION_FIELD.get(path, field)
     if path == "/inference/v1/generate":
         from prorsa.serve.sampling import Sampling
 

@@ -268,8 +268,7 @@ async def update_weight_version(request: Request) -> dict[str, Any]:
         raise HTTPError(
             400, "update_weight_version needs 'new_version' (a label)", param="new_version"
         )
-    service = _service(request)
-    service.weight_labels.relabel(service.weight_version, label)
+    _service(request).relabel_weights(label)
     return {"success": True, "new_version": label}
 
 

@@ -476,7 +476,7 @@ class RolloutService(TrainerPushWindow):
             drain_timeout_s = self.config.sync_drain_timeout_s
         async with self.sync.paused(drain_timeout_s) as window:
             # Chosen under the update lock: concurrent updates each get their own version.
-            version = self._next_version(requested)
+            version, label = self._resolve_version(requested)
             self._check_can_update()
             reloads = asyncio.ensure_future(
                 self.for_each_engine(
@@ -486,7 +486,7 @@ class RolloutService(TrainerPushWindow):
             results, cancelled = await _uncancelled(reloads)
             failed = self._retire_failed(results, "weight update")
             self.router.forget_caches()
-            self._stamp_version(requested)
+            self._stamp_version(version, label)
             window.detail.update(path=folder, failed=failed, reload_s=_reload_times(results))
         if self.metrics is not None:
             self.metrics.observe_sync(window.summary)

@@ -85,8 +85,7 @@ class TrainerPushWindow:
         if not self.weight_update_open:
             raise InputError("no weight update is open", hint="call begin_weight_update first")
         # Checked while the window is still open: a trainer refused here may finish again.
-        requested = version
-        version = self._check_finishable(version)
+        version, label = self._check_finishable(version)
         manager, window = self._external_update
         self._external_update = None
         pushed_wrong = self._pushes_failed()
@@ -102,7 +101,7 @@ class TrainerPushWindow:
             )
             failed = {**pushed_wrong, **self._retire_failed(results, "weight update")}
             self.router.forget_caches()
-            self._stamp_version(requested)
+            self._stamp_version(version, label)
             window.detail.update(external=True, failed=failed)
         finally:
             await manager.__aexit__(None, None, None)
@@ -132,10 +131,11 @@ class TrainerPushWindow:
         finally:
             await manager.__aexit__(None, None, None)
 
-    def _check_finishable(self, version: int | str | None) -> int:
-        """The version a finish would stamp; InputError if not above the current one,
-        StateConflict if the push failed on every engine (none holds the new weights)."""
-        version = self._next_version(version)
+    def _check_finishable(self, version: int | str | None) -> tuple[int, str]:
+        """The version and label a finish would stamp; InputError if not above the
+        current one, StateConflict if the push failed on every engine (none holds the
+        new weights)."""
+        version = self._resolve_version(version)
         if self._window_failed and self._failed_on_every_live_engine():
             raise StateConflict(
                 "the weight push failed on every engine: no engine holds the new weights",
@@ -334,13 +334,25 @@ class TrainerPushWindow:
         return results
 
     def _next_version(self, version: int | str | None) -> int:
-        return self.weight_labels.resolve(version, self.weight_version)[0]
+        return self._resolve_version(version)[0]
 
-    def _stamp_version(self, requested: int | str | None) -> None:
-        """Serve the version ``requested`` names (checked under the update lock)."""
-        version, label = self.weight_labels.resolve(requested, self.weight_version)
+    def _resolve_version(self, version: int | str | None) -> tuple[int, str]:
+        return self.weight_labels.resolve(version, self.weight_version)
+
+    def _stamp_version(self, version: int, label: str) -> None:
+        """Serve ``version`` named ``label``, as resolved under the update lock (a relabel
+        is refused while an update is under way, so the label is still free)."""
         self.weight_labels.stamp(version, label)
         self.weight_version = version
+
+    def relabel_weights(self, label: str) -> None:
+        """Name the weights served now ``label`` (vLLM's ``/update_weight_version``);
+        refused while an update is under way, whose own label is not yet stamped."""
+        if self.sync.window is not None or self._external_update is not None:
+            raise StateConflict(
+                "a weight update is under way", hint="relabel after it has finished"
+            )
+        self.weight_labels.relabel(self.weight_version, label)
 
     def _retire_failed(self, results: dict[int, Any], what: str) -> dict[int, str]:
         """Take engines whose update failed out of service: they hold other weights. When

@@ -4,17 +4,26 @@ The service numbers weight versions 0, 1, 2 ... (what engines stamp on every tok
 what never goes backwards). vLLM's RL routes treat a version as an opaque label instead
 (``/finish_weight_update {"weight_version": "step-12"}``, ``/update_weight_version``,
 ``/weight_info``), so a trainer may name a version anything. A label given with an
-update names the next number; a number (or a string of digits) is the number itself.
-Each label names one version: reusing one for a later version would make two sets of
-weights answer to the same name.
+update names the next number; a number (or a string of ASCII digits) is the number
+itself. Each label names one version: reusing one for a later version would make two sets
+of weights answer to the same name.
 """
 
 from __future__ import annotations
 
+import re
+
 from prorsa.errors import InputError
 
-#: Longest label kept (it goes into every response's spans and into /metrics).
+#: Longest label kept (it goes into every response's spans).
 MAX_LABEL_CHARS = 128
+_NUMBER = re.compile(r"[0-9]+")
+
+
+def is_number(label: str) -> bool:
+    """A label of ASCII digits only (``str.isdigit`` also takes ``"²"``, which ``int``
+    refuses)."""
+    return _NUMBER.fullmatch(label) is not None
 
 
 class WeightLabels:
@@ -30,7 +39,7 @@ class WeightLabels:
         not be above ``current`` or the label is not usable."""
         if requested is None:
             return current + 1, str(current + 1)
-        if isinstance(requested, str) and requested.isdigit():
+        if isinstance(requested, str) and is_number(requested):
             requested = int(requested)
         if isinstance(requested, int) and not isinstance(requested, bool):
             if requested <= current:
@@ -55,10 +64,10 @@ class WeightLabels:
         """Name the version already served ``label`` (vLLM's ``/update_weight_version``);
         its earlier name stays a name of it. A label of digits is a version number, so
         only the version's own number is accepted as one."""
-        if label.isdigit() and int(label) != version:
+        if is_number(label) and int(label) != version:
             raise InputError(
                 f"label {label!r} is a version number, not version {version}'s",
-                field="new_version",
+                field="version",
                 hint="a label of digits names that version; use a name with a letter",
             )
         self.stamp(version, self._free(label, version))
@@ -67,16 +76,21 @@ class WeightLabels:
         """The label of ``version`` (its number when it never got one); an engine's stamp
         that is not a number (vLLM's ``"default"``) is kept as it is."""
         if isinstance(version, str):
-            if not version.isdigit():
+            if not is_number(version):
                 return version
             version = int(version)
         return self._label_of.get(version, str(version))
 
     def _free(self, label: str, version: int) -> str:
-        if not label.strip() or len(label) > MAX_LABEL_CHARS or not label.isprintable():
+        if (
+            not label
+            or label != label.strip()
+            or len(label) > MAX_LABEL_CHARS
+            or not label.isprintable()
+        ):
             raise InputError(
-                f"a weight version label must be 1-{MAX_LABEL_CHARS} printable characters, "
-                f"got {label!r}",
+                f"a weight version label must be 1-{MAX_LABEL_CHARS} printable characters "
+                f"without surrounding spaces, got {label!r}",
                 field="version",
             )
         owner = self._version_of.get(label)

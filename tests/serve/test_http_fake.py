@@ -190,6 +190,12 @@ def test_verl_client_sends_turns_through_prorsa(tmp_path):
             out2 = await verl.generate(
                 "req-1", prompt_ids=PROMPT + out.token_ids, sampling_params=sampling
             )
+            # a trainer's label on the weights (spans carry it): verl still reads steps
+            relabelled = await http.post(
+                "/update_weight_version", json={"new_version": "base"}, headers=ADMIN
+            )
+            out3 = await verl.generate("req-2", prompt_ids=PROMPT, sampling_params=sampling)
+            assert relabelled.status_code == 200 and out3.extra_fields["global_steps"] == 0
             return out, out2, svc.status()
 
     out, out2, status = run(go())
@@ -198,7 +204,7 @@ def test_verl_client_sends_turns_through_prorsa(tmp_path):
     steps = ("global_steps", "min_global_steps", "max_global_steps")  # verl's staleness
     assert [out.extra_fields[k] for k in steps] == [0, 0, 0]
     # verl's budget: the second turn's 8-token prompt leaves 6 + 4 - 8 = 2 tokens.
-    assert status["sessions"] == 1 and len(out2.token_ids) == 2
+    assert status["sessions"] == 2 and len(out2.token_ids) == 2
 
 
 def test_malformed_requests_get_4xx_and_leave_other_sessions_alone(tmp_path):

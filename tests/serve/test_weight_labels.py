@@ -33,6 +33,7 @@ def test_numbers_labels_and_the_next_version():
         ("", "printable characters"),
         ("x" * 129, "printable characters"),
         ("a\nb", "printable characters"),
+        (" 3", "without surrounding spaces"),
         ("step-1", "already names version 1"),
     ],
 )
@@ -42,6 +43,14 @@ def test_a_version_that_would_go_back_or_is_not_a_name_is_refused(requested, mes
     with pytest.raises(InputError, match=message) as caught:
         labels.resolve(requested, 3)
     assert caught.value.field == "version"
+
+
+def test_only_ascii_digits_make_a_number():
+    # "²".isdigit() is True but int("²") fails; "١٢" would have become 12.
+    labels = WeightLabels()
+    assert labels.resolve("²", 0) == (1, "²")
+    assert labels.resolve("١٢", 0) == (1, "١٢")
+    assert labels.label("²") == "²"
 
 
 def test_relabel_keeps_the_old_name_and_refuses_another_versions_number():
@@ -84,9 +93,20 @@ def test_labelled_updates_over_http_stamp_turns_and_spans(tmp_path):
             )
             bad = await http.post("/update_weight_version", json={"new_version": 3},
                                   headers=ADMIN)  # fmt: skip
+            empty = await http.post("/update_weight_version", json={"new_version": ""},
+                                    headers=ADMIN)  # fmt: skip
             after = (await http.get("/weight_info", headers=ADMIN)).json()
+            await http.post("/start_weight_update", headers=ADMIN)
+            in_window = await http.post("/update_weight_version", json={"new_version": "x"},
+                                        headers=ADMIN)  # fmt: skip
+            backwards = await http.post("/finish_weight_update", json={"weight_version": "1"},
+                                        headers=ADMIN)  # fmt: skip
+            await http.post("/finish_weight_update", json={"weight_version": "step-2"},
+                            headers=ADMIN)  # fmt: skip
+            checks["empty"], checks["in_window"], checks["backwards"] = empty, in_window, backwards
             return done, info, turn, reused, relabel, bad, after, svc.status()
 
+    checks: dict = {}
     done, info, turn, reused, relabel, bad, after, status = asyncio.run(go())
     assert done.status_code == 200 and done.json()["label"] == "step-1"
     assert info == {"weight_version": "step-1", "weight_version_number": 1}
@@ -97,4 +117,11 @@ def test_labelled_updates_over_http_stamp_turns_and_spans(tmp_path):
     assert reused.status_code == 400 and "already names version 1" in reused.text
     assert relabel.status_code == 200 and after["weight_version"] == "step-1b"
     assert bad.status_code == 400 and "version number" in bad.text
-    assert status["weight_version"] == 1 and status["weight_version_label"] == "step-1b"
+    assert bad.json()["error"]["param"] == "new_version"
+    assert checks["empty"].status_code == 400
+    assert checks["empty"].json()["error"]["param"] == "new_version"
+    # a relabel while an update is under way would race the update's own label
+    assert checks["in_window"].status_code == 409
+    assert checks["backwards"].status_code == 400
+    assert checks["backwards"].json()["error"]["param"] == "weight_version"
+    assert status["weight_version"] == 2 and status["weight_version_label"] == "step-2"
