@@ -181,3 +181,24 @@ def test_colocated_decode_ratio_follows_the_decode_load():
         "prefill_target_util": 0.8,
     }
     assert choose_mode(obs, spec, 0.1, 1.0, **kwargs) is None
+
+
+def test_one_sequence_holds_no_more_than_one_ranks_kv():
+    # Found by review: KV was pooled over the ranks for one sequence too, so a trajectory
+    # of 9,944 tokens ran on four ranks of 6,000 each; in vLLM a sequence lives on one
+    # rank and could not. It fails now, named; with a rank of 12,000 it runs.
+    from prorsa.errors import CapacityError
+    from prorsa.experiments.cells import Cell, run_cell
+
+    def cell(kv_per_rank: int) -> Cell:
+        layout = "tp1-dp4-ep4"
+        return Cell.of(
+            scenario="math-tool", mode="sync", policy="colocate", seed=0, num_slots=1,
+            profile="h200-qwen3-30b-a3b-tp1", trajectories=8, kv_capacity_tokens=kv_per_rank,
+            layouts={"prefill": layout, "decode": layout, "colocated": layout},
+            series=False, record=False,
+        )  # fmt: skip
+
+    with pytest.raises(CapacityError, match=r"9944 tokens .* holds only 6000 KV tokens for one"):
+        run_cell(cell(6_000))
+    assert run_cell(cell(12_000))["objective"] > 0

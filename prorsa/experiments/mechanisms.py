@@ -385,12 +385,15 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
     seed = min(summary.get("eval_seeds") or [regime.seed])
     best = summary["colocate_best"]["layout"]
     cells = {"colocation@best": _cell(cfg, plan, "colocate", _same(best), seed=seed)}
+    # A plan that failed on this seed (a draw too long for its layout) has no completion
+    # times to show; the others are compared.
+    ran = {name for name, p in summary["policies"].items() if "error" not in p}
     static = summary.get("best_static")
-    if static and "best-static" in summary["policies"]:  # scored where its search finished
+    if static and "best-static" in ran:  # scored where its search finished
         layouts = _static_layouts(static["prefill_layout"], static["decode_layout"])
         params = {"prefill_gpus": static["prefill_gpus"]}
         cells["best-static"] = _cell(cfg, plan, "static", layouts, params=params, seed=seed)
-    if "predictive" in summary["policies"]:
+    if "predictive" in ran:
         # the plan the map ran the policy with (summaries before it was recorded: the
         # cost-model planner's)
         recorded = summary.get("run_plan")

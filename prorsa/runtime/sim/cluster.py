@@ -144,6 +144,12 @@ class SimCluster:
         return min(e.kv_capacity for e in self.engines.values())
 
     @property
+    def sequence_kv_capacity_tokens(self) -> int:
+        """The most KV one sequence can hold on every engine (one data-parallel rank's
+        share on an engine of ranks)."""
+        return min(e.seq_kv_capacity for e in self.engines.values())
+
+    @property
     def completed(self) -> int:
         return self.tally.completed
 
@@ -566,7 +572,7 @@ class SimCluster:
         raise CapacityError(
             f"trajectory {req.traj.spec.trajectory_id} turn {req.turn} needs "
             f"{req.context + req.decoded} KV tokens but engine {engine.engine_id} holds only "
-            f"{engine.kv_capacity}",
+            f"{engine.seq_kv_capacity} for one sequence",
             hint="use a profile with more memory per engine, a higher TP, or shorter contexts",
         )
 

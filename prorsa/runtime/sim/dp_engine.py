@@ -10,9 +10,9 @@ prefills and the per-step scheduling time (see docs/cost_model.md). A layout of 
 What is simplified, and why it matters little: a request is assigned a rank once (the
 least loaded, as vLLM's DP coordinator balances by queue length) and keeps it until its
 turn ends; KV memory and the prefix cache are pooled over the engine's ranks (a rank's
-KV imbalance is not modelled); decode-only epochs are priced from the rank with the
-largest context, growing by the largest rank batch per step (an upper bound, exact when
-ranks are balanced).
+KV imbalance is not modelled), but one sequence holds no more than one rank's share;
+decode-only epochs are priced from the rank with the largest context, growing by the
+largest rank batch per step (an upper bound, exact when ranks are balanced).
 
 Semantics (``LayoutCost.semantics``): under vLLM's, a step mixes decode and prefill on
 every rank; under SGLang's DP attention, a rank that prefills does not decode that step,
@@ -96,6 +96,7 @@ class DpSimEngine(SimEngine):
             costs.max_batch_per_rank * ranks,
             costs.max_step_tokens_per_rank,
         )
+        self.seq_kv_capacity = kv_capacity_tokens // ranks  # a sequence lives on one rank
         self.rank_batch = [0] * ranks
         self.rank_ctx = [0] * ranks
         self.prefill_rank_load = [0] * ranks  # prefills admitted per rank, not yet done

@@ -230,6 +230,7 @@ class SimEngine:
         "recompute_tokens",
         "role",
         "running",
+        "seq_kv_capacity",
         "slot_id",
         "step_chunks",
         "step_started",
@@ -273,6 +274,9 @@ class SimEngine:
         self.tp = tp
         self.costs = costs
         self.kv_capacity = kv_capacity_tokens
+        # The most KV one sequence may hold: all of it here; one rank's share on an
+        # engine of data-parallel ranks (a sequence lives on one rank, as in vLLM).
+        self.seq_kv_capacity = kv_capacity_tokens
         self.kv_bytes_per_token = 0.0  # KV bytes one token moves between engines (set at build)
         self.max_batch = max_batch
         self.budget = max_step_tokens
@@ -635,7 +639,7 @@ class SimEngine:
         while queue:
             req = queue[0]
             footprint = req.context + req.decoded if req.recomputing else req.context
-            if footprint > self.kv_capacity:
+            if footprint > self.seq_kv_capacity:
                 self.events.fail_capacity(req, self)
             traj = req.traj
             traj_key = traj.traj_key

@@ -260,14 +260,14 @@ class Simulation:
         )
 
     def _check_fits(self, cluster: SimCluster) -> None:
-        capacity = cluster.kv_capacity_tokens
+        capacity = cluster.sequence_kv_capacity_tokens
         for batch in self.driver.known_specs():
             for s in batch:
                 need = int(s.new_tokens.sum() + s.output_tokens.sum())
                 if need > capacity:
                     raise CapacityError(
                         f"trajectory {s.trajectory_id} reaches {need} tokens of context but an "
-                        f"engine holds only {capacity} KV tokens",
+                        f"engine holds only {capacity} KV tokens for one sequence",
                         hint="use a larger-memory profile or TP, or cap the profile's context",
                     )
 
