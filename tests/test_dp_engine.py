@@ -183,22 +183,48 @@ def test_colocated_decode_ratio_follows_the_decode_load():
     assert choose_mode(obs, spec, 0.1, 1.0, **kwargs) is None
 
 
-def test_one_sequence_holds_no_more_than_one_ranks_kv():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_sequence_holds_no_more_than_one_ranks_kv(mode):
     # Found by review: KV was pooled over the ranks for one sequence too, so a trajectory
     # of 9,944 tokens ran on four ranks of 6,000 each; in vLLM a sequence lives on one
-    # rank and could not. It fails now, named; with a rank of 12,000 it runs.
+    # rank and could not. It fails now, named, in sync (checked before the run) and async
+    # (checked as each trajectory starts); with a rank of 12,000 it runs.
     from prorsa.errors import CapacityError
     from prorsa.experiments.cells import Cell, run_cell
 
-    def cell(kv_per_rank: int) -> Cell:
+    def cell(kv_per_rank: int, **layouts: str) -> Cell:
         layout = "tp1-dp4-ep4"
         return Cell.of(
-            scenario="math-tool", mode="sync", policy="colocate", seed=0, num_slots=1,
+            scenario="math-tool", mode=mode, policy="colocate", seed=0, num_slots=1,
             profile="h200-qwen3-30b-a3b-tp1", trajectories=8, kv_capacity_tokens=kv_per_rank,
-            layouts={"prefill": layout, "decode": layout, "colocated": layout},
+            layouts={"prefill": layout, "decode": layout, "colocated": layout, **layouts},
             series=False, record=False,
         )  # fmt: skip
 
-    with pytest.raises(CapacityError, match=r"9944 tokens .* holds only 6000 KV tokens for one"):
+    longest = max(s.final_context_tokens for s in _specs(cell(6_000)))
+    assert 6_000 < longest < 4 * 6_000 and longest <= 12_000
+    with pytest.raises(CapacityError, match=rf"{longest} tokens .* 6000 KV tokens for one"):
         run_cell(cell(6_000))
     assert run_cell(cell(12_000))["objective"] > 0
+    # A layout the run may switch to counts too (its engines are built at the switch):
+    # Qwen3-235B-A22B colocated at tp4 holds 155,401 tokens per sequence, a decode role at
+    # tp2-dp2-ep4 only 34,446 per rank, so a swe trajectory past that cannot run here.
+    big = Cell.of(
+        scenario="swe", mode=mode, policy="colocate", seed=0, num_slots=1,
+        profile="h200-qwen3-235b-a22b-tp4", trajectories=64, series=False, record=False,
+        layouts={"prefill": "tp4", "decode": "tp2-dp2-ep4", "colocated": "tp4"},
+    )  # fmt: skip
+    assert max(s.final_context_tokens for s in _specs(big)) > 34_446
+    with pytest.raises(CapacityError, match="34446 KV tokens for one sequence"):
+        run_cell(big)
+
+
+def _specs(cell):
+    from prorsa.experiments.knobs import transformed_driver
+
+    driver = transformed_driver(cell.work, cell.knobs)
+    if hasattr(driver, "batches"):
+        return [s for batch in driver.batches for s in batch]
+    import itertools
+
+    return list(itertools.islice(driver.specs, driver.total))

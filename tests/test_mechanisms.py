@@ -88,7 +88,8 @@ def test_completion_tail_of_colocation_and_the_split(tmp_path):
     assert (tmp_path / "mechanism-c.png").stat().st_size > 0
     assert "[16 values]" in json.dumps(mechanisms.brief(result))
     # a plan that failed on that seed (a draw too long for its layout) is left out
-    failed = {**summary["policies"]["predictive"], "error": "seed 9: CapacityError: ..."}
+    by_seed = {**summary["policies"]["predictive"]["objective_by_seed"], 9: float("inf")}
+    failed = {**summary["policies"]["predictive"], "objective_by_seed": by_seed}
     summary = {**summary, "policies": {**summary["policies"], "predictive": failed}}
     again = mechanisms.completion_tail(tmp_path, summary, cfg)
     assert set(again["runs"]) == {"colocation@best", "best-static"}

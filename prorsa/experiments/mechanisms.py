@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -387,7 +388,11 @@ def completion_tail(out: Path, summary: dict, cfg) -> dict:
     cells = {"colocation@best": _cell(cfg, plan, "colocate", _same(best), seed=seed)}
     # A plan that failed on this seed (a draw too long for its layout) has no completion
     # times to show; the others are compared.
-    ran = {name for name, p in summary["policies"].items() if "error" not in p}
+    ran = {
+        name
+        for name, p in summary["policies"].items()
+        if math.isfinite(p.get("objective_by_seed", {}).get(seed, math.inf))
+    }
     static = summary.get("best_static")
     if static and "best-static" in ran:  # scored where its search finished
         layouts = _static_layouts(static["prefill_layout"], static["decode_layout"])

@@ -68,6 +68,11 @@ class TrajectorySpec:
         return np.cumsum(self.new_tokens) + prev_out
 
     @property
+    def final_context_tokens(self) -> int:
+        """The KV the trajectory holds by its end: every turn's new and output tokens."""
+        return int(self.new_tokens.sum() + self.output_tokens.sum())
+
+    @property
     def total_new_tokens(self) -> int:
         return int(self.new_tokens.sum())
 

@@ -33,7 +33,7 @@ from prorsa.runtime.sim.links import KvLinks
 from prorsa.runtime.sim.request import SimTurn, TrajState
 from prorsa.runtime.sim.switcher import SlotSwitcher
 from prorsa.runtime.sim.tally import RunTally
-from prorsa.runtime.sim.topology import Slot, build_engines
+from prorsa.runtime.sim.topology import Slot, build_engines, sequence_kv_capacity
 from prorsa.telemetry.schema import detail_json
 from prorsa.workload.spec import TrajectorySpec
 from prorsa.workload.truth import LiveSpecs
@@ -85,6 +85,8 @@ class SimCluster:
         self.switcher = SlotSwitcher(self)
         self.placement = DecodePlacement()
         self.local_prefill_threshold = config.local_prefill_threshold
+        #: What one trajectory may reach, on any engine of any role (topology.py).
+        self.sequence_kv_capacity_tokens = sequence_kv_capacity(config, profiles)
         self._heap = env.heap
         self._queue = env.queue
         self._tool_end_cb = self._tool_end
@@ -144,12 +146,6 @@ class SimCluster:
         return min(e.kv_capacity for e in self.engines.values())
 
     @property
-    def sequence_kv_capacity_tokens(self) -> int:
-        """The most KV one sequence can hold on every engine (one data-parallel rank's
-        share on an engine of ranks)."""
-        return min(e.seq_kv_capacity for e in self.engines.values())
-
-    @property
     def completed(self) -> int:
         return self.tally.completed
 
@@ -167,7 +163,17 @@ class SimCluster:
         traj.tokens = tokens
 
     def start_trajectory(self, spec: TrajectorySpec) -> TrajState:
-        """Launch a trajectory now: its first turn is routed immediately."""
+        """Launch a trajectory now: its first turn is routed immediately; CapacityError
+        if its context will outgrow what one sequence may hold here (a stream's specs
+        are not known up front: the simulation checks a known batch before it runs)."""
+        need = spec.final_context_tokens
+        if need > self.sequence_kv_capacity_tokens:
+            raise CapacityError(
+                f"trajectory {spec.trajectory_id} reaches {need} tokens of context but an "
+                f"engine holds only {self.sequence_kv_capacity_tokens} KV tokens for one "
+                "sequence",
+                hint="use a profile with more memory per engine, a higher TP, or shorter contexts",
+            )
         now = self.env.now
         key = self.telemetry.key(spec.trajectory_id, spec.group_id, spec.task)
         traj = TrajState(spec, now, key)

@@ -263,7 +263,7 @@ class Simulation:
         capacity = cluster.sequence_kv_capacity_tokens
         for batch in self.driver.known_specs():
             for s in batch:
-                need = int(s.new_tokens.sum() + s.output_tokens.sum())
+                need = s.final_context_tokens
                 if need > capacity:
                     raise CapacityError(
                         f"trajectory {s.trajectory_id} reaches {need} tokens of context but an "

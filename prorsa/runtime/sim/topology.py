@@ -39,6 +39,17 @@ class Slot:
         self.history: list[tuple[float, str]] = [(0.0, role)]
 
 
+def sequence_kv_capacity(config: ClusterConfig, profiles: dict) -> int:
+    """The most KV one sequence may hold on any engine the cluster may build, in any
+    role (a role switch builds the others later): one data-parallel rank's share, as a
+    sequence lives on one rank. A trajectory over it cannot run on this cluster."""
+    if config.layouts:
+        costs = [profiles[name] for name in config.role_layouts.values()]
+    else:
+        costs = [profiles[tp] for tp in config.role_tp.values() if tp in profiles]
+    return min(config.kv_capacity_tokens or cost.kv_capacity_tokens for cost in costs)
+
+
 def build_engines(
     slot: Slot,
     config: ClusterConfig,
@@ -80,6 +91,7 @@ def build_engines(
     ]
     for engine in engines:
         engine.kv_bytes_per_token = profile.kv_bytes_per_token
+        engine.seq_kv_capacity = kv // ranks  # a sequence lives on one rank
     return engines
 
 
