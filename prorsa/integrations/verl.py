@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.errors import ConfigError
-from prorsa.serve.weight_labels import is_number
 
 URL_ENV = "PRORSA_URL"
 #: verl sampling keys prorsa takes as they are.
@@ -138,11 +137,11 @@ class ProrsaLLMClient:
         content = (choice.get("logprobs") or {}).get("content")
         finish = choice.get("finish_reason")
         version = data.get("prorsa", {}).get("weight_version")
-        # Spans carry the trainer's labels; only a numbered one is a step count.
+        # Spans carry the trainer's labels; the step count is the version's number.
         spanned = [
-            int(label)
+            span["version_number"]
             for span in choice.get("weight_versions") or []
-            if is_number(label := str(span["version"]))
+            if span.get("version_number") is not None
         ]
         return _token_output(
             token_ids=choice["token_ids"],

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.runtime.ray.turns import TurnResult
-from prorsa.serve.weight_labels import WeightLabels
+from prorsa.serve.weight_labels import WeightLabels, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ class ServeTurnResult(TurnResult):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     weight_version: int = 0
     weight_version_label: str = "0"  # the trainer's name for it (prorsa.serve.weight_labels)
-    # [label, start, end]: output tokens [start, end) sampled by the weights so named
+    # [label, start, end, number]: output tokens [start, end) sampled by the weights so
+    # named (number: the version's; None for an engine stamp that is not one)
     weight_versions: list[list[Any]] = field(default_factory=list)
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -72,7 +73,8 @@ def served_result(
         weight_version=int(version) if version is not None else -1,
         weight_version_label=labels.label(int(version)) if version is not None else "-1",
         weight_versions=[
-            [labels.label(v), start, end] for v, start, end in decode.get("weight_versions") or []
+            [labels.label(v), start, end, int(v) if is_number(str(v)) else None]
+            for v, start, end in decode.get("weight_versions") or []
         ],
         ttft_s=ttft,
         engine_s=sum(leg.get("timings", {}).get("total_s") or 0.0 for leg in result.legs.values()),

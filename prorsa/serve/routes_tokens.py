@@ -146,7 +146,8 @@ async def generate(request: Request) -> Response:
                     "token_ids": result.output_token_ids,
                     "logprobs": logprobs_content(result),
                     "weight_versions": [
-                        {"version": v, "start": a, "end": b} for v, a, b in result.weight_versions
+                        {"version": v, "start": a, "end": b, "version_number": n}
+                        for v, a, b, n in result.weight_versions
                     ],
                 }
             ],

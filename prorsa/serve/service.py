@@ -41,6 +41,7 @@ from prorsa.serve.gate import AdmissionGate
 from prorsa.serve.results import ServeTurnResult, served_result
 from prorsa.serve.sampling import Sampling, ServeTurnRequest, parse_sampling
 from prorsa.serve.sessions import Sessions
+from prorsa.serve.shielded import wait_uncancelled
 from prorsa.serve.startup import cluster_spec_for, load_tokenizer, make_policy_for, start_fleet
 from prorsa.serve.trainer_push import TrainerPushWindow
 from prorsa.serve.weight_labels import WeightLabels
@@ -483,7 +484,7 @@ class RolloutService(TrainerPushWindow):
                     lambda c: c.update_weights_from_path(folder, version), tolerate=True
                 )
             )
-            results, cancelled = await _uncancelled(reloads)
+            results, cancelled = await wait_uncancelled(reloads)
             failed = self._retire_failed(results, "weight update")
             self.router.forget_caches()
             self._stamp_version(version, label)
@@ -676,20 +677,6 @@ def _routing(routing: dict[str, Any] | None) -> dict[str, Any]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InputError(f"{key} must be an integer engine id", field=key)
     return {k: v for k, v in routing.items() if v is not None}
-
-
-async def _uncancelled(task: asyncio.Future) -> tuple[Any, bool]:
-    """``task``'s result, waited for even if the caller is cancelled meanwhile (and
-    whether it was): engines reloading weights must finish, and be recorded, before
-    they resume and serving reopens."""
-    cancelled = False
-    while True:
-        try:
-            return await asyncio.shield(task), cancelled
-        except asyncio.CancelledError:
-            if task.cancelled():
-                raise
-            cancelled = True
 
 
 def _reload_times(results: dict[int, Any]) -> dict[int, float]:

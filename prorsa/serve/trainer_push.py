@@ -19,6 +19,7 @@ from typing import Any
 
 from prorsa.errors import InputError, StateConflict
 from prorsa.runtime.ray.turns import NoEngineAvailable
+from prorsa.serve.shielded import wait_uncancelled
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +74,6 @@ class TrainerPushWindow:
         self._external_update = (manager, window)
         return {"from_version": window.from_version, "engines": window.engines}
 
-    def check_next_version(self, version: int | str | None) -> int:
-        """The version an update to ``version`` (a number or a label,
-        :mod:`prorsa.serve.weight_labels`) would stamp (None: the next); InputError if
-        it would not be above the current one or the label names another version."""
-        return self._next_version(version)
-
     async def finish_weight_update(self, version: int | str | None = None) -> dict[str, Any]:
         """Stamp the new version (a number or a label), drop caches, resume (see
         :meth:`begin_weight_update`)."""
@@ -94,11 +89,16 @@ class TrainerPushWindow:
             self._retire(pushed_wrong, "weight push")
             # Stamps the version and drops the prefix cache and the connector's stored KV
             # (computed under the old weights); an engine that fails holds other weights.
-            results = await self.for_each_engine(
-                lambda c: c.set_weight_version(version),
-                tolerate=True,
-                timeout_s=self.config.engine_control_timeout_s,
+            stamping = asyncio.ensure_future(
+                self.for_each_engine(
+                    lambda c: c.set_weight_version(version),
+                    tolerate=True,
+                    timeout_s=self.config.engine_control_timeout_s,
+                )
             )
+            # Waited for even if the trainer's call is cancelled: engines stamped with the
+            # new version must be matched by the service's, or the next update reuses it.
+            results, cancelled = await wait_uncancelled(stamping)
             failed = {**pushed_wrong, **self._retire_failed(results, "weight update")}
             self.router.forget_caches()
             self._stamp_version(version, label)
@@ -107,6 +107,8 @@ class TrainerPushWindow:
             await manager.__aexit__(None, None, None)
         if self.metrics is not None:
             self.metrics.observe_sync(window.summary)
+        if cancelled:
+            raise asyncio.CancelledError
         return window.summary
 
     async def cancel_weight_update(self) -> None:

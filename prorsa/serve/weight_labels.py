@@ -22,8 +22,8 @@ _NUMBER = re.compile(r"[0-9]+")
 
 def is_number(label: str) -> bool:
     """A label of ASCII digits only (``str.isdigit`` also takes ``"²"``, which ``int``
-    refuses)."""
-    return _NUMBER.fullmatch(label) is not None
+    refuses), short enough for ``int`` (which refuses 4,300 digits and more)."""
+    return len(label) <= MAX_LABEL_CHARS and _NUMBER.fullmatch(label) is not None
 
 
 class WeightLabels:

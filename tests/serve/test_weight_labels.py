@@ -125,3 +125,36 @@ def test_labelled_updates_over_http_stamp_turns_and_spans(tmp_path):
     assert checks["backwards"].status_code == 400
     assert checks["backwards"].json()["error"]["param"] == "weight_version"
     assert status["weight_version"] == 2 and status["weight_version_label"] == "step-2"
+
+
+def test_a_label_of_thousands_of_digits_is_a_400_not_a_500():
+    # int() refuses 4,300 digits and more; such a "number" is a label, and too long.
+    labels = WeightLabels()
+    with pytest.raises(InputError, match="printable characters"):
+        labels.resolve("1" * 5000, 0)
+    with pytest.raises(InputError, match="printable characters"):
+        labels.relabel(0, "1" * 5000)
+
+
+def test_a_cancelled_finish_still_stamps_the_service_with_the_engines_version(tmp_path):
+    # Found by review: the engines' version stamp was awaited unshielded, so a trainer
+    # call cancelled meanwhile left engines on v1 and the service on v0 (the next update
+    # would have reused v1 for other weights).
+    async def go():
+        async with client(tmp_path) as (http, (svc, fakes)):
+            await http.post("/start_weight_update", headers=ADMIN)
+            slow = fakes[0].set_weight_version
+
+            async def stamp_slowly(version):
+                await asyncio.sleep(0.2)
+                await slow(version)
+
+            fakes[0].set_weight_version = stamp_slowly
+            finish = asyncio.ensure_future(svc.finish_weight_update("step-1"))
+            await asyncio.sleep(0.05)
+            finish.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await finish
+            return svc.weight_version, svc.weight_labels.label(1), svc.weight_update_open
+
+    assert asyncio.run(go()) == (1, "step-1", False)
