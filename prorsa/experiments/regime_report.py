@@ -54,7 +54,7 @@ def pays_at_fdr(summaries: list[dict], policy: str = "predictive", q: float = FD
     among those kept at ``q``."""
     from scipy.stats import false_discovery_control
 
-    tested = [(s, p_value(s, policy)) for s in summaries if _tested(s, policy)]
+    tested = _tests(summaries, policy)
     if not tested:
         return []
     adjusted = false_discovery_control([p for _, p in tested], method="bh")
@@ -67,17 +67,19 @@ def chance_pays(summaries: list[dict]) -> float:
     """How many regimes :func:`pays` would call paying by chance if the split paid in
     none: a one-sided 2.5% per regime with a baseline (the interval's lower end above
     1), an upper bound since the 1.02x threshold also has to be cleared."""
-    return 0.025 * sum(1 for s in summaries if _tested(s, "predictive"))
+    return 0.025 * len(_tests(summaries, "predictive"))
 
 
-def _tested(summary: dict, policy: str) -> bool:
-    """A regime with a baseline where ``policy`` ran on two seeds or more: one test of
-    the map's family."""
-    return (
-        summary.get("valid", True)
-        and policy in summary.get("speedup", {})
-        and p_value(summary, policy) is not None
-    )
+def _tests(summaries: list[dict], policy: str) -> list[tuple[dict, float]]:
+    """The map's family of tests with their p-values: the regimes with a baseline where
+    ``policy`` ran on two seeds or more."""
+    tests = []
+    for s in summaries:
+        if s.get("valid", True) and policy in s.get("speedup", {}):
+            p = p_value(s, policy)
+            if p is not None:
+                tests.append((s, p))
+    return tests
 
 
 def with_interval(summary: dict, policy: str) -> str:
@@ -316,7 +318,7 @@ def many_tests_markdown(summaries: list[dict]) -> str:
     """What the count of paying regimes means over a whole map (chance and FDR)."""
     paying = [s["label"] for s in summaries if pays(s)]
     kept = pays_at_fdr(summaries)
-    tested = sum(1 for s in summaries if _tested(s, "predictive"))
+    tested = len(_tests(summaries, "predictive"))
     if not tested:
         return f"Predictive's split pays in {len(paying)} regimes (one seed each: no test)."
     text = (

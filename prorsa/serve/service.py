@@ -471,7 +471,7 @@ class RolloutService(TrainerPushWindow):
         folder = str(check_weight_dir(path, self.config.model))
         self._refuse_in_update_window("update_weights_from_path")
         requested = version
-        self._next_version(requested)  # a bad version is refused before anything pauses
+        self._resolve_version(requested)  # a bad version is refused before anything pauses
         self._check_can_update()
         if drain_timeout_s is None:
             drain_timeout_s = self.config.sync_drain_timeout_s

@@ -335,9 +335,6 @@ class TrainerPushWindow:
             raise error
         return results
 
-    def _next_version(self, version: int | str | None) -> int:
-        return self._resolve_version(version)[0]
-
     def _resolve_version(self, version: int | str | None) -> tuple[int, str]:
         return self.weight_labels.resolve(version, self.weight_version)
 
