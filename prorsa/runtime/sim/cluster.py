@@ -657,7 +657,7 @@ class SimCluster:
             kv_capacity = sum(e.kv_capacity for e in engines)
             busy = any(e.phase != 0 for e in engines)
             cached = sum(e.cache.live_tokens for e in engines)
-        return SlotView(
+        return SlotView.of(
             slot_id=slot.slot_id,
             role=slot.role,
             target_role=slot.target_role,
