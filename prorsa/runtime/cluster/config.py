@@ -48,7 +48,7 @@ class ClusterConfig:
         **_help("token budget per engine step (profile default)"), default=None
     )
     kv_capacity_tokens: int | None = field(
-        **_help("KV tokens per engine (profile default)"), default=None
+        **_help("KV tokens per engine, per data-parallel rank (profile default)"), default=None
     )
     layouts: dict[str, str] = field(
         default_factory=dict,

@@ -33,7 +33,13 @@ from prorsa.runtime.sim.links import KvLinks
 from prorsa.runtime.sim.request import SimTurn, TrajState
 from prorsa.runtime.sim.switcher import SlotSwitcher
 from prorsa.runtime.sim.tally import RunTally
-from prorsa.runtime.sim.topology import Slot, build_engines, sequence_kv_capacity
+from prorsa.runtime.sim.topology import (
+    CAPACITY_HINT,
+    Slot,
+    build_engines,
+    check_fits,
+    sequence_kv_capacity,
+)
 from prorsa.telemetry.schema import detail_json
 from prorsa.workload.spec import TrajectorySpec
 from prorsa.workload.truth import LiveSpecs
@@ -142,10 +148,6 @@ class SimCluster:
         self.placement.refresh(decode_side)
 
     @property
-    def kv_capacity_tokens(self) -> int:
-        return min(e.kv_capacity for e in self.engines.values())
-
-    @property
     def completed(self) -> int:
         return self.tally.completed
 
@@ -166,14 +168,7 @@ class SimCluster:
         """Launch a trajectory now: its first turn is routed immediately; CapacityError
         if its context will outgrow what one sequence may hold here (a stream's specs
         are not known up front: the simulation checks a known batch before it runs)."""
-        need = spec.final_context_tokens
-        if need > self.sequence_kv_capacity_tokens:
-            raise CapacityError(
-                f"trajectory {spec.trajectory_id} reaches {need} tokens of context but an "
-                f"engine holds only {self.sequence_kv_capacity_tokens} KV tokens for one "
-                "sequence",
-                hint="use a profile with more memory per engine, a higher TP, or shorter contexts",
-            )
+        check_fits(spec, self.sequence_kv_capacity_tokens)
         now = self.env.now
         key = self.telemetry.key(spec.trajectory_id, spec.group_id, spec.task)
         traj = TrajState(spec, now, key)
@@ -579,7 +574,7 @@ class SimCluster:
             f"trajectory {req.traj.spec.trajectory_id} turn {req.turn} needs "
             f"{req.context + req.decoded} KV tokens but engine {engine.engine_id} holds only "
             f"{engine.seq_kv_capacity} for one sequence",
-            hint="use a profile with more memory per engine, a higher TP, or shorter contexts",
+            hint=CAPACITY_HINT,
         )
 
     def on_migrate(self, engine: SimEngine, moved: list[tuple[SimTurn, int]]) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from prorsa.errors import CapacityError, ConfigError
+from prorsa.errors import ConfigError
 from prorsa.policy.base import ClusterSpec, Policy
 from prorsa.policy.types import ClusterObservation, WorkloadShape
 from prorsa.runtime.cluster.config import ClusterConfig
@@ -24,7 +24,7 @@ from prorsa.runtime.sim.cluster import SimCluster
 from prorsa.runtime.sim.core import PRIORITY_CONTROL, Environment
 from prorsa.runtime.sim.drivers import Driver, DriverResult
 from prorsa.runtime.sim.metrics import compute_metrics
-from prorsa.runtime.sim.topology import Slot, build_engines
+from prorsa.runtime.sim.topology import Slot, build_engines, check_fits
 from prorsa.telemetry.columns import EventLog
 
 logger = logging.getLogger(__name__)
@@ -260,16 +260,9 @@ class Simulation:
         )
 
     def _check_fits(self, cluster: SimCluster) -> None:
-        capacity = cluster.sequence_kv_capacity_tokens
         for batch in self.driver.known_specs():
-            for s in batch:
-                need = s.final_context_tokens
-                if need > capacity:
-                    raise CapacityError(
-                        f"trajectory {s.trajectory_id} reaches {need} tokens of context but an "
-                        f"engine holds only {capacity} KV tokens for one sequence",
-                        hint="use a larger-memory profile or TP, or cap the profile's context",
-                    )
+            for spec in batch:
+                check_fits(spec, cluster.sequence_kv_capacity_tokens)
 
     @staticmethod
     def _schedule_progress(

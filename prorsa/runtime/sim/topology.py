@@ -7,11 +7,12 @@ and host ``gpus // tp`` engines of the role's tensor-parallel degree (one engine
 
 from __future__ import annotations
 
-from prorsa.errors import ConfigError
+from prorsa.errors import CapacityError, ConfigError
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.sim.core import Environment
 from prorsa.runtime.sim.dp_engine import DpSimEngine, LayoutStepCosts
 from prorsa.runtime.sim.engine import EngineEvents, SimEngine, StepCosts
+from prorsa.workload.spec import TrajectorySpec
 
 
 class Slot:
@@ -48,6 +49,21 @@ def sequence_kv_capacity(config: ClusterConfig, profiles: dict) -> int:
     else:
         costs = [profiles[tp] for tp in config.role_tp.values() if tp in profiles]
     return min(config.kv_capacity_tokens or cost.kv_capacity_tokens for cost in costs)
+
+
+CAPACITY_HINT = "use a profile with more memory per engine, a higher TP, or shorter contexts"
+
+
+def check_fits(spec: TrajectorySpec, capacity_tokens: int) -> None:
+    """CapacityError if ``spec``'s context outgrows ``capacity_tokens``, the most one
+    sequence may hold (:func:`sequence_kv_capacity`)."""
+    need = spec.final_context_tokens
+    if need > capacity_tokens:
+        raise CapacityError(
+            f"trajectory {spec.trajectory_id} reaches {need} tokens of context but an "
+            f"engine holds only {capacity_tokens} KV tokens for one sequence",
+            hint=CAPACITY_HINT,
+        )
 
 
 def build_engines(
