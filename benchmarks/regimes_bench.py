@@ -29,12 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import RESULTS, save
+from benchmarks._common import RESULTS, machine, save
 from prorsa.experiments import DEFAULT_FORECASTER, mechanisms
 from prorsa.experiments.grids import get_grid, select
 from prorsa.experiments.regime_report import (
     FDR,
     chance_pays,
+    colocate_misses_by_cause,
     headline,
     headline_markdown,
     pays,
@@ -42,6 +43,7 @@ from prorsa.experiments.regime_report import (
     write_map_report,
 )
 from prorsa.experiments.regimes import MapConfig, Regime, goals, run_map
+from prorsa.io import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = RESULTS / "regimes"
@@ -125,7 +127,16 @@ def main() -> None:
     parser.add_argument("--address", default=None, help="Ray cluster to run cells on")
     parser.add_argument("--fresh", action="store_true", help="ignore finished cells")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument(
+        "--reanalyse",
+        action="store_true",
+        help="run nothing: redo the derived parts of regimes.json, report.md and the README "
+        "block from the regimes in regimes.json",
+    )
     args = parser.parse_args()
+    if args.reanalyse:
+        reanalyse(readme=not args.no_readme)
+        return
     regimes = get_grid("quick" if args.quick else "full")
     if args.models:
         regimes = select(regimes, models=[m for m in args.models.split(",") if m])
@@ -166,7 +177,6 @@ def main() -> None:
     for name in mechanisms.MECHANISMS:
         shutil.copy(OUT / f"mechanism-{name}.png", IMG / f"mechanism-{name}.png")
 
-    met = goals(summaries)
     readme = False if (args.no_readme or args.quick) else update_readme(summaries)
     path = save(
         "regimes",
@@ -174,15 +184,7 @@ def main() -> None:
             "quick": args.quick,
             "forecaster": args.forecaster,
             "regimes": [compact(s) for s in summaries],
-            "headline": headline(summaries),
-            "goals": met,
-            # how many "pays" chance alone would give, and those left at a 5% FDR
-            "many_tests": {
-                "pays": [s["label"] for s in summaries if pays(s)],
-                "chance_pays_if_none_did": chance_pays(summaries),
-                "fdr": FDR,
-                "pays_at_fdr": pays_at_fdr(summaries),
-            },
+            **derived(summaries),
             "mechanisms": mech,
             "cells": result["cells"],
             "map_wall_s": map_s,
@@ -190,8 +192,44 @@ def main() -> None:
         },
     )
     print(headline_markdown(summaries))
-    print(json.dumps(met, indent=1))
+    print(json.dumps(goals(summaries), indent=1))
     print(f"map {map_s:,.0f} s; saved {path}; README updated: {readme}")
+
+
+def derived(summaries: list[dict]) -> dict:
+    """What regimes.json reads off the regimes: headline, goals, and the many tests."""
+    return {
+        "headline": headline(summaries),
+        "goals": goals(summaries),
+        # the misses against colocation@best that are its layout's choice, and the others
+        "colocate_misses_by_cause": colocate_misses_by_cause(summaries),
+        # how many "pays" chance alone would give, and those left at a 5% FDR
+        "many_tests": {
+            "pays": [s["label"] for s in summaries if pays(s)],
+            "chance_pays_if_none_did": chance_pays(summaries),
+            "fdr": FDR,
+            "pays_at_fdr": pays_at_fdr(summaries),
+        },
+    }
+
+
+def reanalyse(*, readme: bool) -> None:
+    """Redo what the saved map's regimes give (after a change to the report code) without
+    running a cell: regimes.json's derived parts, report.md, the heatmaps, the README."""
+    path = RESULTS / "regimes.json"
+    saved = json.loads(path.read_text())
+    summaries = saved["regimes"]
+    saved.update(derived(summaries))
+    # the run's own machine block stays; this says when and at which commit it was redone
+    saved["reanalysed"] = {k: v for k, v in machine().items() if k in ("commit", "when")}
+    atomic_write_text(path, json.dumps(saved, indent=2, default=float) + "\n")
+    title = "Regime map (benchmarks/regimes_bench.py)"
+    write_map_report({"regimes": summaries}, OUT, title=title, results_json=False)
+    for png in OUT.glob("heatmap-*.png"):
+        shutil.copy(png, IMG / png.name.replace("heatmap-", "regimes-"))
+    updated = readme and not saved.get("quick") and update_readme(summaries)
+    print(json.dumps(saved["colocate_misses_by_cause"], indent=1)[:2000])
+    print(f"rewrote {path}, {OUT / 'report.md'}; README updated: {updated}")
 
 
 if __name__ == "__main__":

@@ -401,3 +401,49 @@ def test_paying_regimes_over_a_whole_map_are_read_at_a_false_discovery_rate():
     text = many_tests_markdown(rows)
     assert "pays in 2 of 32" in text and "1 remain: strong." in text
     assert [h["split_pays_fdr_cells"] for h in headline(rows)] == [1]
+
+
+def test_misses_against_colocation_split_into_its_layout_choice_and_the_policy():
+    from prorsa.experiments.regime_report import (
+        colocate_misses_by_cause,
+        colocate_misses_markdown,
+        layout_choice,
+    )
+
+    def summary(label, chosen, best, tp4, tp8, predictive):
+        seeds = (9, 10, 11)
+        colocate = {
+            "tp4": {"objective_by_seed": dict(zip(seeds, tp4, strict=True))},
+            "tp8": {"objective_by_seed": dict(zip(seeds, tp8, strict=True))},
+        }
+        run = dict(zip(seeds, predictive, strict=True))
+        at_best = np.array(tp4 if best == "tp4" else tp8, float)
+        speedup = float(np.exp(np.mean(np.log(at_best / np.array(predictive)))))
+        return {
+            "label": label, "valid": True,
+            "selection": {"colocate_best_layout": chosen},
+            "colocate": colocate,
+            "colocate_best": {"layout": best, **colocate[best]},
+            "policies": {"predictive": {"objective_by_seed": run}},
+            "speedup": {"predictive": speedup},
+        }  # fmt: skip
+
+    # seed 0 chose tp4, tp8 is 4% faster on the held-out seeds; predictive = colocated tp4
+    layout = summary("layout", "tp4", "tp8", [104, 104, 104], [100, 100, 100], [104, 104, 104])
+    # the same layout both ways, the policy itself 5% slower
+    policy = summary("policy", "tp8", "tp8", [110, 110, 110], [100, 100, 100], [105, 105, 105])
+    fine = summary("fine", "tp8", "tp8", [110, 110, 110], [100, 100, 100], [99, 99, 99])
+    split = layout_choice(layout)
+    assert split["chosen_layout"] == "tp4" and split["best_layout"] == "tp8"
+    assert split["colocate_chosen_vs_best"] == pytest.approx(100 / 104)
+    assert split["vs_colocate_chosen"] == pytest.approx(1.0)
+    # the two factors multiply to the speedup over colocation@best, seed by seed
+    assert split["colocate_chosen_vs_best"] * split["vs_colocate_chosen"] == pytest.approx(
+        layout["speedup"]["predictive"]
+    )
+    causes = colocate_misses_by_cause([layout, policy, fine])
+    assert [r["label"] for r in causes["layout"]] == ["layout"]
+    assert [r["label"] for r in causes["policy"]] == ["policy"]
+    text = colocate_misses_markdown([layout, policy, fine])
+    assert "| layout | layout | 0.962x | 0.962x (tp4 / tp8) | 1.000x |" in text
+    assert colocate_misses_markdown([fine]).endswith("in every regime.")

@@ -82,6 +82,80 @@ def _tests(summaries: list[dict], policy: str) -> list[tuple[dict, float]]:
     return tests
 
 
+def layout_choice(summary: dict, policy: str = "predictive") -> dict | None:
+    """``policy``'s speedup over colocation@best as two paired factors, per held-out seed
+    and so for their geometric means: colocation at the layout the selection seed chose
+    over colocation@best (``colocate_chosen_vs_best``, at most 1: the best layout is
+    picked on the held-out seeds themselves), times ``policy`` over colocation at that
+    chosen layout (``vs_colocate_chosen``: the policy against colocation chosen the way
+    its own plan was). None where either run is missing."""
+    from prorsa.experiments.held_out import paired_speedup
+
+    chosen = summary.get("selection", {}).get("colocate_best_layout")
+    colocate = summary.get("colocate", {})
+    run = summary.get("policies", {}).get(policy)
+    if chosen not in colocate or run is None or not summary.get("colocate_best"):
+        return None
+    at_chosen = colocate[chosen]["objective_by_seed"]
+    regret = paired_speedup(summary["colocate_best"]["objective_by_seed"], at_chosen)
+    own = paired_speedup(at_chosen, run["objective_by_seed"])
+    return {
+        "chosen_layout": chosen,
+        "best_layout": summary["colocate_best"]["layout"],
+        "colocate_chosen_vs_best": regret["speedup"],
+        "vs_colocate_chosen": own["speedup"],
+        "vs_colocate_chosen_ci95": own["ci95"],
+    }
+
+
+def colocate_misses_by_cause(
+    summaries: list[dict], policy: str = "predictive", goal: float = 0.98
+) -> dict[str, list[dict]]:
+    """The regimes where ``policy`` is below ``goal`` x colocation@best, split by cause:
+    ``layout`` where it holds ``goal`` against colocation at the layout its selection
+    seed chose (colocation chosen the same way would miss by as much: the miss is the
+    out-of-sample choice of a layout), ``policy`` where it does not."""
+    out: dict[str, list[dict]] = {"layout": [], "policy": []}
+    for s in summaries:
+        value = s.get("speedup", {}).get(policy)
+        if not s.get("valid", True) or value is None or value >= goal:
+            continue
+        split = layout_choice(s, policy)
+        row = {"label": s["label"], "speedup": value, **(split or {})}
+        cause = "layout" if split and split["vs_colocate_chosen"] >= goal else "policy"
+        out[cause].append(row)
+    return out
+
+
+def colocate_misses_markdown(summaries: list[dict], policy: str = "predictive") -> str:
+    """:func:`colocate_misses_by_cause` as a table."""
+    causes = colocate_misses_by_cause(summaries, policy)
+    if not any(causes.values()):
+        return f"{policy} is at least 0.98x colocation@best in every regime."
+    lines = [
+        f"Where {policy} is below 0.98x colocation@best: colocation's best layout is the "
+        "fastest on the held-out seeds themselves, while every plan of the policy "
+        "(colocated layout included) is chosen on the selection seed. The speedup is the "
+        "product of colocation at the layout the selection seed chose over colocation@best "
+        f"and {policy} over colocation at that layout.",
+        "",
+        f"| regime | cause | {policy} / colocation@best | colocation chosen / @best "
+        f"(layouts) | {policy} / colocation chosen |",
+        "|---|---|---|---|---|",
+    ]
+    for cause, rows in causes.items():
+        for r in rows:
+            if "chosen_layout" not in r:
+                lines.append(f"| {r['label']} | {cause} | {r['speedup']:.3f}x | - | - |")
+                continue
+            lines.append(
+                f"| {r['label']} | {cause} | {r['speedup']:.3f}x | "
+                f"{r['colocate_chosen_vs_best']:.3f}x ({r['chosen_layout']} / "
+                f"{r['best_layout']}) | {r['vs_colocate_chosen']:.3f}x |"
+            )
+    return "\n".join(lines)
+
+
 def with_interval(summary: dict, policy: str) -> str:
     """``1.043x`` or ``1.043x (0.98-1.11)``: a speedup and its 95% interval."""
     value = summary["speedup"].get(policy)
@@ -368,14 +442,23 @@ def goals_markdown(met: dict) -> str:
 
 
 def write_map_report(
-    result: dict, out: Path, *, title: str = "Regime map", config: dict | None = None
+    result: dict,
+    out: Path,
+    *,
+    title: str = "Regime map",
+    config: dict | None = None,
+    results_json: bool = True,
 ) -> Path:
-    """results.json, a heatmap per model and report.md under ``out``; returns the report."""
+    """results.json (unless ``results_json`` is False: a report redone from compact
+    summaries keeps the full one), a heatmap per model and report.md under ``out``;
+    returns the report."""
     out.mkdir(parents=True, exist_ok=True)
     summaries = result["regimes"]
     met = goals(summaries)
-    payload = {"config": config, **result, "headline": headline(summaries), "goals": met}
-    atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str) + "\n")
+    if results_json:
+        payload = {"config": config, **result, "headline": headline(summaries), "goals": met}
+        text = json.dumps(payload, indent=1, default=str) + "\n"
+        atomic_write_text(out / "results.json", text)
     lines = [
         f"# {title}",
         "",
@@ -391,6 +474,8 @@ def write_map_report(
     ]
     lines += [headline_markdown(summaries), "", many_tests_markdown(summaries)]
     lines += ["", "## Goals", "", goals_markdown(met), ""]
+    lines += ["### Below 0.98x colocation@best, by cause", "", colocate_misses_markdown(summaries)]
+    lines.append("")
     for model in models_of(summaries):
         main = _main(summaries, model)
         if main:
