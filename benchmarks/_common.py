@@ -18,6 +18,14 @@ def machine() -> dict[str, object]:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
+        # Edits to the code (not to earlier results) mean the commit alone does not say
+        # what ran.
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "prorsa", "benchmarks", "datasets",
+             ":(exclude)benchmarks/results"],
+            capture_output=True, text=True, check=False, cwd=RESULTS.parents[1],
+        ).stdout.strip()  # fmt: skip
+        commit += "+uncommitted" if commit and dirty else ""
     except OSError:
         commit = ""
     return {

@@ -50,6 +50,7 @@ OUT = RESULTS / "regimes"
 IMG = REPO / "docs" / "img"
 README = REPO / "README.md"
 START, END = "<!-- regime-map:start -->", "<!-- regime-map:end -->"
+TITLE = "Regime map (benchmarks/regimes_bench.py)"
 
 
 def compact(summary: dict) -> dict:
@@ -135,6 +136,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.reanalyse:
+        if args.quick or args.models or args.fresh or args.address:
+            parser.error("--reanalyse runs no cell: it takes only --no-readme")
         reanalyse(readme=not args.no_readme)
         return
     regimes = get_grid("quick" if args.quick else "full")
@@ -160,10 +163,8 @@ def main() -> None:
     result = run_map(cfg, progress=progress)
     map_s = time.perf_counter() - started
     summaries = result["regimes"]
-    write_map_report(result, OUT, title="Regime map (benchmarks/regimes_bench.py)")
-    IMG.mkdir(parents=True, exist_ok=True)
-    for png in OUT.glob("heatmap-*.png"):
-        shutil.copy(png, IMG / png.name.replace("heatmap-", "regimes-"))
+    write_map_report(result, OUT, title=TITLE)
+    copy_heatmaps()
 
     mech = {}
     mech["a"] = mechanisms.brief(mechanisms.interference(OUT))
@@ -196,8 +197,16 @@ def main() -> None:
     print(f"map {map_s:,.0f} s; saved {path}; README updated: {readme}")
 
 
+def copy_heatmaps() -> None:
+    """The report's heatmaps into docs/img, where the README and docs show them."""
+    IMG.mkdir(parents=True, exist_ok=True)
+    for png in OUT.glob("heatmap-*.png"):
+        shutil.copy(png, IMG / png.name.replace("heatmap-", "regimes-"))
+
+
 def derived(summaries: list[dict]) -> dict:
-    """What regimes.json reads off the regimes: headline, goals, and the many tests."""
+    """What regimes.json reads off the regimes: headline, goals, the misses against
+    colocation by cause, and the many tests."""
     return {
         "headline": headline(summaries),
         "goals": goals(summaries),
@@ -218,17 +227,18 @@ def reanalyse(*, readme: bool) -> None:
     running a cell: regimes.json's derived parts, report.md, the heatmaps, the README."""
     path = RESULTS / "regimes.json"
     saved = json.loads(path.read_text())
-    summaries = saved["regimes"]
+    summaries = saved.get("regimes")
+    if not isinstance(summaries, list) or not summaries:
+        sys.exit(f"{path}: no 'regimes' list to reanalyse (run the map first)")
     saved.update(derived(summaries))
     # the run's own machine block stays; this says when and at which commit it was redone
     saved["reanalysed"] = {k: v for k, v in machine().items() if k in ("commit", "when")}
     atomic_write_text(path, json.dumps(saved, indent=2, default=float) + "\n")
-    title = "Regime map (benchmarks/regimes_bench.py)"
-    write_map_report({"regimes": summaries}, OUT, title=title, results_json=False)
-    for png in OUT.glob("heatmap-*.png"):
-        shutil.copy(png, IMG / png.name.replace("heatmap-", "regimes-"))
+    write_map_report({"regimes": summaries}, OUT, title=TITLE, results_json=False)
+    copy_heatmaps()
     updated = readme and not saved.get("quick") and update_readme(summaries)
-    print(json.dumps(saved["colocate_misses_by_cause"], indent=1)[:2000])
+    causes = {k: len(v) for k, v in saved["colocate_misses_by_cause"].items()}
+    print(f"misses against colocation@best by cause: {causes}")
     print(f"rewrote {path}, {OUT / 'report.md'}; README updated: {updated}")
 
 

@@ -433,6 +433,10 @@ def test_misses_against_colocation_split_into_its_layout_choice_and_the_policy()
     # the same layout both ways, the policy itself 5% slower
     policy = summary("policy", "tp8", "tp8", [110, 110, 110], [100, 100, 100], [105, 105, 105])
     fine = summary("fine", "tp8", "tp8", [110, 110, 110], [100, 100, 100], [99, 99, 99])
+    # the chosen layout 3% off the best, and the policy 3% off colocation at that layout
+    both = summary("both", "tp4", "tp8", [103, 103, 103], [100, 100, 100], [106, 106, 106])
+    # colocation at the chosen layout failed on a seed: the factors say nothing
+    failed = summary("failed", "tp4", "tp8", [104, np.inf, 104], [100, 100, 100], [104] * 3)
     split = layout_choice(layout)
     assert split["chosen_layout"] == "tp4" and split["best_layout"] == "tp8"
     assert split["colocate_chosen_vs_best"] == pytest.approx(100 / 104)
@@ -441,9 +445,11 @@ def test_misses_against_colocation_split_into_its_layout_choice_and_the_policy()
     assert split["colocate_chosen_vs_best"] * split["vs_colocate_chosen"] == pytest.approx(
         layout["speedup"]["predictive"]
     )
-    causes = colocate_misses_by_cause([layout, policy, fine])
-    assert [r["label"] for r in causes["layout"]] == ["layout"]
-    assert [r["label"] for r in causes["policy"]] == ["policy"]
+    assert layout_choice(failed) is None
+    causes = colocate_misses_by_cause([layout, policy, fine, both, failed])
+    assert {cause: [r["label"] for r in rows] for cause, rows in causes.items()} == {
+        "layout": ["layout"], "policy": ["policy"], "both": ["both"], "unknown": ["failed"]
+    }  # fmt: skip
     text = colocate_misses_markdown([layout, policy, fine])
     assert "| layout | layout | 0.962x | 0.962x (tp4 / tp8) | 1.000x |" in text
     assert colocate_misses_markdown([fine]).endswith("in every regime.")

@@ -9,7 +9,7 @@ and strings only: no engine objects, no clocks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from prorsa.errors import ConfigError
 from prorsa.forecast.types import Forecast  # noqa: F401  (re-exported)
@@ -59,7 +59,7 @@ class SlotView:
     drained_s: float | None = None
 
     @classmethod
-    def of(cls, **fields: object) -> SlotView:
+    def of(cls, **values: object) -> SlotView:
         """A view from every field, given by name in declaration order, ~2x faster than
         the constructor.
 
@@ -68,16 +68,16 @@ class SlotView:
         builds one view per slot per tick, 512 at a time in the decision-latency
         benchmark. The instance is the same: equal, hashable and frozen afterwards.
         """
-        if tuple(fields) != _SLOT_VIEW_FIELDS:  # cheaper than comparing as sets
+        if tuple(values) != _SLOT_VIEW_FIELDS:  # cheaper than comparing as sets
             raise TypeError(
-                f"SlotView.of takes every field in order {_SLOT_VIEW_FIELDS}, got {tuple(fields)}"
+                f"SlotView.of takes every field in order {_SLOT_VIEW_FIELDS}, got {tuple(values)}"
             )
         view = object.__new__(cls)
-        view.__dict__.update(fields)
+        view.__dict__.update(values)
         return view
 
 
-_SLOT_VIEW_FIELDS = tuple(SlotView.__dataclass_fields__)
+_SLOT_VIEW_FIELDS = tuple(f.name for f in fields(SlotView))
 
 
 @dataclass(frozen=True)

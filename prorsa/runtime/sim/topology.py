@@ -7,12 +7,16 @@ and host ``gpus // tp`` engines of the role's tensor-parallel degree (one engine
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prorsa.errors import CapacityError, ConfigError
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.sim.core import Environment
 from prorsa.runtime.sim.dp_engine import DpSimEngine, LayoutStepCosts
 from prorsa.runtime.sim.engine import EngineEvents, SimEngine, StepCosts
-from prorsa.workload.spec import TrajectorySpec
+
+if TYPE_CHECKING:
+    from prorsa.workload.spec import TrajectorySpec
 
 
 class Slot:
