@@ -138,3 +138,23 @@ def test_arrivals_replay_two_runs_that_share_trajectory_ids(azure_trace, tmp_pat
     result = runner.invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "metrics.json").read_text())["trajectories_completed"] == len(ids)
+
+
+def test_a_bad_trace_leaves_the_earlier_run_outputs_as_they_were(azure_trace, tmp_path):
+    # Found by review: the earlier run's telemetry and metrics were removed before the
+    # trace was read, so a bad --trace lost them.
+    import pyarrow as pa
+
+    out = tmp_path / "sim"
+    args = ["simulate", "--trajectories", "8", "--engines", "2", "--out", str(out), "--json"]
+    assert runner.invoke(app, args).exit_code == 0
+    before = {name: (out / name).read_bytes() for name in ("telemetry.parquet", "metrics.json")}
+    table, _ = read_telemetry(azure_trace)
+    column = table.column_names.index("context_tokens")
+    tokens = table.column(column).to_pylist()
+    tokens[3] = -7
+    bad = tmp_path / "bad.parquet"
+    write_parquet(table.set_column(column, "context_tokens", pa.array(tokens, pa.int32())), bad)
+    result = runner.invoke(app, ["simulate", "--trace", str(bad), "--out", str(out)])
+    assert result.exit_code != 0 and "context_tokens" in result.output
+    assert {name: (out / name).read_bytes() for name in before} == before

@@ -61,6 +61,9 @@ def simulate_cmd(
         total = driver.total
     else:
         total = work.trajectories * (work.steps if work.mode == "sync" else 1)
+    # Built (the trace read and checked) before an earlier run's outputs are removed: a
+    # bad input must leave them as they were.
+    sim = build_simulation(request, driver=driver)
     out.mkdir(parents=True, exist_ok=True)
     # An earlier run's outputs (a reader prefers telemetry/, a rollout's, to the Parquet).
     for stale in ("telemetry.parquet", "metrics.json"):
@@ -86,7 +89,6 @@ def simulate_cmd(
         def progress(sim_time: float, completed: int) -> None:
             bar.update(task, completed=completed, sim=f"t={sim_time:,.0f}s")
 
-        sim = build_simulation(request, driver=driver)
         try:
             result = sim.run(progress=progress)
         except BaseException as exc:
