@@ -79,7 +79,7 @@ def dataset_cmd(
         if telemetry:
             from prorsa.telemetry.manifest import check_complete
 
-            tables = [read_telemetry(p)[0] for p in telemetry]
+            tables = [read_telemetry(p, validate=True)[0] for p in telemetry]
             for path, table in zip(telemetry, tables, strict=True):
                 # The run manifest beside a file is found by its path only.
                 check_complete(table, allow_partial=allow_partial, location=path)
@@ -104,6 +104,7 @@ def dataset_cmd(
             snapshot_every=snapshot_every,
             progress=lambda i, n: bar.update(task, completed=i, total=n),
             allow_partial=allow_partial,
+            names=[str(p) for p in telemetry] if telemetry else None,
         )
     data.save(out)
     summary = {
@@ -153,7 +154,7 @@ def train_cmd(
     from prorsa.telemetry.reader import read_telemetry
 
     check_output(out, kind="dir", inputs=[data, *validate])
-    tables = [read_telemetry(p)[0] for p in validate]
+    tables = [read_telemetry(p, validate=True)[0] for p in validate]
     with progress_bar("training / validating", quiet=as_json) as bar:
         task = bar.add_task("train", total=None)
         summary = train_model(
@@ -204,7 +205,7 @@ def backtest_cmd(
     from prorsa.telemetry.reader import read_telemetry
 
     forecaster = resolve_forecaster(model)
-    tables = [read_telemetry(p)[0] for p in telemetry]
+    tables = [read_telemetry(p, validate=True)[0] for p in telemetry]
     table = concat_tables(tables)
     hs = _horizons(horizons) if horizons else None
     with progress_bar("backtesting", quiet=as_json) as bar:

@@ -71,7 +71,7 @@ def summary_command(
     from prorsa.telemetry.reader import read_telemetry
     from prorsa.telemetry.summary import summarize
 
-    table, report = read_telemetry(file)
+    table, report = read_telemetry(file, validate=True)
     completeness = check_complete(table, allow_partial=allow_partial, location=file)
     summary = summarize(table)
     if not completeness.complete:

@@ -202,10 +202,12 @@ def build_dataset(
     max_snapshot_rows: int = 60_000,
     progress: Callable[[int, int], None] | None = None,
     allow_partial: bool = False,
+    names: Sequence[str] | None = None,
 ) -> ForecastDataset:
     """Replay telemetry (one or more event tables, each with one or more runs) into a dataset.
 
-    Run ids must be unique across the tables. ``tasks`` fixes the task vocabulary (default:
+    Run ids must be unique across the tables. ``names`` name the tables in errors (their
+    files, say; default ``telemetry[i]``). ``tasks`` fixes the task vocabulary (default:
     the ``max_tasks`` tasks with the most trajectories). Snapshots are taken every
     ``snapshot_every``-th tick, or more sparsely in a run whose live trajectories would
     give more than about ``max_snapshot_rows`` of them (a busy run must not crowd out the
@@ -227,16 +229,26 @@ def build_dataset(
     tables = list(telemetry) if isinstance(telemetry, list | tuple) else [telemetry]
     if not tables:
         raise InputError("no telemetry given")
+    names = [str(n) for n in names] if names is not None else []
+    if names and len(names) != len(tables):
+        raise ConfigError(f"{len(names)} names for {len(tables)} telemetry tables")
+    names = names or [f"telemetry[{i}]" for i in range(len(tables))]
     frames, sources, partial = [], {}, {}
-    for i, table in enumerate(tables):
+    read_from: dict[str, str] = {}  # run id -> the table it came from
+    for name, table in zip(names, tables, strict=True):
         completeness = check_complete(table, allow_partial=allow_partial)
         if not completeness.complete:
-            partial[f"telemetry[{i}]"] = completeness.describe()
-        df = event_frame(table, source=f"telemetry[{i}]", keep_allocations=True)
+            partial[name] = completeness.describe()
+        df = event_frame(table, source=name, keep_allocations=True)
         for run_id in df["run_id"].unique():
             if run_id in sources:
-                raise InputError(f"run id '{run_id}' appears in more than one table")
+                raise InputError(
+                    f"run id '{run_id}' is also in {read_from[run_id]}",
+                    source=name,
+                    hint="run ids must be unique across the telemetry given",
+                )
             sources[str(run_id)] = _source_of(table)
+            read_from[str(run_id)] = name
         frames.append(df)
     events = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     pipeline = LifecycleFeatures(horizons, max_tasks=max_tasks, tick_s=tick_s)
