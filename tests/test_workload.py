@@ -148,10 +148,10 @@ def test_bad_profiles_and_traces(tmp_path):
         get_scenario("nope")
     bad = tmp_path / "p.json"
     bad.write_text('{"name": "x"}')
-    with pytest.raises(ConfigError, match="malformed"):
+    with pytest.raises(InputError, match="field 'turns': missing"):
         load_profile(bad)
     bad.write_text("{not json")
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(InputError, match="cannot read"):
         load_profile(bad)
     import pyarrow.compute as pc
     import pyarrow.parquet as pq

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 import pandas as pd
@@ -159,27 +159,78 @@ class TaskProfile:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> TaskProfile:
+    def from_dict(cls, data: dict, *, source: str | None = None) -> TaskProfile:
+        """The profile ``to_dict`` wrote; InputError naming ``source`` (its file), the
+        record (a distribution) and the field for anything missing, unknown or not a
+        finite number."""
+        if not isinstance(data, dict):
+            raise InputError(
+                f"a task profile is a JSON object, got {type(data).__name__}", source=source
+            )
         data = dict(data)
         data.pop("kind", None)
+        if not isinstance(data.get("name"), str) or not data["name"]:
+            raise InputError("missing or not a string", source=source, field="name")
+        kinds = {
+            "turns": LogNormal,
+            "prompt_tokens": LogNormal,
+            "new_tokens": PerTurnLogNormal,
+            "output_tokens": PerTurnLogNormal,
+            "tool_latency_s": LogNormal,
+        }
+        parts = {
+            name: _distribution(data.pop(name, None), kind, name, source)
+            for name, kind in kinds.items()
+        }
+        for name in ("tool_zero_fraction", "group_rho", "max_context_tokens"):
+            if name in data:
+                _finite(data[name], source, None, name)
+        unknown = sorted(
+            set(data) - {"name", "tool_zero_fraction", "group_rho", "max_context_tokens", "sources"}
+        )
+        if unknown:
+            raise InputError("unknown field", source=source, field=unknown[0])
+        if not isinstance(data.get("sources", {}), dict):
+            raise InputError("must be an object", source=source, field="sources")
         try:
-            return cls(
-                name=data.pop("name"),
-                turns=LogNormal(**data.pop("turns")),
-                prompt_tokens=LogNormal(**data.pop("prompt_tokens")),
-                new_tokens=PerTurnLogNormal(**data.pop("new_tokens")),
-                output_tokens=PerTurnLogNormal(**data.pop("output_tokens")),
-                tool_latency_s=LogNormal(**data.pop("tool_latency_s")),
-                **data,
-            )
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"malformed task profile: {exc}") from None
+            return cls(**parts, **data)
+        except ConfigError as exc:
+            raise InputError(str(exc), source=source) from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (whole or not at all: a failed write keeps the old file)."""
         from prorsa.io import atomic_write_text
 
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _finite(value: object, source: str | None, record: str | None, name: str) -> float:
+    """``value`` as a float if it is a finite JSON number; InputError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value):
+        raise InputError(
+            f"must be a finite number, got {value!r}", source=source, record=record, field=name
+        )
+    return float(value)
+
+
+def _distribution(data: object, kind: type, record: str, source: str | None):
+    """One distribution of a profile file (its fields all finite numbers)."""
+    if not isinstance(data, dict):
+        raise InputError("missing or not an object", source=source, field=record)
+    names = [f.name for f in fields(kind)]
+    for name in names:
+        if name in data:
+            _finite(data[name], source, record, name)
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise InputError("unknown field", source=source, record=record, field=unknown[0])
+    try:
+        return kind(**data)
+    except TypeError:  # a required field missing
+        missing = next(n for n in names if n not in data)
+        raise InputError("missing", source=source, record=record, field=missing) from None
+    except ConfigError as exc:
+        raise InputError(str(exc), source=source, record=record) from None
 
 
 @dataclass

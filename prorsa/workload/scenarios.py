@@ -7,7 +7,7 @@ import os
 from functools import cache
 from pathlib import Path
 
-from prorsa.errors import ConfigError
+from prorsa.errors import ConfigError, InputError
 from prorsa.workload.profile import MixtureProfile, TaskProfile
 
 SCENARIOS = ("swe", "tau2", "search", "math-tool", "mixed")
@@ -30,15 +30,43 @@ def load_profile(path: str | os.PathLike[str]) -> TaskProfile | MixtureProfile:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read profile {path}: {exc}") from None
-    if data.get("kind") == "mixture":
-        components = [(get_scenario(c["profile"]), float(c["weight"])) for c in data["components"]]
-        for profile, _ in components:
-            if isinstance(profile, MixtureProfile):
-                raise ConfigError(f"{path}: a mixture cannot contain another mixture")
-        return MixtureProfile(data["name"], components, sources=data.get("sources", {}))  # type: ignore[arg-type]
-    return TaskProfile.from_dict(data)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read the profile: {exc}", source=str(path)) from None
+    if isinstance(data, dict) and data.get("kind") == "mixture":
+        return _mixture(data, str(path))
+    return TaskProfile.from_dict(data, source=str(path))
+
+
+def _mixture(data: dict, source: str) -> MixtureProfile:
+    """A mixture file: shipped components by name, each with a positive weight."""
+    raw = data.get("components")
+    if not isinstance(raw, list) or not raw:
+        raise InputError("a mixture needs a non-empty list", source=source, field="components")
+    if not isinstance(data.get("name"), str):
+        raise InputError("missing or not a string", source=source, field="name")
+    components = []
+    for i, c in enumerate(raw):
+        record = f"components[{i}]"
+        if not isinstance(c, dict) or not isinstance(c.get("profile"), str):
+            raise InputError("needs a scenario name", source=source, record=record, field="profile")
+        weight = c.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise InputError(
+                f"must be a positive number, got {weight!r}",
+                source=source,
+                record=record,
+                field="weight",
+            )
+        profile = get_scenario(c["profile"])
+        if isinstance(profile, MixtureProfile):
+            raise InputError(
+                "a mixture cannot contain another mixture",
+                source=source,
+                record=record,
+                field="profile",
+            )
+        components.append((profile, float(weight)))
+    return MixtureProfile(data["name"], components, sources=data.get("sources", {}))
 
 
 @cache
