@@ -90,6 +90,11 @@ def test_loading_bad_datasets(tmp_path, hand_data):
     (tmp_path / "d.turns.parquet").write_bytes(earlier)
     with pytest.raises(InputError, match="another save"):
         ForecastDataset.load(path)
+    # A cut-short sibling: named, with the hint to rebuild (found by review).
+    (tmp_path / "d.snapshots.parquet").write_bytes(b"PAR1 cut short")
+    with pytest.raises(InputError, match=r"cannot read d\.snapshots\.parquet") as err:
+        ForecastDataset.load(path)
+    assert "forecast dataset" in (err.value.hint or "")
 
 
 def test_oracle_refuses_telemetry_not_from_the_simulator(hand_data):

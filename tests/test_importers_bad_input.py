@@ -509,3 +509,13 @@ def test_azure_backward_jump_blames_that_row_alone(tmp_path, at):
     result = import_trace(path, "azure", skip_bad=True)
     assert (result.trajectories, result.skipped) == (3, 1)
     assert min(result.table.column("time").to_pylist()) == 0.0  # from the first row
+
+
+def test_tau2_end_time_before_the_last_message_is_refused(shared_data, tmp_path):
+    # Found by review: the tail after the last message was clamped to 0 without a word.
+    path = tmp_path / "tau2.json"
+    shutil.copy(shared_data / "traces" / "tau2-bench" / "tau2_telecom_gpt4o.json", path)
+    _edit_json(path, lambda d: d["simulations"][1].update(end_time="2000-01-02T00:00:00"))
+    with pytest.raises(InputError) as err:
+        import_trace(path, "tau2")
+    assert (err.value.record, err.value.field) == ("simulations[1]", "end_time")

@@ -161,3 +161,17 @@ def test_bad_profiles_and_traces(tmp_path):
     one_traj = table.filter(pc.equal(table.column("trajectory_id"), first))
     with pytest.raises(InputError, match="two trajectories"):
         profile_from_trace("x", one_traj)
+
+
+def test_a_trace_file_too_small_to_fit_is_named(tmp_path):
+    # Found by review: the error named a placeholder "trace", not the file.
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(SWE_TRACE)
+    first = table.column("trajectory_id")[0]
+    path = tmp_path / "one.parquet"
+    pq.write_table(table.filter(pc.equal(table.column("trajectory_id"), first)), path)
+    with pytest.raises(InputError, match="two trajectories") as err:
+        profile_from_trace("x", path, allow_partial=True)
+    assert err.value.source == str(path)

@@ -163,7 +163,14 @@ class ForecastDataset:
             p = sibling(path, name)
             if not p.exists():
                 raise InputError(f"missing sibling file {p.name}", source=str(path))
-            part = pq.read_table(p)
+            try:
+                part = pq.read_table(p)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise InputError(
+                    f"cannot read {p.name}: {exc}",
+                    source=str(path),
+                    hint="build the dataset again (`prorsa forecast dataset`)",
+                ) from None
             if token is not None and (part.schema.metadata or {}).get(_SAVE_KEY) != token:
                 raise InputError(
                     f"{p.name} is from another save than this file (a save that failed "

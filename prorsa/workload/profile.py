@@ -120,7 +120,7 @@ class TaskProfile:
         if len(counts) < 2:
             raise InputError(
                 "need at least two trajectories to fit a profile",
-                source="trace",
+                source=_trace_name(trace),
                 field="trajectory_id",
             )
         appended = _appended_tokens(turns)
@@ -295,8 +295,13 @@ def _turn_frame(
     check_complete(trace, allow_partial=allow_partial, location=location)
     turns = turn_table(trace)
     if turns.empty:
-        raise InputError("trace holds no trajectory turns", source="trace")
+        raise InputError("trace holds no trajectory turns", source=_trace_name(location))
     return turns
+
+
+def _trace_name(trace: object) -> str:
+    """The file a trace came from, or ``trace`` for one given as a table."""
+    return str(trace) if isinstance(trace, str | os.PathLike) else "trace"
 
 
 def _appended_tokens(turns: pd.DataFrame) -> np.ndarray:

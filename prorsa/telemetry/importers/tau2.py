@@ -124,6 +124,9 @@ def _add(sim: dict, rec: Fields, task: str, out: TraceBuilder) -> None:
             )
         )
     end = rec.timestamp(sim, "end_time") if sim.get("end_time") else None
+    # (a millisecond of slack: timestamps are written rounded)
+    if end is not None and end < turns[-1].decode_end_s - 1e-3:
+        raise rec.error("end_time", "earlier than the simulation's last message")
     reward = (
         sim.get("reward_info", {}).get("reward")
         if isinstance(sim.get("reward_info"), dict)
