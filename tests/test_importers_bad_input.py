@@ -519,3 +519,14 @@ def test_tau2_end_time_before_the_last_message_is_refused(shared_data, tmp_path)
     with pytest.raises(InputError) as err:
         import_trace(path, "tau2")
     assert (err.value.record, err.value.field) == ("simulations[1]", "end_time")
+
+
+def test_mooncake_says_how_many_requests_it_reordered(tmp_path):
+    # Found by review: out-of-order timestamps were sorted without a word.
+    lines = [
+        {"timestamp": t, "input_length": 600, "output_length": 20, "hash_ids": [i]}
+        for i, t in enumerate((0, 5000, 1000, 7000))
+    ]
+    path = _write_lines(tmp_path / "m.jsonl", lines)
+    result = import_trace(path, "mooncake")
+    assert any("1 request(s) earlier than the line before" in note for note in result.notes)

@@ -11,6 +11,7 @@ gap to the session's next arrival minus them is its "tool" (think/tool) time.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 from prorsa.errors import InputError
@@ -54,6 +55,9 @@ def read(src: Path, out: TraceBuilder) -> None:
             except InputError as exc:
                 out.skip(exc, "line (one request; sessions are rebuilt without it)")
         # Arrival order drives session assignment; keep file order among equal times.
+        moved = sum(b[0] < a[0] for a, b in pairwise(requests))
+        if moved:
+            out.note(f"{path.name}: {moved} request(s) earlier than the line before, sorted")
         requests.sort(key=lambda r: r[0])
         for number, session in enumerate(_sessions(requests)):
             out.add_trajectory(
