@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 MAX_SESSION_ID_CHARS = 256
 #: How long an ended session id is remembered, so a turn under it starts ``id#n``.
 ENDED_KEPT_S = 3600.0
+#: Ids of requests that name no session; refused as a trainer's own session id, so a
+#: one-shot request can never run inside (and end) a trainer's session.
+ANONYMOUS_PREFIX = "prorsa-anonymous-"
 
 
 @dataclass(eq=False)
@@ -47,6 +50,7 @@ class Session:
     ending: bool = False  # finished while a turn was in flight: that turn ends it
     ended: bool = False  # traj_end emitted: no turn may run on it any more
     one_shot: bool = False  # an anonymous request's: its id never comes back
+    index: int = 0  # n of ``id#n`` (0: the plain id)
 
 
 class Sessions:
@@ -65,9 +69,16 @@ class Sessions:
         self._live: dict[str, Session] = {}
         self._ending: dict[str, Session] = {}  # finished, a turn still in flight
         self._anonymous = itertools.count()
-        # Trajectories ended under each session id, and when the last one ended; kept
-        # for ENDED_KEPT_S (a service outlives millions of unique ids that never return).
+        # Trajectory ids not yet ended: a new one never takes a name in use ("x#1" may be
+        # the second trajectory of session "x" or the first of a session called "x#1").
+        self._trajectories: set[str] = set()
+        # The next n of ``id#n`` for each session id whose trajectories ended, and when
+        # the last one ended; kept for ENDED_KEPT_S (a service outlives millions of unique
+        # ids that never return).
         self._ended: dict[str, tuple[int, float]] = {}
+        # Ended trajectory ids and when they ended, for as long: a name is never used
+        # again while a forecaster may still hold the events of its end.
+        self._ended_trajectories: dict[str, float] = {}
         self.started_total = 0
         self.finished_total = 0
 
@@ -79,7 +90,7 @@ class Sessions:
 
     def anonymous_id(self) -> str:
         """A fresh id for a one-shot request that named no session."""
-        return f"anon-{next(self._anonymous)}"
+        return f"{ANONYMOUS_PREFIX}{next(self._anonymous)}"
 
     def get_or_start(
         self, session_id: str, *, group_id: str = "", task: str = "", one_shot: bool = False
@@ -93,6 +104,12 @@ class Sessions:
                 f"session id has {len(session_id)} characters; at most {MAX_SESSION_ID_CHARS}",
                 field="session_id",
             )
+        if not one_shot and session_id.startswith(ANONYMOUS_PREFIX):
+            raise InputError(
+                f"session ids starting with {ANONYMOUS_PREFIX!r} are reserved for requests "
+                "that name no session",
+                field="session_id",
+            )
         session = self._live.get(session_id)
         if session is None and session_id in self._ending:
             raise StateConflict(
@@ -101,11 +118,12 @@ class Sessions:
                 hint="retry once that turn returns, or use a new session id",
             )
         if session is None:
-            earlier = self._ended.get(session_id, (0, 0.0))[0]
-            trajectory_id = f"{session_id}#{earlier}" if earlier else session_id
-            while earlier and trajectory_id in self._live:  # a live session of that name
-                earlier += 1
-                trajectory_id = f"{session_id}#{earlier}"
+            index = self._ended.get(session_id, (0, 0.0))[0]
+            trajectory_id = f"{session_id}#{index}" if index else session_id
+            while trajectory_id in self._trajectories or trajectory_id in self._ended_trajectories:
+                index += 1
+                trajectory_id = f"{session_id}#{index}"
+            self._trajectories.add(trajectory_id)
             session = Session(
                 session_id,
                 trajectory_id,
@@ -113,6 +131,7 @@ class Sessions:
                 task=task,
                 last_s=self.clock(),
                 one_shot=one_shot,
+                index=index,
             )
             self._live[session_id] = session
             self.started_total += 1
@@ -170,9 +189,14 @@ class Sessions:
 
     def _end(self, session: Session) -> None:
         session.ended = True
+        self._trajectories.discard(session.trajectory_id)
         if not session.one_shot:
-            count = self._ended.pop(session.session_id, (0, 0.0))[0]
-            self._ended[session.session_id] = (count + 1, self.clock())  # newest last
+            now = self.clock()
+            following = self._ended.pop(session.session_id, (0, 0.0))[0]
+            # newest last (expire() forgets from the front)
+            self._ended[session.session_id] = (max(following, session.index + 1), now)
+            self._ended_trajectories.pop(session.trajectory_id, None)
+            self._ended_trajectories[session.trajectory_id] = now
         if session.in_tool:
             self._event(session, K.TOOL_END, session.turns - 1)
         self._event(session, K.TRAJ_END, max(0, session.turns - 1))
@@ -197,6 +221,11 @@ class Sessions:
             if self._ended[oldest][1] >= horizon:
                 break
             del self._ended[oldest]
+        while self._ended_trajectories:
+            oldest = next(iter(self._ended_trajectories))
+            if self._ended_trajectories[oldest] >= horizon:
+                break
+            del self._ended_trajectories[oldest]
         return stale
 
     def finish_all(self) -> None:

@@ -858,3 +858,29 @@ def test_ended_session_ids_are_forgotten_after_an_hour():
     assert list(sessions._ended) == ["b"]  # a's end is an hour old; b's is not
     assert sessions.get_or_start("b").trajectory_id == "b#2"
     assert sessions.get_or_start("a").trajectory_id == "a"
+
+
+def test_session_and_trajectory_names_never_collide():
+    # Found by review: a trainer's session "anon-0" took in a one-shot request (which then
+    # ended it), and a reused "x" ran as trajectory "x#1" beside a session named "x#1".
+    from prorsa.serve.sessions import ANONYMOUS_PREFIX, Sessions
+
+    class Router:
+        def trajectory_event(self, *args, **kwargs):
+            pass
+
+    sessions = Sessions(Router(), lambda: 0.0, idle_s=60.0)
+    sessions.get_or_start("x")
+    sessions.finish("x")
+    assert sessions.get_or_start("x#1").trajectory_id == "x#1"
+    assert sessions.get_or_start("x").trajectory_id == "x#2"  # x#1 is taken
+    sessions.finish("x#1")
+    sessions.finish("x")
+    # every name used so far (x, x#1, x#2) has ended: none is given again
+    assert sessions.get_or_start("x").trajectory_id == "x#3"
+    assert sessions.get_or_start("x#1").trajectory_id == "x#1#1"
+    anonymous = sessions.anonymous_id()
+    assert anonymous.startswith(ANONYMOUS_PREFIX)
+    with pytest.raises(InputError, match="reserved"):
+        sessions.get_or_start(anonymous)
+    assert sessions.get_or_start(anonymous, one_shot=True).trajectory_id == anonymous
