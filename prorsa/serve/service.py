@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from prorsa.errors import ConfigError, InputError
+from prorsa.errors import ConfigError, InputError, StateConflict
 from prorsa.policy.types import WorkloadShape
 from prorsa.runtime.ray.barrier import BarrierClient, DispatchBarrier
 from prorsa.runtime.ray.client import answered_within
@@ -111,6 +111,7 @@ class RolloutService(TrainerPushWindow):
         self.let_go_of_read_events = True
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
         self._external_update: Any = None
+        self._control_calls = 0  # pauses, resumes, sleeps, wake-ups running now
         #: engines calls failed on inside the open window (id -> {call: what failed})
         self._window_failed: dict[int, dict[str, str]] = {}
         self._sweeper: asyncio.Task | None = None
@@ -349,7 +350,10 @@ class RolloutService(TrainerPushWindow):
             raise InputError(
                 f"unknown pause mode {mode!r}", field="mode", hint=f"one of {PAUSE_MODES}"
             )
-        self._refuse_in_update_window("pause")
+        with self._control_call("pause"):
+            await self._pause(mode)
+
+    async def _pause(self, mode: str) -> None:
         await self.gate.close("paused")
         # A role switch ends by resuming its engine: none may start or be under way while
         # the trainer holds the engines paused (it may be pushing weights meanwhile).
@@ -360,7 +364,11 @@ class RolloutService(TrainerPushWindow):
             resumes = self._resumes
             await self.gate.drained(None)
             if self._resumes != resumes:
-                return  # resumed while the turns drained: this pause is already undone
+                raise StateConflict(
+                    "resumed while the turns in flight drained: this pause was undone",
+                    field="mode",
+                    hint="pause again if generation should stop",
+                )
         async with self.sync.lock:  # not in the middle of a weight update
             self.engines_paused_by_trainer = True
             self.trainer_pause_mode = mode
@@ -371,15 +379,15 @@ class RolloutService(TrainerPushWindow):
 
     async def resume(self) -> None:
         """Undo :meth:`pause` (engines asleep stay asleep until :meth:`wake_up`)."""
-        self._refuse_in_update_window("resume")
-        self._resumes += 1
-        async with self.sync.lock:
-            if self.engines_paused_by_trainer and not self.sleeping:
-                await self.control_engines(lambda c: c.resume(), "resume")
-            self.engines_paused_by_trainer = False
-            self.trainer_pause_mode = None
-        self.release_switches("paused")
-        await self.gate.open("paused")
+        with self._control_call("resume"):
+            self._resumes += 1
+            async with self.sync.lock:
+                if self.engines_paused_by_trainer and not self.sleeping:
+                    await self.control_engines(lambda c: c.resume(), "resume")
+                self.engines_paused_by_trainer = False
+                self.trainer_pause_mode = None
+            self.release_switches("paused")
+            await self.gate.open("paused")
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict[int, Any]:
         """Put every engine to sleep (see ``EngineServer.sleep`` for what is freed where);
@@ -395,17 +403,17 @@ class RolloutService(TrainerPushWindow):
             raise InputError(
                 f"unknown pause mode {mode!r}", field="mode", hint=f"one of {PAUSE_MODES}"
             )
-        self._refuse_in_update_window("sleep")
-        if mode == "wait" and self.engines_paused_by_trainer:
-            mode = "keep"
-        await self.gate.close("sleeping")
-        self.hold_switches("sleeping")
-        await self.wait_for_switches()
-        async with self.sync.lock:
-            self.sleeping = True
-            if level:  # level 0 pauses the scheduler only: what slept before still sleeps
-                self.asleep |= {"weights", "kv_cache"}
-            return await self.for_each_engine(lambda c: c.sleep(level, mode))
+        with self._control_call("sleep"):
+            if mode == "wait" and self.engines_paused_by_trainer:
+                mode = "keep"
+            await self.gate.close("sleeping")
+            self.hold_switches("sleeping")
+            await self.wait_for_switches()
+            async with self.sync.lock:
+                self.sleeping = True
+                if level:  # level 0 pauses the scheduler only: what slept before still sleeps
+                    self.asleep |= {"weights", "kv_cache"}
+                return await self.for_each_engine(lambda c: c.sleep(level, mode))
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake every engine (``tags``: only ``weights`` or ``kv_cache``, vLLM's partial
@@ -417,8 +425,15 @@ class RolloutService(TrainerPushWindow):
             raise InputError(
                 f"unknown wake-up tag(s) {sorted(unknown)}", field="tags", hint=f"{SLEEP_TAGS}"
             )
-        self._refuse_in_update_window("wake_up")
+        with self._control_call("wake_up"):
+            return await self._wake_up(tags)
+
+    async def _wake_up(self, tags: list[str] | None) -> bool:
         async with self.sync.lock:
+            if not self.sleeping:
+                # Nothing sleeps: vLLM's wake-up would resume schedulers a trainer's pause
+                # holds (it reports awake and resumes even an engine that never slept).
+                return True
             awake = await self.for_each_engine(lambda c: c.wake_up(tags), tolerate=True)
             if not all(answer is True for answer in awake.values()):
                 # As vLLM's executor: a partial wake naming a tag already awake wakes

@@ -13,8 +13,10 @@ kept in its own file: it reads the service's engines, router, weight sync and ve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from prorsa.errors import InputError, StateConflict
@@ -57,6 +59,12 @@ class TrainerPushWindow:
         weight-transfer routes); end with :meth:`finish_weight_update`."""
         if self._external_update is not None:
             raise StateConflict("a weight update is already open", hint="finish it first")
+        if self._control_calls:
+            # A pause, resume, sleep or wake-up passed its own check and waits for the
+            # update lock: a window opened now would hold it past the trainer's finish.
+            raise StateConflict(
+                "a pause, resume, sleep or wake-up is under way", hint="retry once it returns"
+            )
         self._check_can_update()
         self._external_update = _OPENING  # taken before any wait: a retried begin is refused
         try:
@@ -153,6 +161,17 @@ class TrainerPushWindow:
         """The engines a push failed on in the window now closing (id -> what failed)."""
         failed, self._window_failed = self._window_failed, {}
         return {eid: "; ".join(calls.values()) for eid, calls in failed.items()}
+
+    @contextlib.contextmanager
+    def _control_call(self, what: str) -> Iterator[None]:
+        """A pause, resume, sleep or wake-up: refused while an update window is open, and
+        counted while it runs, so no window opens under it (:meth:`begin_weight_update`)."""
+        self._refuse_in_update_window(what)
+        self._control_calls += 1
+        try:
+            yield
+        finally:
+            self._control_calls -= 1
 
     def _refuse_in_update_window(self, what: str) -> None:
         """StateConflict while a trainer's weight update window is open (or opening): the

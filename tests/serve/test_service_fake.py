@@ -421,7 +421,9 @@ def test_pause_wait_after_keep_returns_and_a_resume_during_a_wait_drain_wins(tmp
             pausing = asyncio.ensure_future(svc.pause("wait"))
             await asyncio.sleep(0.02)
             await svc.resume()
-            await asyncio.wait_for(pausing, 5)
+            # ... and the pause says so (a 409 over HTTP), not "paused" (found by review)
+            with pytest.raises(StateConflict, match="undone"):
+                await asyncio.wait_for(pausing, 5)
             await long
             after = await asyncio.wait_for(svc.generate("a", PROMPT, {"max_tokens": 2}), 5)
             return first, [f.paused for f in fakes], svc.gate.is_open, after
@@ -884,3 +886,38 @@ def test_session_and_trajectory_names_never_collide():
     with pytest.raises(InputError, match="reserved"):
         sessions.get_or_start(anonymous)
     assert sessions.get_or_start(anonymous, one_shot=True).trajectory_id == anonymous
+
+
+def test_wake_up_while_awake_leaves_a_trainer_pause_alone(tmp_path):
+    # Found by review: vLLM's wake-up resumes the scheduler of an engine that never slept.
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.pause("keep")
+            woke = await svc.wake_up()
+            # never resumed meanwhile: no second pause was needed to hold them
+            paused = [(f.paused, f.calls.count("pause")) for f in fakes]
+            await svc.resume()
+            return woke, paused
+
+    assert run(go()) == (True, [(True, 1)] * 3)
+
+
+def test_no_update_window_opens_under_a_pause_still_draining(tmp_path):
+    # Found by review: the window took the update lock the pause was waiting for, and the
+    # pause waited on it until the window ended.
+    async def go():
+        async with fake_service(tmp_path, step_s=0.005) as (svc, _fakes):
+            long = asyncio.ensure_future(svc.generate("w", PROMPT, {"max_tokens": 60}))
+            await asyncio.sleep(0.05)
+            pausing = asyncio.ensure_future(svc.pause("wait"))
+            await asyncio.sleep(0.02)
+            with pytest.raises(StateConflict, match="under way"):
+                await svc.begin_weight_update()
+            await asyncio.wait_for(pausing, 5)
+            await long
+            window = await svc.begin_weight_update()  # once the pause returned
+            await svc.cancel_weight_update()
+            await svc.resume()
+            return window
+
+    assert run(go())["engines"]
