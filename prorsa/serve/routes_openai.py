@@ -294,9 +294,12 @@ async def tokenize(request: Request) -> dict[str, Any]:
         )
     elif isinstance(body.get("prompt"), str):
         tokenizer = _tokenizer(request)
-        tokens = tokenizer.encode(
-            body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
-        )
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise HTTPError(
+                400, "add_special_tokens must be true or false", param="add_special_tokens"
+            )
+        tokens = tokenizer.encode(body["prompt"], add_special_tokens=special)
     else:
         raise HTTPError(400, "tokenize needs a text 'prompt' or 'messages'", param="prompt")
     strings = None
@@ -315,7 +318,11 @@ async def detokenize(request: Request) -> dict[str, Any]:
     body = await json_object(request)
     check_model(request, body.get("model"))
     tokens = token_ids(body.get("tokens"), "tokens")
-    return {"prompt": _decode(request, tokens)}
+    tokenizer = _tokenizer(request)  # a 400 without one: "" would read as a decoded text
+    vocab = request.app.state.service.router.pools.vocab_size
+    if vocab is not None and max(tokens) >= vocab:
+        raise HTTPError(400, f"token ids must lie in [0, {vocab})", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
 
 
 def _decode(request: Request, tokens: list[int]) -> str:

@@ -100,13 +100,20 @@ def check_model(request: Request, model: Any) -> None:
         )
 
 
+#: Token ids beyond this cannot be any tokenizer's (and overflow the tokenizers' int32).
+MAX_TOKEN_ID = 2**31 - 1
+
+
 def token_ids(value: Any, field: str) -> list[int]:
-    """A non-empty list of non-negative token ids (range checked by the router)."""
+    """A non-empty list of non-negative token ids below :data:`MAX_TOKEN_ID` (the
+    vocabulary's own range is checked by the router, or by the route that decodes)."""
     if not isinstance(value, list) or not value:
         raise HTTPError(400, f"{field} must be a non-empty list of token ids", param=field)
     # bools are not token ids; type() runs in C over the list
     if set(map(type, value)) != {int} or min(value) < 0:
         raise HTTPError(400, f"{field} must hold non-negative integers only", param=field)
+    if max(value) > MAX_TOKEN_ID:
+        raise HTTPError(400, f"{field} holds an id above {MAX_TOKEN_ID}", param=field)
     return value
 
 

@@ -474,3 +474,31 @@ def test_an_unknown_tool_call_parser_is_refused_before_engines_start(tmp_path):
     with pytest.raises(ConfigError, match="no-such-parser") as err:
         run(go())
     assert "hermes" in str(err.value.hint)
+
+
+def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(tmp_path):
+    # Found by review: a huge id was a 500, an id past the vocabulary decoded to "", no
+    # tokenizer answered 200 with "", and a non-boolean add_special_tokens was a 500.
+    async def go():
+        async with client(tmp_path) as (http, _):
+            no_tokenizer = await http.post("/detokenize", json={"tokens": [1, 2]})
+        _with_tokenizer(tmp_path)
+        async with client(tmp_path) as (http, (svc, _)):
+            vocab = svc.router.pools.vocab_size
+            answers = {
+                "huge": await http.post("/detokenize", json={"tokens": [2**40]}),
+                "past": await http.post("/detokenize", json={"tokens": [1, vocab]}),
+                "flag": await http.post(
+                    "/tokenize", json={"prompt": "a", "add_special_tokens": "x"}
+                ),
+                "fine": await http.post("/detokenize", json={"tokens": [5, 6]}),
+            }
+        return no_tokenizer, vocab, answers
+
+    no_tokenizer, vocab, answers = run(go())
+    assert no_tokenizer.status_code == 400 and "tokenizer" in no_tokenizer.text
+    assert vocab  # the engines report theirs
+    assert {k: r.status_code for k, r in answers.items()} == {
+        "huge": 400, "past": 400, "flag": 400, "fine": 200
+    }  # fmt: skip
+    assert "add_special_tokens" in answers["flag"].text
