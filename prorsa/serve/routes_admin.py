@@ -277,7 +277,7 @@ async def update_weight_version(request: Request) -> dict[str, Any]:
 async def switch_role(request: Request) -> dict[str, Any]:
     body = await json_object(request)
     engine_id, role = body.get("engine_id"), body.get("role")
-    if not isinstance(engine_id, int) or not isinstance(role, str):
+    if isinstance(engine_id, bool) or not isinstance(engine_id, int) or not isinstance(role, str):
         raise HTTPError(400, "needs 'engine_id' (int) and 'role' (str)", param="engine_id")
     drain = _seconds_or_none(body, "drain_timeout_s")
     return await _service(request).switch_role(engine_id, role, drain)

@@ -531,7 +531,15 @@ class RolloutService(TrainerPushWindow):
     async def switch_role(
         self, engine_id: int, role: str, drain_timeout_s: float | None = None
     ) -> dict[str, Any]:
-        """Switch one engine now (an operator's or a test's order) and wait for it."""
+        """Switch one engine now (an operator's or a test's order) and wait for it;
+        StateConflict (409) while switches are held (a pause, sleep or weight update)."""
+        holds = self.router.switcher.holds
+        if holds:
+            raise StateConflict(
+                f"role switches are held ({', '.join(sorted(holds))})",
+                field="engine_id",
+                hint="retry after the weight update, resume or wake-up",
+            )
         return await self.start_switch(engine_id, role, drain_timeout_s)
 
     async def wait_for_switches(self) -> None:

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prorsa.runtime.ray.turns import NoEngineAvailable
 from prorsa.telemetry.columns import KIND_CODE
 
 if TYPE_CHECKING:
@@ -179,9 +180,11 @@ class WeightSync:
             if not busy and not arriving:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"engines still hold requests after abort: {busy}; legs on their way: "
-                    f"{arriving}"
+                # The update cannot start (the window resumes every engine on the old
+                # weights): the service cannot act now, a 503 the trainer may retry.
+                raise NoEngineAvailable(
+                    f"weight update not started: {ENGINE_IDLE_TIMEOUT_S:g} s after the abort, "
+                    f"engines still hold requests {busy}; legs on their way: {arriving}"
                 )
             if busy:
                 await svc.control_engines(

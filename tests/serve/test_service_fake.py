@@ -312,6 +312,9 @@ def test_a_trainers_pause_holds_role_switches_and_an_update_waits_for_wake_up(tm
             await svc.pause("keep")
             with pytest.raises(ConfigError, match="held"):
                 svc.start_switch(2, "prefill")
+            # an operator's order is a conflict with the pause (409), not a bad request
+            with pytest.raises(StateConflict, match="held \\(paused\\)"):
+                await svc.switch_role(2, "prefill")
             refused = svc.actuator.switch(2, "prefill")  # the controller's path
             paused = [f.paused for f in fakes]
             await svc.resume()
@@ -921,3 +924,22 @@ def test_no_update_window_opens_under_a_pause_still_draining(tmp_path):
             return window
 
     assert run(go())["engines"]
+
+
+def test_an_engine_that_never_empties_fails_the_update_with_a_503(tmp_path, monkeypatch):
+    # Found by review: a plain TimeoutError, answered as a 500.
+    from prorsa.runtime.ray.turns import NoEngineAvailable
+    from prorsa.serve import weight_sync
+
+    monkeypatch.setattr(weight_sync, "ENGINE_IDLE_TIMEOUT_S", 0.2)
+
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            fakes[0].requests.add("stuck")  # held, and no abort ever lets it go
+            fakes[0].abort = lambda ids: asyncio.sleep(0)
+            with pytest.raises(NoEngineAvailable, match="still hold requests"):
+                await svc.update_weights_from_path(str(weights_folder(tmp_path, "w")))
+            fakes[0].requests.discard("stuck")
+            return svc.gate.is_open, svc.weight_version
+
+    assert run(go()) == (True, 0)
