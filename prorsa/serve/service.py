@@ -112,6 +112,7 @@ class RolloutService(TrainerPushWindow):
         self.metrics: Any = None  # a ServiceMetrics, set by the HTTP app
         self._external_update: Any = None
         self._control_calls = 0  # pauses, resumes, sleeps, wake-ups running now
+        self._finishing = False  # a finish_weight_update_with is committing the push
         #: engines calls failed on inside the open window (id -> {call: what failed})
         self._window_failed: dict[int, dict[str, str]] = {}
         self._sweeper: asyncio.Task | None = None

@@ -120,7 +120,17 @@ class TrainerPushWindow:
         return window.summary
 
     async def cancel_weight_update(self) -> None:
-        """Close an open update window without a new version (the push failed)."""
+        """Close an open update window without a new version (the push failed);
+        StateConflict while :meth:`finish_weight_update_with` is finishing it (its call
+        may already have committed the new weights: they must get the new version)."""
+        if self._finishing:
+            raise StateConflict(
+                "the update window is finishing: the pushed weights are being committed",
+                hint="wait for the finish to return",
+            )
+        await self._close_without_version()
+
+    async def _close_without_version(self) -> None:
         if not self.weight_update_open:
             return
         manager, window = self._external_update
@@ -280,17 +290,21 @@ class TrainerPushWindow:
                 f"{method}: no weight update is open", hint="start one first (start_weight_update)"
             )
         self._check_finishable(version)
+        self._finishing = True
         try:
-            results = await self._rpc(method, args, kwargs, timeout_s)
-        except Exception:
-            if self._failed_on_every_live_engine():
-                await self.cancel_weight_update()
+            try:
+                results = await self._rpc(method, args, kwargs, timeout_s)
+            except Exception:
+                if self._failed_on_every_live_engine():
+                    await self._close_without_version()
+                    raise
+                results = {}  # the engines it failed on leave at the finish
+            except BaseException:
+                await self._close_without_version()
                 raise
-            results = {}  # the engines it failed on leave at the finish
-        except BaseException:
-            await self.cancel_weight_update()
-            raise
-        return results, await self.finish_weight_update(version)
+            return results, await self.finish_weight_update(version)
+        finally:
+            self._finishing = False
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> dict[int, list[Any]]:
         """vLLM's ``init_weight_transfer_engine`` on every live engine.

@@ -943,3 +943,26 @@ def test_an_engine_that_never_empties_fails_the_update_with_a_503(tmp_path, monk
             return svc.gate.is_open, svc.weight_version
 
     assert run(go()) == (True, 0)
+
+
+def test_a_cancel_during_a_finish_is_refused_and_the_weights_get_their_version(tmp_path):
+    # Found by review: the cancel closed the window while the finish call committed the
+    # weights on the workers; the finish then failed and they served under the old number.
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            await svc.begin_weight_update_with("start_weight_update")
+            slow = fakes[0].collective_rpc
+
+            async def committing(method, *args, **kwargs):
+                await asyncio.sleep(0.1)
+                return await slow(method, *args, **kwargs)
+
+            fakes[0].collective_rpc = committing
+            finish = asyncio.ensure_future(svc.finish_weight_update_with("finish_weight_update", 3))
+            await asyncio.sleep(0.02)
+            with pytest.raises(StateConflict, match="finishing"):
+                await svc.cancel_weight_update()
+            _, summary = await finish
+            return summary["version"], svc.weight_version, [f.version for f in fakes]
+
+    assert run(go()) == (3, 3, [3, 3, 3])
