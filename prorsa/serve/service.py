@@ -13,9 +13,9 @@ Control: ``pause``/``resume`` (vLLM's keep/abort/wait), ``sleep``/``wake_up``,
 ``collective_rpc`` for trainers that move weights themselves (wrapped in
 ``begin_weight_update``/``finish_weight_update`` so nothing is served mixed:
 :mod:`prorsa.serve.trainer_push`), and role
-switches. The service is the only thing that starts role switches: its controller's
-actuator goes through :meth:`RolloutService.start_switch`, which refuses while weights
-change or engines sleep.
+switches. Every role switch, the controller's (its actuator calls the router) and an
+operator's (:meth:`RolloutService.switch_role`), passes the router's switch holds, which
+refuse while weights change, engines sleep or a trainer holds them paused.
 """
 
 from __future__ import annotations
@@ -250,31 +250,49 @@ class RolloutService(TrainerPushWindow):
         return self
 
     async def shutdown(self) -> None:
-        """Stop the controller, end sessions, flush telemetry, stop owned engines and Ray."""
+        """Stop the controller, end sessions, flush telemetry, stop owned engines and Ray.
+        Every stage runs even if one before it fails (the first error is raised after):
+        a telemetry flush that fails must not leave the engines and Ray running."""
+        errors: list[BaseException] = []
+
+        async def stage(step: Callable[[], Awaitable[None] | None]) -> None:
+            try:
+                result = step()
+                if result is not None:
+                    await result
+            except Exception as exc:
+                logger.exception("shutdown stage failed; stopping the rest")
+                errors.append(exc)
+
+        await stage(self._stop_sweeper)
+        if self.controller is not None:
+            await stage(self.controller.stop)
+        if self.actuator is not None:
+            await stage(self.actuator.wait)
+        if self.monitor is not None:
+            await stage(self.monitor.stop)
+        if self.sessions is not None:
+            await stage(self.sessions.finish_all)
+        if self.recorder is not None:
+            recorder, self.recorder = self.recorder, None
+            await stage(recorder.aclose)
+        if self._owns_fleet and self.fleet is not None:
+            fleet, self.fleet = self.fleet, None
+            await stage(lambda: asyncio.to_thread(fleet.shutdown))
+        if self._owns_ray:
+            import ray
+
+            self._owns_ray = False
+            await stage(lambda: asyncio.to_thread(ray.shutdown))
+        if errors:
+            raise errors[0]
+
+    async def _stop_sweeper(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
-        if self.controller is not None:
-            self.controller.stop()
-        if self.actuator is not None:
-            await self.actuator.wait()
-        if self.monitor is not None:
-            await self.monitor.stop()
-        if self.sessions is not None:
-            self.sessions.finish_all()
-        if self.recorder is not None:
-            await self.recorder.aclose()
-            self.recorder = None
-        if self._owns_fleet and self.fleet is not None:
-            fleet, self.fleet = self.fleet, None
-            await asyncio.to_thread(fleet.shutdown)
-        if self._owns_ray:
-            import ray
-
-            await asyncio.to_thread(ray.shutdown)
-            self._owns_ray = False
 
     # ------------------------------------------------------------------ data plane
     async def generate(

@@ -6,6 +6,7 @@ vLLM's own choices on GPU), so a served run and a batch rollout are comparable.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -54,18 +55,23 @@ def engine_config_for(config: ServeConfig, *, on_cpu: bool) -> Any:
     extra = {}
     if config.worker_extension_cls:
         extra["worker_extension_cls"] = config.worker_extension_cls
-    return EngineConfig(
+    engine = EngineConfig(
         model=config.model,
         dtype="float32" if on_cpu else "auto",
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         kv_cache_gib=config.kv_cache_gib if config.kv_cache_gib or not on_cpu else 0.25,
         connector=config.connector,  # type: ignore[arg-type]
-        kv_storage_dir=config.kv_storage_dir or tempfile.mkdtemp(prefix="prorsa-kv-"),
+        kv_storage_dir=config.kv_storage_dir,
         kv_wait_timeout_s=config.kv_wait_timeout_s,
         seed=config.seed,
         engine_kwargs=extra,
     )
+    if engine.resolved_connector() == "example" and not engine.kv_storage_dir:
+        # Only the file-backed connector keeps KV on disk: a folder of its own otherwise
+        # (made on every start, whatever the connector, it piled up in /tmp).
+        engine = dataclasses.replace(engine, kv_storage_dir=tempfile.mkdtemp(prefix="prorsa-kv-"))
+    return engine
 
 
 def cluster_spec_for(config: ServeConfig) -> Any:

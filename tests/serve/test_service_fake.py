@@ -966,3 +966,23 @@ def test_a_cancel_during_a_finish_is_refused_and_the_weights_get_their_version(t
             return summary["version"], svc.weight_version, [f.version for f in fakes]
 
     assert run(go()) == (3, 3, [3, 3, 3])
+
+
+def test_shutdown_runs_every_stage_when_one_fails(tmp_path):
+    # Found by review: a failing stage skipped the rest (telemetry, engines, Ray).
+    async def go():
+        async with fake_service(tmp_path, telemetry_dir=str(tmp_path / "tel")) as (svc, _):
+            await svc.generate("s", PROMPT, {"max_tokens": 2})
+            stop = svc.monitor.stop
+
+            async def broken():
+                raise RuntimeError("monitor stuck")
+
+            svc.monitor.stop = broken
+            with pytest.raises(RuntimeError, match="monitor stuck"):
+                await svc.shutdown()
+            closed = svc.recorder is None and len(svc.sessions) == 0
+            svc.monitor.stop = stop
+            return closed
+
+    assert run(go())
