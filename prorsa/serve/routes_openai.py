@@ -157,7 +157,7 @@ async def chat_completions(request: Request) -> dict[str, Any]:
     service = request.app.state.service
     if sampling_fields.get("max_tokens") is None:
         # As vLLM's chat route: without a limit, the turn may fill the context.
-        sampling_fields["max_tokens"] = max(service.config.max_model_len - len(prompt), 1)
+        sampling_fields["max_tokens"] = max(service.max_model_len - len(prompt), 1)
     sampling = parse_sampling(sampling_fields, source="request")
     result = await service.generate(
         session_id(request, body.get("session_id")), prompt, sampling, routing=body.get("routing")
@@ -266,7 +266,7 @@ async def models(request: Request) -> dict[str, Any]:
                 "created": int(time.time()),
                 "owned_by": "prorsa",
                 "root": service.config.model,
-                "max_model_len": service.config.max_model_len,
+                "max_model_len": service.max_model_len,
             }
         ],
     }
@@ -307,7 +307,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         strings = _tokenizer(request).convert_ids_to_tokens(list(tokens))
     return {
         "count": len(tokens),
-        "max_model_len": request.app.state.service.config.max_model_len,
+        "max_model_len": request.app.state.service.max_model_len,
         "tokens": list(tokens),
         "token_strs": strings,
     }

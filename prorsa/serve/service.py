@@ -538,6 +538,14 @@ class RolloutService(TrainerPushWindow):
         self.router.release_switches(reason)
 
     @property
+    def max_model_len(self) -> int:
+        """The context every engine accepts: the smaller of what they report (an adopted
+        fleet may have been started with another length than this service's
+        configuration) and the configured one."""
+        reported = self.router.pools.max_model_len if self.router is not None else None
+        return min(reported or self.config.max_model_len, self.config.max_model_len)
+
+    @property
     def switches_done(self) -> int:
         return self.router.switcher.completed if self.router is not None else 0
 

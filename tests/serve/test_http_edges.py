@@ -502,3 +502,15 @@ def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(tmp_path):
         "huge": 400, "past": 400, "flag": 400, "fine": 200
     }  # fmt: skip
     assert "add_special_tokens" in answers["flag"].text
+
+
+def test_the_context_reported_is_what_every_engine_accepts(tmp_path):
+    # Found by review: /v1/models and the chat route's default max_tokens read the
+    # configured length, not the engines' (an adopted fleet may run a shorter one).
+    async def go():
+        async with client(tmp_path, max_model_len=4096) as (http, (svc, _)):
+            models = await http.get("/v1/models")
+            return svc.router.pools.max_model_len, models.json()
+
+    engines, models = run(go())
+    assert engines < 4096 and models["data"][0]["max_model_len"] == engines
