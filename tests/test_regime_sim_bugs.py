@@ -66,9 +66,23 @@ def test_a_draw_too_long_for_the_layout_fails_its_cell_not_the_map():
         trajectories=4, kv_capacity_tokens=2_000, series=False, record=False,
     )  # fmt: skip
     result = run_cell_recorded(cell)
-    assert result["objective"] == float("inf")
+    assert result["objective"] == float("inf") and result["infeasible"]
     assert result["error"].startswith("CapacityError: trajectory ")
     assert "2000 KV tokens" in result["error"]
+
+
+def test_a_simulator_fault_stops_the_map_instead_of_scoring_a_loss(monkeypatch):
+    # Found by review: any exception was recorded as an infinite objective, which moves
+    # colocation's best layout or zeroes a policy's speedup.
+    import prorsa.experiments.cells as cells
+    from prorsa.experiments.regimes import run_cell_recorded
+
+    def broken(cell):
+        raise IndexError("a simulator bug")
+
+    monkeypatch.setattr(cells, "run_cell", broken)
+    with pytest.raises(IndexError, match="simulator bug"):
+        run_cell_recorded(Cell.of(series=False, record=False))
 
 
 def test_other_configuration_errors_still_stop_the_map():

@@ -377,6 +377,22 @@ def test_a_recorded_failure_runs_again_on_resume(tmp_path):
     assert calls == [0] and "error" not in results[0]
 
 
+def test_an_infeasible_draw_is_kept_on_resume(tmp_path):
+    # Found by review: a layout that cannot hold a draw was simulated again on every
+    # resume, to fail the same way.
+    calls: list[int] = []
+    counted = _counting(calls)
+    path = tmp_path / "cells.jsonl"
+    lines = []
+    for seed, extra in ((0, {"infeasible": True}), (1, {})):  # the older form: named only
+        failed = {"cell": _cell(seed).to_dict(), "metrics": {}, "objective": "inf",
+                  "error": "CapacityError: trajectory t reaches 9 tokens", **extra}  # fmt: skip
+        lines.append(json.dumps({"key": cell_key(_cell(seed)), "result": failed}))
+    path.write_text("\n".join(lines) + "\n")
+    results = run_sweep([_cell(0), _cell(1)], results_path=path, workers=1, fn=counted)
+    assert calls == [] and all(r["error"].startswith("CapacityError") for r in results)
+
+
 def test_a_replay_cell_has_the_same_key_in_another_checkout(tmp_path, monkeypatch):
     # Found by review: the trace's absolute path was in the key, so a second checkout
     # ran every replay cell again; datasets/ is hashed by content with the simulator.
@@ -394,3 +410,45 @@ def test_a_replay_cell_has_the_same_key_in_another_checkout(tmp_path, monkeypatc
     shutil.copytree(datasets_dir(), other)
     monkeypatch.setenv("PRORSA_DATASETS", str(other))
     assert replay(other).key() == here
+
+
+def test_cells_finished_beside_a_failing_one_are_kept(tmp_path):
+    # Found by review: a failing cell cancelled every task not yet read, finished ones
+    # included, so a resume simulated them again. Ray is stood in for by a fake whose
+    # second task fails while the third has already finished.
+    from prorsa.experiments import sweep as sweeping
+
+    class Ref:
+        def __init__(self, cell, outcome):
+            self.cell, self.outcome = cell, outcome
+
+    cancelled: list = []
+
+    class FakeRay:
+        def put(self, value):
+            return value
+
+        def wait(self, refs, num_returns=1, timeout=None):
+            return refs[:num_returns], refs[num_returns:]
+
+        def get(self, ref):
+            return ref.outcome
+
+    class Remote:
+        def remote(self, fn, cell):
+            if cell.seed == 1:
+                return Ref(cell, ("error", RuntimeError("cell 1 broke")))
+            return Ref(cell, ("ok", _counting([])(cell)))
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(sweeping, "cancel_ray_tasks", lambda ray, refs: cancelled.extend(refs))
+    try:
+        path = tmp_path / "cells.jsonl"
+        with Sweep(results_path=path, workers=1, fn=_counting([])) as sweep:
+            sweep._ray, sweep._remote, sweep.backend = FakeRay(), Remote(), "ray"
+            with pytest.raises(RuntimeError, match="cell 1 broke"):
+                sweep.map([_cell(s) for s in range(3)])
+    finally:
+        monkey.undo()
+    kept = [json.loads(line)["result"]["cell"]["work"]["seed"] for line in path.open()]
+    assert sorted(kept) == [0, 2] and cancelled == []

@@ -631,21 +631,18 @@ def best_static_search(searches: list[dict]) -> dict | None:
 
 
 def run_cell_recorded(cell: Cell) -> dict:
-    """``run_cell``, with a failure inside the simulation recorded as the cell's result
-    (objective infinite, the error named) so one failing cell does not end a map of
-    thousands. A trajectory too long for the layout's KV memory is such a failure: the
-    draw (a held-out seed) is infeasible on that layout, which loses it, while the map
-    goes on. Other configuration errors still stop the map."""
-    from prorsa.errors import CapacityError, ProrsaError
+    """``run_cell``, with a trajectory too long for the layout's KV memory recorded as
+    the cell's result (objective infinite, the error named, ``infeasible``): the draw (a
+    held-out seed) is infeasible on that layout, which loses it, while the map goes on.
+    The result is kept on a resume (the same draw fails the same way). Any other error
+    stops the map: a simulator fault scored as a loss would move a baseline or a speedup
+    (the map resumes from its finished cells once it is mended)."""
+    from prorsa.errors import CapacityError
     from prorsa.experiments.cells import run_cell
 
     try:
         return run_cell(cell)
     except CapacityError as exc:
-        return _failed_cell(cell, exc)
-    except ProrsaError:
-        raise
-    except Exception as exc:  # a simulator failure: keep it, named, in the results
         return _failed_cell(cell, exc)
 
 
@@ -656,6 +653,7 @@ def _failed_cell(cell: Cell, exc: Exception) -> dict:
         "metrics": {},
         "objective": float("inf"),
         "error": f"{type(exc).__name__}: {exc}",
+        "infeasible": True,
     }
 
 

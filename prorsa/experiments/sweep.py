@@ -34,7 +34,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +235,7 @@ class ResultLog:
                 except (ValueError, KeyError, TypeError):
                     bad += 1  # a line cut short by a kill: run that cell again
                     continue
-                if isinstance(result, dict) and result.get("error"):
+                if isinstance(result, dict) and result.get("error") and not _infeasible(result):
                     failed += 1  # a recorded failure is not a result: run it again
                     continue
                 self.done[key] = result
@@ -432,9 +432,27 @@ class Sweep:
                 for ref in ready:
                     k = pending.pop(ref)
                     yield k, _unwrap(ray.get(ref))
+        except Exception:
+            # One cell failed: the cells already finished are still results (kept on disk
+            # by the caller), not work a resume should do again.
+            if pending:
+                done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                for ref in done:
+                    k = pending.pop(ref)
+                    with suppress(Exception):
+                        yield k, _unwrap(ray.get(ref))
+            raise
         finally:
             if pending:
                 cancel_ray_tasks(ray, list(pending))
+
+
+def _infeasible(result: dict) -> bool:
+    """A cell whose draw cannot run on its layout (``run_cell_recorded``): the same
+    outcome on any rerun, so it is kept (older files name the error only)."""
+    return bool(result.get("infeasible")) or str(result.get("error", "")).startswith(
+        "CapacityError:"
+    )
 
 
 def _call_indexed(item: tuple[int, Callable[[Any], dict], Any]) -> tuple[int, tuple[str, Any]]:
