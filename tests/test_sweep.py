@@ -452,3 +452,58 @@ def test_cells_finished_beside_a_failing_one_are_kept(tmp_path):
         monkey.undo()
     kept = [json.loads(line)["result"]["cell"]["work"]["seed"] for line in path.open()]
     assert sorted(kept) == [0, 2] and cancelled == []
+
+
+def test_a_trace_outside_datasets_is_keyed_by_its_content(tmp_path, monkeypatch):
+    # Found by review: keyed by its path, a trace imported again to the same path (other
+    # filters, other data) reused the old results.
+    import shutil
+
+    from prorsa.workload.scenarios import datasets_dir
+
+    source = datasets_dir() / "traces" / "swe-agent.parquet"
+    trace = tmp_path / "mine.parquet"
+    shutil.copy(source, trace)
+    cell = _cell()
+    cell = dataclasses.replace(cell, work=dataclasses.replace(cell.work, trace=str(trace)))
+    first = cell.key()
+    shutil.copy(datasets_dir() / "traces" / "tau2-telecom-gpt4o.parquet", trace)
+    assert cell.key() != first
+    monkeypatch.chdir(tmp_path)  # the same file by a relative path: the same key
+    relative = dataclasses.replace(cell, work=dataclasses.replace(cell.work, trace="mine.parquet"))
+    assert relative.key() == cell.key()
+
+
+def test_an_rl_cell_is_keyed_by_its_trained_agent(tmp_path):
+    # Found by review: only a forecaster's model was in the key, so a retrained agent
+    # reused the old agent's cells.
+    import shutil
+
+    from prorsa.policy.rl import resolve_model_dir
+
+    agent = tmp_path / "agent"
+    shutil.copytree(resolve_model_dir("rl-ppo"), agent)
+    cell = _cell()
+    control = dataclasses.replace(cell.control, policy="rl", policy_params={"model": str(agent)})
+    rl = dataclasses.replace(cell, control=control)
+    first = rl.key()
+    (agent / "opening.txt").write_text((agent / "opening.txt").read_text() + "\\n")
+    assert rl.key() != first
+
+
+def test_a_reused_result_is_described_as_the_cell_asked_for(tmp_path):
+    # Found by review: compare grouped reused results by the trace path they were stored
+    # with, so the same trace by another path made a second workload row.
+    from prorsa.workload.scenarios import datasets_dir
+
+    def replay(trace):
+        cell = _cell()
+        work = dataclasses.replace(cell.work, trace=trace, scenario=None, trajectories=8)
+        return dataclasses.replace(cell, work=work)
+
+    absolute = str(datasets_dir() / "traces" / "swe-agent.parquet")
+    path = tmp_path / "cells.jsonl"
+    run_sweep([replay(absolute)], results_path=path, workers=1)
+    relative = os.path.relpath(absolute)
+    (again,) = run_sweep([replay(relative)], results_path=path, workers=1)
+    assert cell_of(again).work.trace == relative

@@ -15,6 +15,7 @@ the flat dicts that results files written before the configs were shared hold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -123,14 +124,18 @@ class Cell:
 
         forecaster = self.control.forecaster
         fields = self.to_dict()
-        # A trace is named inside datasets/ (hashed by content with the simulator), so the
-        # key is the same in every checkout.
-        fields["work"]["trace"] = _portable_path(fields["work"].get("trace"))
+        # A trace inside datasets/ is named there (hashed by content with the simulator),
+        # so the key is the same in every checkout; any other by its content.
+        fields["work"]["trace"] = _trace_identity(fields["work"].get("trace"))
+        # The RL policy reads a trained agent: a retrained one is another result.
+        agent = self.control.policy_params.get("model", "rl-ppo")
+        agent_id = _agent_identity(str(agent)) if self.control.policy == "rl" else None
         text = json.dumps(
             {
                 "version": __version__,
                 "simulator": simulator_hash(),
                 "model": model_fingerprint(forecaster) if forecaster else None,
+                "agent": agent_id,
                 "type": "Cell",
                 "fields": fields,
             },
@@ -258,13 +263,54 @@ def to_json(obj: object) -> str:
     return json.dumps(obj, default=float)
 
 
-def _portable_path(path: str | None) -> str | None:
-    """``path`` relative to ``datasets/`` when it lies there, else as given."""
+def _trace_identity(path: str | None) -> str | None:
+    """``path`` relative to ``datasets/`` when it lies there, else the SHA-256 of its
+    content (a file, or every file of a folder): a trace re-imported to the same path,
+    or another file reached by the same relative path, is another result."""
     if not path:
         return path
     from prorsa.workload.scenarios import datasets_dir
 
+    resolved = Path(path).resolve()
     try:
-        return "datasets:" + Path(path).resolve().relative_to(datasets_dir().resolve()).as_posix()
+        return "datasets:" + resolved.relative_to(datasets_dir().resolve()).as_posix()
     except (ValueError, OSError, ConfigError):
-        return path
+        pass
+    if resolved.is_dir():
+        files = sorted(p for p in resolved.rglob("*") if p.is_file())
+    else:
+        files = [resolved]
+    try:
+        return "sha256:" + _files_hash(files)
+    except OSError:
+        return path  # missing: the run will say so
+
+
+def _agent_identity(name: str) -> str | None:
+    """SHA-256 over an RL agent folder's manifest, weights and opening table (what
+    :class:`~prorsa.policy.rl.RLPolicy` loads), or None where there is none."""
+    from prorsa.policy.rl import resolve_model_dir
+
+    folder = resolve_model_dir(name)
+    files = [folder / n for n in ("manifest.json", "model.zip", "opening.txt")]
+    files = [f for f in files if f.is_file()]
+    try:
+        return _files_hash(files) if files else None
+    except OSError:
+        return None
+
+
+def _files_hash(files: list[Path]) -> str:
+    """SHA-256 over ``files``' contents, read again only when a size or mtime changed."""
+    return _content_hash(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=64)
+def _content_hash(files: tuple[tuple[str, int, int], ...]) -> str:
+    """SHA-256 over the files' contents (cached while their size and mtime stay)."""
+    digest = hashlib.sha256()
+    for name, _, _ in files:
+        with open(name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()

@@ -403,7 +403,7 @@ class Sweep:
                 done += 1
                 if progress is not None:
                     progress(done, total)
-        return [self.log.done[k] for k in keys]
+        return [_as_asked(self.log.done[k], c) for k, c in zip(keys, cells, strict=True)]
 
     def _run(self, todo: dict[str, Any]) -> Iterator[tuple[str, dict]]:
         if not todo:
@@ -445,6 +445,15 @@ class Sweep:
         finally:
             if pending:
                 cancel_ray_tasks(ray, list(pending))
+
+
+def _as_asked(result: Any, cell: Any) -> Any:
+    """``result`` describing ``cell`` as the caller gave it: a reused result may have
+    been stored for an equal cell written otherwise (the same trace by another path, in
+    another checkout), and callers group results by their cell."""
+    if isinstance(result, dict) and "cell" in result and hasattr(cell, "to_dict"):
+        return {**result, "cell": cell.to_dict()}
+    return result
 
 
 def _infeasible(result: dict) -> bool:
