@@ -31,6 +31,7 @@ samples they were not tuned on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -118,9 +119,15 @@ def study_settings(cfg: TuneConfig) -> dict:
     cell = cfg.base.to_dict()
     # Set per evaluation: not settings of the study.
     del cell["work"]["seed"], cell["control"]["policy"], cell["series"]
+    # What the trials read besides (simulator, trained models, the trace's content): a
+    # study scored by other code or models is another study.
+    inputs = dataclasses.replace(
+        cfg.base, control=dataclasses.replace(cfg.base.control, policy=cfg.policy)
+    ).inputs()
     settings = {
         "policy": cfg.policy,
         "cell": cell,
+        "inputs": inputs,
         "seeds": cfg.seeds,
         "seed_offset": cfg.seed_offset,
         "objectives": list(cfg.objectives),

@@ -402,3 +402,20 @@ def test_sqlite_storage_folder_may_be_missing_but_must_be_makeable(tmp_path):
         TuneConfig(
             policy="static", base=_base(), storage=f"sqlite:///{tmp_path}/file/s.db"
         ).validate()
+
+
+def test_a_study_of_other_simulator_code_is_another_study(tmp_path, monkeypatch):
+    # Found by review: the settings held no simulator or model identity, so after a code
+    # change or a retrained forecaster the old study was resumed (or found complete).
+    import prorsa.runtime.sim.version as version
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    cfg = TuneConfig(
+        policy="static", base=_base(), trials=1, seeds=1, storage=storage, study_name="s"
+    )
+    before = default_study_name(replace(cfg, study_name=None))
+    tune(cfg)
+    monkeypatch.setattr(version, "simulator_hash", lambda: "other simulator code")
+    assert default_study_name(replace(cfg, study_name=None)) != before
+    with pytest.raises(ConfigError, match=r"inputs\.simulator"):
+        tune(cfg)

@@ -114,35 +114,37 @@ class Cell:
         return dataclasses.asdict(self)
 
     def key(self) -> str:
-        """Stable 16-hex-digit key: a hash of :meth:`to_dict`, the package version, the
-        simulator (its code and data: :func:`~prorsa.runtime.sim.version.simulator_hash`)
-        and the trained forecaster it reads, if any (sweeps skip cells whose key is
-        already in their results file, so a result is reused only from the same code,
-        data and model)."""
+        """Stable 16-hex-digit key: a hash of :meth:`to_dict` and of what the run reads
+        besides (:meth:`inputs`), so a sweep, which skips cells whose key is already in
+        its results file, reuses a result only from the same code, data and models."""
         from prorsa import __version__
-        from prorsa.runtime.sim.version import model_fingerprint, simulator_hash
 
-        forecaster = self.control.forecaster
+        inputs = self.inputs()
         fields = self.to_dict()
-        # A trace inside datasets/ is named there (hashed by content with the simulator),
-        # so the key is the same in every checkout; any other by its content.
-        fields["work"]["trace"] = _trace_identity(fields["work"].get("trace"))
-        # The RL policy reads a trained agent: a retrained one is another result.
-        agent = self.control.policy_params.get("model", "rl-ppo")
-        agent_id = _agent_identity(str(agent)) if self.control.policy == "rl" else None
+        fields["work"]["trace"] = inputs.pop("trace")
         text = json.dumps(
-            {
-                "version": __version__,
-                "simulator": simulator_hash(),
-                "model": model_fingerprint(forecaster) if forecaster else None,
-                "agent": agent_id,
-                "type": "Cell",
-                "fields": fields,
-            },
+            {"version": __version__, **inputs, "type": "Cell", "fields": fields},
             sort_keys=True,
             default=str,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def inputs(self) -> dict[str, str | None]:
+        """What a run of this cell reads besides its settings, by content: the simulator
+        (its code and data: :func:`~prorsa.runtime.sim.version.simulator_hash`), the
+        trained forecaster, the RL agent (a retrained one is another result) and the
+        trace (named inside ``datasets/``, hashed with the simulator, so the same in
+        every checkout; any other by its content)."""
+        from prorsa.runtime.sim.version import model_fingerprint, simulator_hash
+
+        forecaster = self.control.forecaster
+        agent = str(self.control.policy_params.get("model", "rl-ppo"))
+        return {
+            "simulator": simulator_hash(),
+            "model": model_fingerprint(forecaster) if forecaster else None,
+            "agent": _agent_identity(agent) if self.control.policy == "rl" else None,
+            "trace": _trace_identity(self.work.trace),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cell:
