@@ -242,3 +242,52 @@ def test_held_switches_are_refused_until_released_and_waited_for():
     summary = asyncio.run(run())
     assert summary["error"] is None and router.pools.get(2).role is Role.PREFILL
     assert router.switches_running == 0 and router.switcher.completed == 1
+
+
+def test_a_cancelled_waiter_leaves_switches_running_and_an_unstarted_one_gives_its_role_back():
+    # Found by review: waiting with gather cancelled every switch when the waiter was
+    # cancelled (a pause given up), and a switch task cancelled before its first step
+    # left its engine "switching" for good.
+    router, _engines = make_router(["prefill", "decode", "decode", "decode"], step_s=0.01)
+
+    async def run():
+        running = router.start_switch(2, "prefill", drain_timeout_s=1)
+        waiter = asyncio.ensure_future(router.wait_for_switches())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.sleep(0.05)
+        survived = not running.cancelled()
+        await router.wait_for_switches()
+        unstarted = router.start_switch(1, "prefill", drain_timeout_s=1)
+        unstarted.cancel()  # before the loop ever runs it
+        await asyncio.sleep(0.01)
+        return survived, running.result(), router.pools.get(1).role, router.pools.get(1).switch
+
+    survived, summary, role, switch = asyncio.run(run())
+    assert survived and summary["error"] is None
+    assert role is Role.DECODE and switch is None
+
+
+def test_a_failing_load_poll_does_not_end_the_monitor():
+    # Found by review: one exception in a poll (a lost-engine listener failing) ended
+    # stall detection for the rest of the run, and stop() raised it.
+    from prorsa.runtime.ray.monitor import LoadMonitor
+
+    router, _engines = make_router(["prefill", "decode"])
+
+    async def run():
+        monitor = LoadMonitor(router.pools, interval_s=0.002)
+        polls = []
+
+        async def flaky():
+            polls.append(1)
+            if len(polls) == 1:
+                raise RuntimeError("listener broke")
+
+        monitor.poll_once = flaky
+        monitor.start()
+        await asyncio.sleep(0.05)
+        await monitor.stop()
+        return len(polls)
+
+    assert asyncio.run(run()) > 2

@@ -139,7 +139,7 @@ class RayActuator:
         """Wait for every switch started so far; returns their summaries."""
         tasks = list(self._tasks.values())
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks)  # a cancelled waiter leaves the switches running
         return list(self.results)
 
     @property
@@ -148,7 +148,8 @@ class RayActuator:
         return sorted(self._tasks)
 
     def _done(self, engine_id: int, task: asyncio.Task) -> None:
-        self._tasks.pop(engine_id, None)
+        if self._tasks.get(engine_id) is task:  # not a newer switch of the same engine
+            del self._tasks[engine_id]
         if task.cancelled():
             return
         exc = task.exception()

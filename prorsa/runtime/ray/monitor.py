@@ -172,7 +172,10 @@ class LoadMonitor:
 
     async def _run(self) -> None:
         while True:
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # a listener's fault must not end stall detection
+                logger.exception("load poll failed; polling on")
             await asyncio.sleep(self.interval_s)
 
     def reading(self, engine: EngineState) -> KvReading:

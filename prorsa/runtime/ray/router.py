@@ -148,9 +148,13 @@ class PDRouter:
         or a switch that would leave no decode-side engine.
         """
         coro = self.switcher.begin(engine_id, new_role, drain_timeout_s)
+        switch = self.pools.get(engine_id).switch  # None for a relabel or nothing to do
         task = asyncio.get_running_loop().create_task(coro)
         self._switch_tasks.add(task)
         task.add_done_callback(self._switch_tasks.discard)
+        task.add_done_callback(
+            lambda t: self.switcher.abandon_unstarted(engine_id, switch) if t.cancelled() else None
+        )
         return task
 
     def hold_switches(self, reason: str) -> None:
@@ -168,7 +172,9 @@ class PDRouter:
     async def wait_for_switches(self) -> None:
         """Wait until every switch started with :meth:`start_switch` has ended."""
         while self._switch_tasks:
-            await asyncio.gather(*list(self._switch_tasks), return_exceptions=True)
+            # asyncio.wait, not gather: a waiter cancelled (a pause given up) must not
+            # cancel the switches it waits for.
+            await asyncio.wait(list(self._switch_tasks))
 
     def trajectory_states(self) -> tuple[dict[str, int], dict[str, int]]:
         """Live trajectories per lifecycle state, and their context tokens per state."""

@@ -145,6 +145,25 @@ class RoleSwitcher:
         logger.info("engine %d: switching %s -> %s", engine_id, old, target)
         return self._complete(engine, switch, drain_timeout_s, summary)
 
+    def abandon_unstarted(self, engine_id: int, switch: RoleSwitch | None) -> None:
+        """End ``switch`` if its task was cancelled before its first step: ``begin``
+        marked the engine ``switching``, and the body whose ``finally`` gives it a role
+        back never ran. The engine returns to its old role; the switch ends with that
+        error. Nothing to do for a switch that ran (or another since)."""
+        engine = self.pools.get(engine_id)
+        if switch is None or engine.switch is not switch:
+            return
+        now = self.clock()
+        engine.switch = None
+        self.pools.set_role(engine_id, parse_role(switch.from_role), now)
+        switch.mark_drained(now)
+        switch.mark_serving(now)
+        self.telemetry.switch_event(
+            now, switch, "serving", engine_id, error="cancelled before it started"
+        )
+        logger.warning("engine %d: switch cancelled before it started; back to %s", engine_id,
+                       switch.from_role)  # fmt: skip
+
     def _relabel(
         self, engine: EngineState, switch: RoleSwitch, summary: dict[str, Any]
     ) -> dict[str, Any]:
