@@ -291,3 +291,31 @@ def test_a_failing_load_poll_does_not_end_the_monitor():
         return len(polls)
 
     assert asyncio.run(run()) > 2
+
+
+def test_queued_prefill_counts_the_tokens_a_leg_computes_not_its_cached_prefix():
+    # Found by review: a prefill leg counted its whole context, cached prefix included,
+    # where the simulator counts what is left to compute; routing by queued tokens and
+    # the policies' prefill backlog then differed between the two runtimes.
+    router, _engines = make_router(["prefill", "decode"])
+    seen = []
+    lease = router.pools.lease
+
+    def watching(engine, request_id, role, trajectory_id, tokens, compute_tokens=None):
+        made = lease(engine, request_id, role, trajectory_id, tokens, compute_tokens)
+        if role is Role.PREFILL:
+            seen.append((tokens, engine.queued_prefill_tokens))
+        return made
+
+    router.pools.lease = watching
+
+    async def run():
+        first = await router.generate(TurnRequest("t", prompt(300), 8))
+        context = prompt(300) + first.output_token_ids + prompt(20, 99)
+        return await router.generate(TurnRequest("t", context, 4, turn=1))
+
+    second = asyncio.run(run())
+    (_, first_queued), (context, queued) = seen
+    assert first_queued == 300  # nothing cached on the first turn
+    # the second turn computes what came after the first: its 8 outputs and 20 new tokens
+    assert second.num_cached_tokens > 0 and (context, queued) == (328, 28)

@@ -52,8 +52,10 @@ class Lease:
     engine_id: int
     role: Role
     trajectory_id: str
-    tokens: int
+    tokens: int  # context the leg holds in KV (what the load estimate reads)
     evicted: bool = False  # a role switch aborted it; the router serves it elsewhere
+    #: Tokens a prefill leg computes (its uncached part); None: all of ``tokens``.
+    compute_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -93,8 +95,13 @@ class EngineState:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens of the prefill legs running here (the router's queue view)."""
-        return sum(x.tokens for x in self.leases.values() if x.role is Role.PREFILL)
+        """Tokens the prefill legs running here still compute, cached prefixes left out
+        (the router's queue view, and the simulator's: its uncached ``prefill_left``)."""
+        return sum(
+            x.tokens if x.compute_tokens is None else x.compute_tokens
+            for x in self.leases.values()
+            if x.role is Role.PREFILL
+        )
 
     @property
     def idle(self) -> bool:
@@ -213,9 +220,17 @@ class RolePools:
         self._lost_listeners.append(listener)
 
     def lease(
-        self, engine: EngineState, request_id: str, role: Role, trajectory_id: str, tokens: int
+        self,
+        engine: EngineState,
+        request_id: str,
+        role: Role,
+        trajectory_id: str,
+        tokens: int,
+        compute_tokens: int | None = None,
     ) -> Lease:
-        lease = Lease(request_id, engine.engine_id, role, trajectory_id, tokens)
+        lease = Lease(
+            request_id, engine.engine_id, role, trajectory_id, tokens, compute_tokens=compute_tokens
+        )
         engine.leases[request_id] = lease
         self.notify()
         return lease

@@ -509,7 +509,9 @@ class PDRouter:
             path=plan.path,
             **attempt,
         )
-        lease = self.pools.lease(prefill, prefill_id, Role.PREFILL, request.trajectory_id, context)
+        lease = self.pools.lease(
+            prefill, prefill_id, Role.PREFILL, request.trajectory_id, context, plan.new_tokens
+        )
         try:
             first = await prefill.client.generate(
                 prefill_id,
