@@ -90,3 +90,16 @@ def test_demo_verdict_says_where_the_split_pays():
     assert verdict({**sure, "speedup_ci95": either}).startswith("the split pays: best-static")
     flat = verdict({**base, "speedup": {"predictive": 1.0, "best-static": 0.97}})
     assert flat.startswith("colocation at tp4 is as good as any split")
+
+
+def test_map_options_given_with_a_mechanism_are_refused_by_name(tmp_path):
+    # Found by review: --mechanism c dropped --fresh, --address, --workers and the rest
+    # without a word (it reused cells.jsonl and ran in process).
+    result = runner.invoke(
+        app,
+        ["explore", "--mechanism", "c", "--fresh", "--workers", "2", "--out", str(tmp_path)],
+    )
+    assert result.exit_code != 0
+    text = " ".join(result.output.split())
+    assert "--workers, --fresh apply to the map" in text
+    assert not (tmp_path / "cells.jsonl").exists()

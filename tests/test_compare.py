@@ -180,6 +180,14 @@ def test_mlflow_logging_only_when_asked(tmp_path):
         ({"workloads": [(None, "missing.parquet")]}, "trace not found"),
         ({"tuned_storage": "redis://host/0"}, "not a database"),
         ({"control": ControlConfig(policy_params={"prefill_gpus": 2})}, "per policy"),
+        # found by review: accepted, then replaced by the searched split
+        (
+            {
+                "policies": ["colocate", "best-static"],
+                "policy_params": {"best-static": {"prefill_gpus": 2}},
+            },
+            "searched per workload",
+        ),
     ],
 )
 def test_bad_inputs_fail_before_any_cell_runs(monkeypatch, changes, message):

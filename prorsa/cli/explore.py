@@ -116,6 +116,21 @@ def explore_cmd(
     from prorsa.experiments.regimes import MapConfig
     from prorsa.io import check_output
 
+    if mechanism:
+        # The mechanism experiments fix their own regimes, seeds and workers: say so
+        # rather than drop a map option given with them.
+        given = {
+            "--grid": grid != "quick", "--quick": quick, "--models": models,
+            "--workloads": workloads, "--modes": modes, "--loads": loads,
+            "--workers": workers != 0, "--address": address, "--fresh": not resume,
+            "--eval-seeds": eval_seeds, "--plan-by": plan_by != "simulation",
+        }  # fmt: skip
+        ignored = [name for name, value in given.items() if value]
+        if ignored:
+            raise ConfigError(
+                f"{', '.join(ignored)} apply to the map, not to --mechanism {mechanism}",
+                hint="a mechanism runs its own regimes, seeds and workers; drop those options",
+            )
     out = check_output(out, kind="dir")
     if mechanism:
         _mechanism(mechanism, out, forecaster, as_json)

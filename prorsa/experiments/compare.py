@@ -86,6 +86,14 @@ class CompareConfig:
             if mode not in MODES:
                 raise ConfigError(f"unknown mode '{mode}'", hint="sync, async or sync,async")
         check_policy_param_groups(self.policy_params, policies=self.policies)
+        if self.policy_params.get("best-static"):
+            # Its split is what compare searches for: one given would be replaced.
+            raise ConfigError(
+                f"best-static's {sorted(self.policy_params['best-static'])} are searched "
+                "per workload and mode, not given",
+                hint="use the static policy for a split of your choice "
+                "(--param static.prefill_gpus=N)",
+            )
         if self.control.policy_params:
             raise ConfigError(
                 "compare takes policy parameters per policy, not in control.policy_params",
