@@ -13,8 +13,8 @@ from prorsa.policy.baselines import StaticPolicy
 class BestStaticPolicy(StaticPolicy):
     """A static xPyD split chosen by :func:`search_best_static` for the workload at hand.
 
-    ``prorsa compare`` runs the search (on the same workload and seeds as the policies it
-    is compared with) and passes the winning ``prefill_gpus``.
+    ``prorsa compare`` runs the search (on the same workload, on a seed of its own outside
+    the scored ones) and passes the winning ``prefill_gpus``.
     """
 
     def __init__(self, prefill_gpus: int | None = None, prefill_fraction: float = 0.25) -> None:
