@@ -62,3 +62,47 @@ def test_the_policy_is_resized_when_the_cluster_loses_a_slot():
     assert sim.done and sim.controller.failed_ticks == 0
     assert policy.cluster_.num_slots == 3
     assert all(sum(d.gpus_target.values()) == 3 for d in sim.controller.decisions)
+
+
+class SplitsAtOnce(Policy):
+    """Starts colocated, then asks for three of four slots on prefill."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decide(self, obs, forecast):
+        self.calls += 1
+        if self.calls == 1:  # the start's decision
+            return Allocation(gpus={"colocated": obs.total_gpus}, reason="start")
+        return Allocation(gpus={"prefill": 3, "decode": 1}, reason="split")
+
+
+def test_switches_started_before_a_failing_one_are_recorded():
+    # Found by review: the first switches of a tick had started when a later one raised,
+    # and neither the decision nor the allocation note (what forecasters read the GPUs
+    # per role from) was recorded.
+    sim = Simulation(
+        ClusterConfig(profile="test-tp1", num_slots=4),
+        SplitsAtOnce(),
+        SyncDriver([random_specs(40, seed=1, turns=(3, 6))]),
+        profiles={1: profile(1)},
+        min_dwell_s=0.0,
+    )
+    sim.start()
+    notes, started = [], []
+    switch = sim.actuator.switch
+
+    def second_fails(slot_id, role):
+        if started:
+            raise RuntimeError("engine refused")
+        started.append(slot_id)
+        return switch(slot_id, role)
+
+    sim.actuator.switch = second_fails
+    sim.actuator.note_allocation = lambda gpus, reason: notes.append(reason)
+    before = len(sim.controller.decisions)
+    with pytest.raises(RuntimeError, match="engine refused"):
+        sim.controller.tick()
+    decision = sim.controller.decisions[-1]
+    assert len(sim.controller.decisions) == before + 1 and len(decision.switches) == 1
+    assert notes and "switching failed after 1" in notes[0]

@@ -1165,3 +1165,27 @@ def test_predictive_resizes_to_the_split_whose_busier_side_is_least_loaded():
     policy.reset(replace(spec(8), colocated_prefill_factor=3.0))
     policy.needs = lambda *args, **kwargs: (2.36, 10.59)  # the demand, given
     assert policy.decide(obs, forecast(30.0, 40_000.0)).gpus == {"prefill": 2, "decode": 6}
+
+
+@pytest.mark.parametrize(
+    ("policy", "params", "message"),
+    [
+        ("predictive", {"prefill_target_util": 0.0}, "prefill_target_util"),
+        ("predictive", {"target_batch_per_gpu": 0.0}, "target_batch_per_gpu"),
+        ("mpc", {"kv_target_fraction": 1.5}, "kv_target_fraction"),
+        ("mpc", {"quantile": 0.0}, "quantile"),
+        ("predictive", {"quantile": 1.0}, "quantile"),
+    ],
+)
+def test_sizing_knobs_out_of_range_are_refused_at_reset(policy, params, message):
+    # Found by review: a zero utilisation divided by zero at the first forecast, a zero
+    # batch held for ever, and a quantile outside (0, 1) quietly read the point.
+    with pytest.raises(ConfigError, match=message):
+        make_policy(policy, **params).reset(spec(4))
+
+
+def test_an_allocation_of_nan_gpus_is_refused():
+    with pytest.raises(ConfigError, match="finite"):
+        Allocation(gpus={"prefill": float("nan"), "decode": 4})
+    with pytest.raises(ConfigError, match="finite"):
+        Allocation(gpus={"colocated": 8}, local_prefill_threshold=float("nan"))

@@ -81,6 +81,12 @@ def current_load(obs: ClusterObservation) -> Load:
     )
 
 
+def check_quantile(policy: str, quantile: float | None) -> None:
+    """ConfigError unless ``quantile`` is None (the point forecast) or in (0, 1)."""
+    if quantile is not None and not 0 < quantile < 1:
+        raise ConfigError(f"{policy}: quantile must be in (0, 1) or None, got {quantile}")
+
+
 @dataclass(frozen=True)
 class Sizing:
     """Knobs that turn demand into slot counts."""
@@ -88,6 +94,16 @@ class Sizing:
     target_batch_per_gpu: float = 64.0  # decode sequences per GPU before TPOT suffers
     kv_target_fraction: float = 0.85  # plan decode KV to this share of capacity
     prefill_target_util: float = 0.8  # plan prefill GPUs to this utilisation
+
+    def __post_init__(self) -> None:
+        # A zero utilisation divides by zero at the first forecast; a zero batch makes
+        # the decode need infinite and the policy hold for ever.
+        if not self.target_batch_per_gpu > 0:
+            raise ConfigError(f"target_batch_per_gpu must be > 0, got {self.target_batch_per_gpu}")
+        for name in ("kv_target_fraction", "prefill_target_util"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
 
     def prefill_slots_needed(
         self, spec: ClusterSpec, tokens_per_s: float, backlog_tokens: float, horizon_s: float

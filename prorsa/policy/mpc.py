@@ -14,6 +14,7 @@ from prorsa.policy.demand import (
     agreed_mode,
     agreed_move,
     band_levels,
+    check_quantile,
     choose_mode,
     current_load,
     decode_demand,
@@ -151,6 +152,7 @@ class MPCPolicy(ModeChoosingPolicy):
             raise ConfigError("mpc: drain_s, switch_cost_s, weights and tail_s must be >= 0")
         if self.max_step < 0:
             raise ConfigError("mpc: max_step must be >= 0")
+        check_quantile("mpc", self.quantile)
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )

@@ -14,6 +14,7 @@ from prorsa.policy.demand import (
     band_levels,
     best_split,
     busier_utilisation,
+    check_quantile,
     choose_mode,
     current_load,
     decode_demand,
@@ -130,6 +131,7 @@ class PredictivePolicy(ModeChoosingPolicy):
             raise ConfigError(
                 "predictive: min_gain, switch_cost_weight >= 0 and payback_s > 0 required"
             )
+        check_quantile("predictive", self.quantile)
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )

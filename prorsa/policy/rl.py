@@ -231,10 +231,9 @@ class RLPolicy(TargetPolicy):
 
     @classmethod
     def search_space(cls, trial) -> dict:
-        return {
-            "min_hold_s": trial.suggest_float("min_hold_s", 5.0, 60.0),
-            "decision_interval_s": trial.suggest_float("decision_interval_s", 5.0, 60.0),
-        }
+        # Not min_hold_s: the agent's "since change" feature is scaled by it, so a tuned
+        # value would show the agent a scale it was never trained on.
+        return {"decision_interval_s": trial.suggest_float("decision_interval_s", 5.0, 60.0)}
 
 
 def resolve_model_dir(name: str) -> Path:

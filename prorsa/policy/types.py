@@ -8,6 +8,7 @@ and strings only: no engine objects, no clocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -16,6 +17,13 @@ from prorsa.forecast.types import Forecast  # noqa: F401  (re-exported)
 
 ROLES = ("prefill", "decode", "colocated")
 SWITCHING = "switching"
+
+
+def _count(value: object) -> bool:
+    """A finite number >= 0 (NaN, infinities and booleans are not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and value >= 0
 
 
 def switch_latency_s(
@@ -164,7 +172,8 @@ class Allocation:
         unknown = set(roles) - set(ROLES)
         if unknown:
             raise ConfigError(f"unknown role(s) in allocation: {sorted(unknown)}")
-        if self.gpus is not None and any(v < 0 for v in self.gpus.values()):
-            raise ConfigError("allocation GPU counts must be >= 0")
-        if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
-            raise ConfigError("local_prefill_threshold must be >= 0")
+        if self.gpus is not None and not all(_count(v) for v in self.gpus.values()):
+            raise ConfigError(f"allocation GPU counts must be finite numbers >= 0: {self.gpus}")
+        threshold = self.local_prefill_threshold
+        if threshold is not None and not _count(threshold):
+            raise ConfigError(f"local_prefill_threshold must be a finite number >= 0: {threshold}")

@@ -242,19 +242,30 @@ class Controller:
         if alloc.local_prefill_threshold is not None:
             self.actuator.set_local_prefill_threshold(alloc.local_prefill_threshold)
         orders = plan_switches(obs, alloc, min_dwell_s=self.min_dwell_s)
-        done = [(sid, role) for sid, role in orders if self.actuator.switch(sid, role)]
         target = alloc.gpus if alloc.gpus is not None else _gpus_of(obs, alloc.slot_roles)
-        if done:
-            self.actuator.note_allocation(dict(target), alloc.reason)
-        decision = Decision(
-            time_s=obs.time_s,
-            gpus_now=obs.gpus_by_role(include_target=False),
-            gpus_target=dict(target),
-            switches=done,
-            forecast=forecast if self.keep_forecasts else None,
-            reason=alloc.reason,
-        )
-        self.decisions.append(decision)
+        done: list[tuple[int, str]] = []
+        reason = alloc.reason
+        try:
+            for sid, role in orders:
+                if self.actuator.switch(sid, role):
+                    done.append((sid, role))
+        except Exception as exc:
+            reason = f"{reason}; switching failed after {len(done)}: {exc}"
+            raise
+        finally:
+            # Switches already started are recorded even when a later one fails: the
+            # allocation note is what forecasters read the GPUs per role from.
+            if done:
+                self.actuator.note_allocation(dict(target), reason)
+            decision = Decision(
+                time_s=obs.time_s,
+                gpus_now=obs.gpus_by_role(include_target=False),
+                gpus_target=dict(target),
+                switches=done,
+                forecast=forecast if self.keep_forecasts else None,
+                reason=reason,
+            )
+            self.decisions.append(decision)
         return decision
 
     def _fit_policy_to(self, obs: ClusterObservation) -> None:
