@@ -143,3 +143,25 @@ def test_telemetry_without_the_gpu_count_falls_back_until_it_arrives(caplog):
     messages = [r.message for r in caplog.records]
     assert sum("missing or outside" in m for m in messages) == 1
     assert sum("back in the training range" in m for m in messages) == 1
+
+
+def test_last_value_does_not_stretch_a_launch_burst_over_the_horizon():
+    # Found by review: half a second after 2,400 prompts of 3,000 tokens were queued, the
+    # last-value forecast (and every drift fallback) read the burst as a rate and said
+    # 60x the whole burst would arrive in the next 30 s.
+    from prorsa.forecast.fallback import last_value_point
+    from prorsa.forecast.tracker import LifecycleTracker
+    from prorsa.telemetry.schema import LifecycleEvent, events_to_table
+
+    events = []
+    for i in range(2400):
+        events.append(LifecycleEvent(0.5, "r", f"t{i}", "g", "task", 0, "traj_start"))
+        events.append(
+            LifecycleEvent(0.5, "r", f"t{i}", "g", "task", 0, "prefill_queued", -1, 3000, 3000)
+        )
+    tracker = LifecycleTracker(["task"], lags_s=(1.0, 30.0))
+    tracker.update(events_to_table(events))
+    tracker.tick(1.0)
+    burst = 2400 * 3000
+    point = last_value_point(tracker, [1.0, 30.0])["prefill_tokens"]
+    assert point.tolist() == [burst, burst]

@@ -22,12 +22,16 @@ FALLBACK = "last-value"
 
 
 def last_value_point(tracker: LifecycleTracker, horizons: Sequence[float]) -> dict[str, np.ndarray]:
-    """The last ``h`` seconds repeat: sums as their observed rate x h, averages as observed."""
+    """The last ``h`` seconds repeat: sums as their growth over the last ``h`` seconds,
+    averages as observed. With less than ``h`` seconds of history the growth is what
+    exists (the counters were zero before the run's first event), not its rate scaled up
+    to ``h``: a sync step's launch, thousands of prompts queued in its first second,
+    would otherwise read as that many per second for the whole horizon."""
     point = {}
     for target in TARGETS:
         key = SERIES[target]
         if target in SUM_TARGETS:
-            point[target] = np.array([tracker.observed_sum(key, h) * h for h in horizons])
+            point[target] = np.array([tracker.observed_growth(key, h) for h in horizons])
         else:
             point[target] = np.array([tracker.observed_mean(key, h) for h in horizons])
     return point

@@ -699,6 +699,18 @@ class LifecycleTracker:
         span = now - t0
         return (hist[-1] - v0) / span if span > 1e-9 else 0.0
 
+    def observed_growth(self, key: str, window_s: float) -> float:
+        """Growth of cumulative ``key`` over the last ``window_s``: :meth:`observed_sum`'s
+        rate over ``window_s`` where the history covers it, all of the growth where less
+        history exists (not its rate stretched to the window)."""
+        now = self.time_s
+        hist = self.history[key]
+        if now is None or not hist:
+            return 0.0
+        t0, v0 = self._value_before(key, now - window_s)
+        growth, span = hist[-1] - v0, now - t0
+        return growth * min(1.0, window_s / span) if span > 1e-9 else growth
+
     def observed_mean(self, key: str, window_s: float) -> float:
         """Average of tick samples of ``key`` in (now - window_s, now]."""
         now = self.time_s
