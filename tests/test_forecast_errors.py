@@ -114,3 +114,31 @@ def test_oracle_refuses_telemetry_not_from_the_simulator(hand_data):
     with pytest.raises(ConfigError, match="not been shown the future"):
         unattached.predict()
     assert isinstance(marked, pa.Table)
+
+
+@pytest.mark.parametrize(("name", "key"), [("ewma", "halflife_s"), ("kalman", "obs_noise")])
+@pytest.mark.parametrize("value", [0, -1.0, "x"])
+def test_a_baseline_state_that_cannot_run_is_refused_by_field(tmp_path, name, key, value):
+    # Found by review: halflife_s 0 loaded, then divided by zero at the first update.
+    folder = tmp_path / name
+    make_forecaster(name, horizons=[1, 5]).fit(None).save(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["state"][key] = value
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=f"state.{key}"):
+        load_forecaster(folder)
+
+
+def test_a_gru_whose_horizons_do_not_match_its_outputs_is_refused(tmp_path):
+    # Found by review: it loaded, then failed to reshape at its first forecast.
+    import shutil
+
+    from prorsa.runtime.sim.version import models_dir
+
+    folder = tmp_path / "gru"
+    shutil.copytree(models_dir() / "gru", folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["fitted"]["horizons"] = manifest["fitted"]["horizons"][:-1]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="fitted horizons"):
+        load_forecaster(folder)

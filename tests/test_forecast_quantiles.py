@@ -165,3 +165,16 @@ def test_last_value_does_not_stretch_a_launch_burst_over_the_horizon():
     burst = 2400 * 3000
     point = last_value_point(tracker, [1.0, 30.0])["prefill_tokens"]
     assert point.tolist() == [burst, burst]
+
+
+def test_turns_no_model_reads_are_not_kept_tick_after_tick():
+    # Found by review: every turn arrival stayed in tracker.pending for the run unless
+    # the forecaster was lightgbm-trajectory (~100 MB an hour at 2,700 turns a second).
+    from prorsa.forecast import make_forecaster
+    from prorsa.telemetry.schema import events_to_table
+    from tests.conftest import make_two_turn_events
+
+    model = make_forecaster("last-value", horizons=[1, 5]).fit(None).reset()
+    for i in range(50):
+        model.update(events_to_table(make_two_turn_events(f"t{i}", t0=10.0 * i)), 10.0 * i + 9)
+    assert model.tracker_.pending == []

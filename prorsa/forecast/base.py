@@ -184,6 +184,9 @@ class Forecaster(ABC):
         self.tracker_.tick(float(time_s))
         self._ticks += 1
         self._update()
+        # Turns frozen this tick that the hook did not take: no model reads them later,
+        # and a long run would keep one entry per turn.
+        self.tracker_.pending.clear()
         return self
 
     def _update(self) -> None:  # noqa: B027  (optional hook)

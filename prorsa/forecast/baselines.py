@@ -155,7 +155,25 @@ class EWMAForecaster(Forecaster):
         return {"halflife_s": self.halflife_s_}
 
     def _set_state(self, state: dict, path) -> None:
-        self.halflife_s_ = float(state["halflife_s"])
+        self.halflife_s_ = _positive(state, "halflife_s", path)
+
+
+def _positive(state: dict, key: str, path) -> float:
+    """``state[key]`` as a finite number > 0; InputError naming the manifest field (a
+    zero half-life divided by zero at the first update, mid-run)."""
+    from pathlib import Path
+
+    from prorsa.errors import InputError
+    from prorsa.forecast.model_folder import MANIFEST, state_field
+
+    value = state_field(state, key, (int, float), source=Path(path))
+    if isinstance(value, bool) or not np.isfinite(value) or value <= 0:
+        raise InputError(
+            f"must be a finite number > 0, got {value!r}",
+            source=str(Path(path) / MANIFEST),
+            field=f"state.{key}",
+        )
+    return float(value)
 
 
 def _alpha(dt: float, halflife_s: float) -> float:
@@ -297,4 +315,4 @@ class KalmanForecaster(Forecaster):
         return {"obs_noise": self.obs_noise_}
 
     def _set_state(self, state: dict, path) -> None:
-        self.obs_noise_ = float(state["obs_noise"])
+        self.obs_noise_ = _positive(state, "obs_noise", path)

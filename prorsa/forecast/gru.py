@@ -209,6 +209,15 @@ class GRUForecaster(Forecaster):
         self.y_mean_, self.y_std_ = arrays["y_mean"], arrays["y_std"]
         self._net = None
         width = len(aggregate_feature_names(self.lags_, self.tasks_))
+        outputs = len(TARGETS) * len(self.horizons_)
+        for name, values in (("y_mean", self.y_mean_), ("y_std", self.y_std_)):
+            if len(values) != outputs:  # else predict fails to reshape, mid-run
+                raise InputError(
+                    f"{name} has {len(values)} outputs; {len(TARGETS)} targets x "
+                    f"{len(self.horizons_)} fitted horizons need {outputs}",
+                    source=str(file),
+                    hint="fitted.horizons must be the horizons the network was trained for",
+                )
         if len(self.x_mean_) != width:
             raise InputError(
                 f"model expects {len(self.x_mean_)} input features, this prorsa builds {width}",
