@@ -90,6 +90,18 @@ def test_loading_bad_datasets(tmp_path, hand_data):
     (tmp_path / "d.turns.parquet").write_bytes(earlier)
     with pytest.raises(InputError, match="another save"):
         ForecastDataset.load(path)
+    # Metadata without what training reads, or unreadable: named (found by review).
+    import pyarrow.parquet as pq_
+
+    hand_data.save(path)
+    table = pq_.read_table(path)
+    meta = dict(table.schema.metadata)
+    for raw, field in ((b'{"horizons": [1]}', "meta.tasks"), (b"{not json", "forecast_dataset")):
+        meta[b"prorsa.forecast_dataset"] = raw
+        pq_.write_table(table.replace_schema_metadata(meta), path)
+        with pytest.raises(InputError, match=field):
+            ForecastDataset.load(path)
+    hand_data.save(path)
     # A cut-short sibling: named, with the hint to rebuild (found by review).
     (tmp_path / "d.snapshots.parquet").write_bytes(b"PAR1 cut short")
     with pytest.raises(InputError, match=r"cannot read d\.snapshots\.parquet") as err:

@@ -179,7 +179,22 @@ class ForecastDataset:
                     hint="build the dataset again",
                 )
             frames[name] = part.to_pandas()
-        return cls(table.to_pandas(), frames["snapshots"], frames["turns"], json.loads(raw))
+        return cls(table.to_pandas(), frames["snapshots"], frames["turns"], _meta(raw, path))
+
+
+def _meta(raw: bytes, path: Path) -> dict:
+    """A saved dataset's metadata, checked for what training reads from it."""
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"unreadable metadata: {exc}", source=str(path),
+                         field=_META_KEY.decode()) from None  # fmt: skip
+    if not isinstance(meta, dict):
+        raise InputError("metadata is not an object", source=str(path), field=_META_KEY.decode())
+    for key in ("horizons", "tasks", "feature_names"):
+        if not isinstance(meta.get(key), list):
+            raise InputError("missing or not a list", source=str(path), field=f"meta.{key}")
+    return meta
 
 
 def sibling(path: Path, name: str) -> Path:
