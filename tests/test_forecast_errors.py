@@ -34,7 +34,7 @@ def test_dataset_from_bad_telemetry():
     with pytest.raises(InputError, match="no telemetry"):
         build_dataset([])
     twice = [events_to_table(make_two_turn_events())] * 2
-    with pytest.raises(InputError, match="more than one table"):
+    with pytest.raises(InputError, match=r"is also in telemetry\[0\]"):
         build_dataset(twice)
 
 

@@ -309,31 +309,36 @@ def test_replays_use_the_shipped_traces():
     assert np.isfinite(plan.shape.decode_context_tokens)
 
 
-def test_a_failing_cell_is_recorded_not_fatal(tmp_path, monkeypatch):
+def test_an_infeasible_cell_is_recorded_and_any_other_error_stops_the_map(tmp_path, monkeypatch):
     import prorsa.experiments.cells as cells
+    from prorsa.errors import CapacityError
 
     real = cells.run_cell
 
-    def flaky(cell):
+    def too_long(cell):
         if cell.policy == "mpc":
-            raise ValueError("rank over max_batch")
+            raise CapacityError("trajectory t reaches 9 tokens")
         return real(cell)
 
-    monkeypatch.setattr(cells, "run_cell", flaky)
+    monkeypatch.setattr(cells, "run_cell", too_long)
     (summary,) = run_map(toy_config(tmp_path))["regimes"]
     assert summary["failed_cells"] == ["mpc"]
-    assert summary["policies"]["mpc"]["error"] == "seed 9: ValueError: rank over max_batch"
+    error = summary["policies"]["mpc"]["error"]
+    assert error == "seed 9: CapacityError: trajectory t reaches 9 tokens"
     assert summary["speedup"]["mpc"] == 0.0 and summary["speedup_ci95"]["mpc"] is None
     assert summary["speedup"]["oracle"] > 0
     saved = [json.loads(line)["result"] for line in (tmp_path / "cells.jsonl").open()]
     assert sum("error" in r for r in saved) == 3  # one per held-out seed
 
-    def broken(cell):
-        raise ConfigError("bad cell")
+    # A simulator fault is not a loss to score: it stops the map (found by review).
+    for error in (ValueError("rank over max_batch"), ConfigError("bad cell")):
 
-    monkeypatch.setattr(cells, "run_cell", broken)
-    with pytest.raises(ConfigError, match="bad cell"):
-        run_map(toy_config(tmp_path / "again"))
+        def broken(cell, error=error):
+            raise error
+
+        monkeypatch.setattr(cells, "run_cell", broken)
+        with pytest.raises(type(error), match=str(error)):
+            run_map(toy_config(tmp_path / type(error).__name__))
 
 
 def test_plots_draw_the_intervals_and_survive_a_failed_run(tmp_path):
