@@ -10,12 +10,14 @@ averages as the level. They need no training data (``fit(None)`` works); given a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from prorsa.forecast.base import Forecaster, Point, Quantiles, register
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.fallback import SERIES, last_value_point
+from prorsa.forecast.model_folder import positive_state_field
 from prorsa.forecast.types import DEFAULT_HORIZONS, SUM_TARGETS, TARGETS, target_column
 
 # The same series in a dataset: lag features over one tick, times the run's scale.
@@ -155,25 +157,7 @@ class EWMAForecaster(Forecaster):
         return {"halflife_s": self.halflife_s_}
 
     def _set_state(self, state: dict, path) -> None:
-        self.halflife_s_ = _positive(state, "halflife_s", path)
-
-
-def _positive(state: dict, key: str, path) -> float:
-    """``state[key]`` as a finite number > 0; InputError naming the manifest field (a
-    zero half-life divided by zero at the first update, mid-run)."""
-    from pathlib import Path
-
-    from prorsa.errors import InputError
-    from prorsa.forecast.model_folder import MANIFEST, state_field
-
-    value = state_field(state, key, (int, float), source=Path(path))
-    if isinstance(value, bool) or not np.isfinite(value) or value <= 0:
-        raise InputError(
-            f"must be a finite number > 0, got {value!r}",
-            source=str(Path(path) / MANIFEST),
-            field=f"state.{key}",
-        )
-    return float(value)
+        self.halflife_s_ = positive_state_field(state, "halflife_s", source=Path(path))
 
 
 def _alpha(dt: float, halflife_s: float) -> float:
@@ -315,4 +299,4 @@ class KalmanForecaster(Forecaster):
         return {"obs_noise": self.obs_noise_}
 
     def _set_state(self, state: dict, path) -> None:
-        self.obs_noise_ = _positive(state, "obs_noise", path)
+        self.obs_noise_ = positive_state_field(state, "obs_noise", source=Path(path))

@@ -116,6 +116,18 @@ def state_field(state: dict, key: str, kind: type | tuple[type, ...], *, source:
     return value
 
 
+def positive_state_field(state: dict, key: str, *, source: Path) -> float:
+    """``state[key]`` as a finite number > 0 (the error names ``state.<key>``)."""
+    value = state_field(state, key, (int, float), source=source)
+    if not _positive_number(value):
+        raise InputError(
+            f"must be a finite number > 0, got {value!r}",
+            source=str(source / MANIFEST),
+            field=f"state.{key}",
+        )
+    return float(value)
+
+
 def model_file(path: Path, name: object, *, field: str) -> Path:
     """The model file ``name`` (from the manifest's ``field``) inside the folder ``path``."""
     if not isinstance(name, str) or not name or Path(name).name != name:
