@@ -216,16 +216,8 @@ class Sessions:
         # Ended ids, oldest first: forget those ended long ago (a later turn under one
         # starts its trajectory under the plain id again).
         horizon = now - max(ENDED_KEPT_S, 4 * self.idle_s)
-        while self._ended:
-            oldest = next(iter(self._ended))
-            if self._ended[oldest][1] >= horizon:
-                break
-            del self._ended[oldest]
-        while self._ended_trajectories:
-            oldest = next(iter(self._ended_trajectories))
-            if self._ended_trajectories[oldest] >= horizon:
-                break
-            del self._ended_trajectories[oldest]
+        _forget_before(self._ended, horizon, lambda entry: entry[1])
+        _forget_before(self._ended_trajectories, horizon, lambda ended_s: ended_s)
         return stale
 
     def finish_all(self) -> None:
@@ -241,3 +233,13 @@ class Sessions:
             task=session.task,
             context_tokens=session.context_tokens,
         )
+
+
+def _forget_before(ended: dict, horizon: float, ended_at: Callable[[Any], float]) -> None:
+    """Drop the entries of ``ended`` (oldest first, as inserted) that ended before
+    ``horizon``."""
+    while ended:
+        oldest = next(iter(ended))
+        if ended_at(ended[oldest]) >= horizon:
+            break
+        del ended[oldest]
