@@ -87,3 +87,26 @@ def test_blend_weights_are_fitted_saved_and_checked_on_load(tmp_path):
 def test_unknown_decode_offset_is_refused():
     with pytest.raises(ConfigError, match="decode_offset"):
         make_forecaster("lightgbm-trajectory", decode_offset="last")
+
+
+def test_calibration_splits_the_prefill_lag_into_later_and_first_turns():
+    """A sync launch queues every first prompt at once: the calibration sees it apart from
+    the later turns' prompts, so the trees can tell the burst from steady demand."""
+    from prorsa.forecast.trajectory import LAG_FEATURES
+
+    data = build_dataset([_telemetry(2, 80, s, f"r{s}") for s in range(2)], horizons=[5])
+    model = make_forecaster(
+        "lightgbm-trajectory", horizons=[5], n_estimators=5, calibration_estimators=1
+    )
+    model.fit(data).set_drift_check(False)
+    _feed(model, _telemetry(2, 80, 9, "held-out"), 3.0)
+    tracker = model.tracker_
+    scale = float(max(tracker.peak_live, 1))
+    sums = model.bottom_up_now((5.0,))
+    row = model._calibration_rows(model.current_features()[None, :], sums[None], scale, (5.0,))
+    lag = row[0, -1 - len(LAG_FEATURES) : -1]
+    total = tracker.observed_sum("cum_prefill", 5.0) / scale
+    first = tracker.observed_sum("cum_first_prefill", 5.0) / scale
+    assert first > 0 and total > first  # every trajectory's first prompt is in the window
+    assert lag[LAG_FEATURES.index("lag_first_prefill")] == pytest.approx(first)
+    assert lag[LAG_FEATURES.index("lag_later_prefill")] == pytest.approx(total - first)

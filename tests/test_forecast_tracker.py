@@ -51,6 +51,7 @@ def test_state_and_decode_estimate_by_hand():
     tr.tick(8.0)
     assert tr.live_count() == 0 and tr.counts["ends"] == 1
     assert tr.cum_prefill == 130 and tr.out_completed == 30
+    assert tr.cum_first_prefill == 100  # the first turn's prompt, not the later turn's 30
 
 
 def test_states_agree_with_cluster_state_at(sim_events):

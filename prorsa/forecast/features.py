@@ -69,6 +69,7 @@ def aggregate_feature_names(lags_s: Sequence[float], tasks: Sequence[str]) -> li
             f"lag_decode_rate_{h:g}",
             f"lag_decodes_{h:g}",
             f"lag_kv_tokens_{h:g}",
+            f"lag_first_prefill_rate_{h:g}",
         ]
     names += [
         "decode_rate_per_seq",
@@ -125,6 +126,7 @@ def aggregate_features(tracker: LifecycleTracker) -> np.ndarray:
             obs_sum("cum_decode", h) / scale,
             obs_mean("decodes", h) / scale,
             obs_mean("kv", h) / scale,
+            obs_sum("cum_first_prefill", h) / scale,
         ]
     starts = tracker.counts["starts"]
     values += [

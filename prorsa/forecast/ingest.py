@@ -234,10 +234,11 @@ class _Pass:
     def _queued(self, ev: np.ndarray, s: np.ndarray) -> None:
         tr = self.tr
         new = self.new[ev]
+        turn = self.turn[ev]
         tr.cum_prefill += float(new.sum())
+        tr.cum_first_prefill += float(new[turn == 0].sum())
         self._close_segment(s, ev)  # a preempted decode is re-queued
         self._set_state(s, 0, ev)
-        turn = self.turn[ev]
         starts = turn != tr.started_turn[s]
         if not starts.any():
             return

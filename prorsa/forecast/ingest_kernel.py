@@ -81,14 +81,14 @@ def _kernel(
     turns_done, out_sum, out_last, alive, task, start_s, frozen,  # per slot
     g_members, g_done, g_final_sum, g_turn_sum, g_out_sum, g_out_n,
     g_tool_sum, g_tool_n, g_new_sum, g_new_n,  # per group
-    totals,  # [cum_prefill, out_completed], updated in place
+    totals,  # [cum_prefill, out_completed, cum_first_prefill], updated in place
     frozen_event, rows_out, rate_num, rate_den, ttft_s, ended_event, counters,  # outputs
 ):  # fmt: skip
     """Apply events ``slot``/``born``/``kind``/... (one entry each, in time order) to the
     tracker's arrays in place; samples and counts go to the output arrays (see :func:`run`)."""
     nan = math.nan
     n_turns = n_dec = n_tool = n_end = n_frozen = n_rate = n_ttft = 0
-    cum_prefill, out_completed = totals[0], totals[1]
+    cum_prefill, out_completed, cum_first_prefill = totals[0], totals[1], totals[2]
     record = rows_out.shape[0] > 0
     for i in range(slot.shape[0]):
         s = slot[i]
@@ -103,9 +103,11 @@ def _kernel(
         if k == _QUEUED:
             nw = new[i]
             cum_prefill += nw
+            tn = turn[i]
+            if tn == 0:
+                cum_first_prefill += nw
             _close_segment(dec_open, dec_done, s, t)  # a preempted decode is re-queued
             _to_state(state, state_since, s, 0, t)
-            tn = turn[i]
             if tn != started_turn[s]:
                 started_turn[s] = tn
                 s_turn[s] = tn
@@ -178,6 +180,7 @@ def _kernel(
         # traj_start: the slot was created with the trajectory's first event.
     totals[0] = cum_prefill
     totals[1] = out_completed
+    totals[2] = cum_first_prefill
     counters[0] = n_turns
     counters[1] = n_dec
     counters[2] = n_tool
@@ -285,7 +288,7 @@ def run(tracker, slot: np.ndarray, born: np.ndarray, batch, pos: np.ndarray) -> 
     rate_num, rate_den, ttft = np.empty(n), np.empty(n), np.empty(n)
     ended_event = np.empty(n, np.int64)
     counters = np.zeros(len(COUNTERS), np.int64)
-    totals = np.array([tracker.cum_prefill, tracker.out_completed])
+    totals = np.array([tracker.cum_prefill, tracker.out_completed, tracker.cum_first_prefill])
     _kernel(
         slot,
         born,
@@ -307,6 +310,7 @@ def run(tracker, slot: np.ndarray, born: np.ndarray, batch, pos: np.ndarray) -> 
         counters,
     )
     tracker.cum_prefill, tracker.out_completed = float(totals[0]), float(totals[1])
+    tracker.cum_first_prefill = float(totals[2])
     c = dict(zip(COUNTERS, counters.tolist(), strict=True))
     return {
         "counts": c,

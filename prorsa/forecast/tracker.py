@@ -188,6 +188,9 @@ class LifecycleTracker:
         self.first_time: float | None = None
         self.last_event_time = -math.inf
         self.cum_prefill = 0.0
+        #: Of which first turns' prompts: a sync step queues all of them at its launch, a
+        #: burst that says nothing about the demand that follows (see the features).
+        self.cum_first_prefill = 0.0
         self.out_completed = 0.0
         self.counts = dict.fromkeys(("turns", "starts", "ends", "decode_ends", "tool_ends"), 0)
         self.pending: list[int] = []
@@ -470,10 +473,12 @@ class LifecycleTracker:
 
     def _on_queued(self, slot: int, t: float, row: tuple) -> None:
         new = row[_NEW]
+        turn = row[_TURN]
         self.cum_prefill += new
+        if turn == 0:
+            self.cum_first_prefill += new
         self._close_segment(slot, t)  # a preempted decode is re-queued
         self._set_state(slot, QUEUED, t)
-        turn = row[_TURN]
         if turn == self.started_turn[slot]:
             return
         self.started_turn[slot] = turn
@@ -649,6 +654,7 @@ class LifecycleTracker:
         values = {
             "time": self.time_s,
             "cum_prefill": self.cum_prefill,
+            "cum_first_prefill": self.cum_first_prefill,
             "cum_decode": self.out_completed + float(decoded[is_open].sum()),
             "decodes": float(is_open.sum()),
             "kv": kv,
@@ -740,6 +746,7 @@ _NAN_ON_START = ("dec_open", "tool_start", "out_last", "new_last", "tool_last")
 _HISTORY = (
     "time",
     "cum_prefill",
+    "cum_first_prefill",
     "cum_decode",
     "decodes",
     "kv",

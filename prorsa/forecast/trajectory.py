@@ -65,9 +65,14 @@ BOTTOM_UP_FEATURES = ("bu_prefill", "bu_decode", "bu_sequences", "bu_kv")
 # The calibration sees few aggregate features: with many, its trees chase the noise of a
 # few thousand ticks instead of correcting the bottom-up sum.
 # What was observed over the same horizon just before the tick, per target: lets the
-# calibration fall back on recent demand where the bottom-up sum is off.
+# calibration fall back on recent demand where the bottom-up sum is off. Prefill's is split
+# in two: later turns' prompts (what live trajectories keep asking for, one per target like
+# the others) and first turns' (new trajectories). A sync step queues every first prompt
+# at its launch; in one lag, that burst reads as steady demand and the trees forecast it
+# again (a 30B tau2 step: 1.8M tokens forecast for the next 30 s where 0.55M came).
 _LAG_PREFIXES = ("lag_prefill_rate_", "lag_decode_rate_", "lag_decodes_", "lag_kv_tokens_")
-LAG_FEATURES = ("lag_prefill", "lag_decode", "lag_sequences", "lag_kv")
+_FIRST_PREFILL_PREFIX = "lag_first_prefill_rate_"
+LAG_FEATURES = ("lag_later_prefill", "lag_decode", "lag_sequences", "lag_kv", "lag_first_prefill")
 #: What the calibration corrects for the decode targets (see the class doc).
 DECODE_OFFSETS = ("bottom-up", "recent", "blend")
 CALIBRATION_FEATURES = (
@@ -347,7 +352,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self, feats: np.ndarray, sums: np.ndarray, scale: np.ndarray, horizons: Sequence[float]
     ) -> np.ndarray:
         """Calibration inputs, horizon-major: [ticks x horizons, chosen aggregate features +
-        bottom-up sums + the observed lag at the same horizon + horizon].
+        bottom-up sums + the observed lags at the same horizon (:data:`LAG_FEATURES`) + horizon].
 
         ``feats`` are full aggregate-feature rows; ``sums`` [ticks, targets, horizons].
         """
@@ -358,7 +363,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
             bu = np.column_stack(
                 [normalise(sums[:, i, j], t, h, scale) for i, t in enumerate(TARGETS)]
             )
-            blocks.append(np.column_stack([base, bu, feats[:, lags[h]], np.full(len(base), h)]))
+            lag = feats[:, lags[h]]
+            lag[:, 0] -= lag[:, -1]  # all prompts less first turns': later turns'
+            blocks.append(np.column_stack([base, bu, lag, np.full(len(base), h)]))
         return np.vstack(blocks)
 
     # --------------------------------------------------------------- online
@@ -515,7 +522,10 @@ class LightGBMTrajectoryForecaster(Forecaster):
             names = aggregate_feature_names(self.lags_, self.tasks_)
             index = np.array([names.index(f) for f in self.calibration_features_], dtype=int)
             lags = {
-                h: np.array([names.index(f"{p}{h:g}") for p in _LAG_PREFIXES], dtype=int)
+                h: np.array(
+                    [names.index(f"{p}{h:g}") for p in (*_LAG_PREFIXES, _FIRST_PREFILL_PREFIX)],
+                    dtype=int,
+                )
                 for h in self.horizons_
             }
             self._cal_index = (index, lags)
