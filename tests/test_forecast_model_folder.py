@@ -195,3 +195,59 @@ def test_cli_reports_a_truncated_booster_file_in_one_line(tmp_path):
     assert result.exit_code == 1, result.output
     assert "Aborted" not in result.output and "Traceback" not in result.output
     assert "boosters.json.gz" in result.output and "truncated" in result.output
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    """A freshly fitted lightgbm-aggregate (its folder lists its files' digests)."""
+    from prorsa.forecast import build_dataset, make_forecaster
+    from tests.sim_helpers import random_specs, run
+
+    table = run(random_specs(40, seed=1, turns=(2, 4)), "static", slots=2).telemetry
+    model = make_forecaster("lightgbm-aggregate", horizons=[5], n_estimators=5)
+    return model.fit(build_dataset([table], horizons=[5]))
+
+
+def test_save_lists_file_digests_and_keeps_other_files(tmp_path, small_model):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    small_model.save(folder, extra={"recipe": {"why": "test"}})
+    manifest = _manifest(folder)
+    digest = hashlib.sha256((folder / "boosters.json.gz").read_bytes()).hexdigest()
+    assert manifest["files"] == {"boosters.json.gz": digest}
+    assert manifest["recipe"] == {"why": "test"}
+    assert (folder / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "boosters.json.gz",
+        "manifest.json",
+        "notes.txt",
+    ]  # no staging folder left behind
+    load_forecaster(folder)
+
+
+def test_weights_from_another_save_are_named_not_loaded(tmp_path, small_model):
+    """A save cut short after moving its weights in leaves the old manifest beside new
+    weights (and copying files between model folders does the same): refused, named."""
+    old = small_model.save(tmp_path / "old")
+    shutil.copy(MODELS / "lightgbm-aggregate" / "boosters.json.gz", old / "boosters.json.gz")
+    with pytest.raises(InputError) as err:
+        load_forecaster(old)
+    assert "files.boosters.json.gz" in str(err.value)
+    assert "does not match" in str(err.value)
+
+
+def test_a_failed_manifest_write_keeps_the_old_manifest(tmp_path, small_model, monkeypatch):
+    import prorsa.forecast.base as base
+
+    folder = small_model.save(tmp_path / "m")
+    before = (folder / "manifest.json").read_bytes()
+
+    def full_disk(path, text):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(base, "atomic_write_text", full_disk)
+    with pytest.raises(OSError):
+        small_model.save(folder, metrics={"changed": 1.0})
+    assert (folder / "manifest.json").read_bytes() == before
+    load_forecaster(folder)  # the same weights were moved in: still consistent

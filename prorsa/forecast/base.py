@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from importlib import metadata
@@ -37,7 +38,7 @@ from prorsa.forecast.features import (
     aggregate_feature_names,
     aggregate_features,
 )
-from prorsa.forecast.model_folder import MANIFEST, read_manifest
+from prorsa.forecast.model_folder import MANIFEST, check_files, read_manifest
 from prorsa.forecast.tracker import LifecycleTracker
 from prorsa.forecast.types import (
     DEFAULT_HORIZONS,
@@ -47,6 +48,7 @@ from prorsa.forecast.types import (
     check_horizons,
     target_column,
 )
+from prorsa.io import atomic_write_text, file_sha256
 from prorsa.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -312,13 +314,32 @@ class Forecaster(ABC):
         """(point, quantiles) per target as arrays over ``horizons``; quantiles may be {}."""
 
     # ------------------------------------------------------------ save/load
-    def save(self, path: str | os.PathLike[str], *, metrics: dict | None = None) -> Path:
-        """Write ``path/manifest.json`` and the model files; returns the folder."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        metrics: dict | None = None,
+        extra: dict | None = None,
+    ) -> Path:
+        """Write ``path/manifest.json`` and the model files; returns the folder.
+
+        The model files are written beside the folder first and moved in, the manifest
+        last, holding each file's SHA-256: a save cut short leaves the old manifest (or
+        none), and loading names any file that does not match it instead of pairing an
+        old manifest with new weights. ``extra`` adds top-level manifest fields (a
+        training recipe, say). Other files in the folder are left alone.
+        """
         self._check_fitted()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         if metrics is not None:
             self.metrics_ = dict(metrics)
+        with tempfile.TemporaryDirectory(prefix=".saving-", dir=path) as staging:
+            state = self._get_state(Path(staging))
+            files = {}
+            for file in sorted(Path(staging).iterdir()):
+                files[file.name] = file_sha256(file)
+                os.replace(file, path / file.name)
         manifest = {
             "format": "prorsa-forecaster/1",
             "name": self.name,
@@ -334,9 +355,11 @@ class Forecaster(ABC):
             "data_hash": self.data_hash_,
             "metrics": self.metrics_,
             "versions": package_versions(),
-            "state": self._get_state(path),
+            "state": state,
+            "files": files,
+            **(extra or {}),
         }
-        (path / MANIFEST).write_text(json.dumps(manifest, indent=2, default=_json) + "\n")
+        atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=2, default=_json) + "\n")
         return path
 
     def _get_state(self, path: Path) -> dict:
@@ -456,6 +479,7 @@ def load_forecaster(path: str | os.PathLike[str]) -> Forecaster:
     model.data_hash_ = manifest.get("data_hash")
     model.metrics_ = manifest.get("metrics", {})
     model.manifest_ = manifest
+    check_files(manifest, path)
     try:
         model._set_state(manifest.get("state", {}), path)
         model.fitted_ = True

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from prorsa.errors import InputError
+from prorsa.io import file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "prorsa-forecaster/1"
@@ -105,6 +106,26 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if data_hash is not None:
         _expect(data_hash, str, src, "data_hash", "a string")
     return manifest
+
+
+def check_files(manifest: dict[str, Any], path: Path) -> None:
+    """Each model file the manifest's ``files`` lists has the SHA-256 it states: a save cut
+    short, or files copied in from another model, are named here instead of loading a
+    model whose weights belong to another manifest. (Folders saved before ``files``
+    existed have none to check.)"""
+    files = manifest.get("files", {})
+    src = str(path / MANIFEST)
+    _expect(files, dict, src, "files", "an object of file name -> SHA-256")
+    for name, digest in files.items():
+        file = model_file(path, name, field=f"files.{name}")
+        if not isinstance(digest, str) or file_sha256(file) != digest:
+            raise InputError(
+                f"{name} does not match the manifest's SHA-256: its save was cut short, or "
+                "it comes from another model",
+                source=str(file),
+                field=f"files.{name}",
+                hint=_HINT,
+            )
 
 
 def state_field(state: dict, key: str, kind: type | tuple[type, ...], *, source: Path) -> Any:

@@ -19,7 +19,6 @@ GPU). Manifests record the dataset hash and the simulator version.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from collections.abc import Callable, Sequence
@@ -178,11 +177,7 @@ def train_model(
         results = backtest(forecaster, table, progress=progress)
         for r in score(results).itertuples(index=False):
             metrics[f"heldout_wape_{r.target}_h{r.horizon_s:g}"] = r.wape
-    path = forecaster.save(out, metrics=metrics)
-    if extra_manifest:
-        manifest = json.loads((path / "manifest.json").read_text())
-        manifest.update(extra_manifest)
-        (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    path = forecaster.save(out, metrics=metrics, extra=extra_manifest)
     uri = tracking_uri(mlflow)
     if uri:
         log_run(
