@@ -47,9 +47,16 @@ class FakeEngine:
     def kill(self) -> None:
         self.alive = False
 
+    def unreachable_for(self, calls: int) -> None:
+        """The next ``calls`` calls fail as Ray's ActorUnavailableError does (transient)."""
+        self.unreachable = calls
+
     def _check(self) -> None:
         if not self.alive:
             raise EngineUnavailable(self.engine_id, "killed")
+        if getattr(self, "unreachable", 0) > 0:
+            self.unreachable -= 1
+            raise EngineUnavailable(self.engine_id, "ActorUnavailableError", transient=True)
 
     def _cached(self, prompt: list[int]) -> int:
         best = 0

@@ -214,6 +214,49 @@ def test_engine_death_mid_decode_reroutes_with_retry_count(tmp_path):
     assert any(d.get("retry") for d in details)
 
 
+def test_an_unreachable_engine_loses_the_turn_but_stays_in_service():
+    # Found by review: Ray's transient ActorUnavailableError (a restarting actor, a
+    # network blip) retired the engine for good, like a death.
+    router, engines = make_router(["prefill", "decode", "decode"])
+    engines[1].unreachable_for(1)
+    engines[2].unreachable_for(1)
+
+    async def run():
+        first = await router.generate(TurnRequest("t0", prompt(20), 6))
+        later = await router.generate(TurnRequest("t1", prompt(24, 9), 6))
+        return first, later
+
+    first, later = asyncio.run(run())
+    assert first.output_token_ids == expected_tokens(prompt(20), 6)
+    assert first.retries >= 1
+    assert router.pools.counts()["dead"] == 0
+    assert later.output_token_ids == expected_tokens(prompt(24, 9), 6)
+    assert {e.engine_id for e in router.pools.engines() if e.alive} == {0, 1, 2}
+
+
+def test_an_unreachable_load_poll_waits_for_the_stall_watch_and_a_death_retires():
+    from prorsa.runtime.ray.monitor import LoadMonitor
+
+    class Polled(FakeEngine):
+        async def load(self):
+            self._check()
+            return {"engine_id": self.engine_id, "running": 0, "waiting": 0}
+
+    engines = [Polled(0), Polled(1)]
+    pools = RolePools(engines, {0: "prefill", 1: "decode"}, {0: LIMITS, 1: LIMITS})
+
+    async def run():
+        monitor = LoadMonitor(pools, interval_s=1, stall_timeout_s=60)
+        engines[1].unreachable_for(1)
+        await monitor.poll_once()
+        transient_dead = pools.counts()["dead"]
+        engines[1].kill()
+        await monitor.poll_once()
+        return transient_dead, pools.counts()["dead"]
+
+    assert asyncio.run(run()) == (0, 1)
+
+
 def test_all_decode_engines_dead_gives_routing_error():
     router, engines = make_router(["prefill", "decode"], RouterConfig(route_timeout_s=0.2))
     engines[1].kill()
@@ -319,3 +362,20 @@ def test_queued_prefill_counts_the_tokens_a_leg_computes_not_its_cached_prefix()
     assert first_queued == 300  # nothing cached on the first turn
     # the second turn computes what came after the first: its 8 outputs and 20 new tokens
     assert second.num_cached_tokens > 0 and (context, queued) == (328, 28)
+
+
+@pytest.mark.parametrize(("transient", "error"), [(True, "unavailable"), (False, "died")])
+def test_ray_client_tells_an_unreachable_actor_from_a_dead_one(transient, error):
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from prorsa.runtime.ray.client import EngineUnavailable, RayEngineClient
+
+    async def failing():
+        if error == "unavailable":
+            raise ActorUnavailableError("connection reset", None)
+        raise ActorDiedError()
+
+    client = RayEngineClient(3, actor=None)
+    with pytest.raises(EngineUnavailable) as err:
+        asyncio.run(client._wait(failing()))
+    assert err.value.engine_id == 3 and err.value.transient is transient

@@ -18,12 +18,19 @@ from prorsa.errors import ProrsaError
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine died or stopped answering; its requests must be served elsewhere."""
+    """The engine died or stopped answering; its requests must be served elsewhere.
 
-    def __init__(self, engine_id: int, reason: str) -> None:
+    ``transient``: Ray could not reach the actor this time but does not say it died
+    (``ActorUnavailableError``: a restarting actor, a network blip; the call may or may
+    not have run). The request goes elsewhere, but the engine stays in service: the
+    stall watch retires it if it stays silent, and Ray reports a real death as such.
+    """
+
+    def __init__(self, engine_id: int, reason: str, *, transient: bool = False) -> None:
         super().__init__(f"engine {engine_id} unavailable: {reason}")
         self.engine_id = engine_id
         self.reason = reason
+        self.transient = transient
 
 
 T = TypeVar("T")
@@ -232,10 +239,14 @@ class RayEngineClient:
             raise
 
     async def _wait(self, ref: Any) -> Any:
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
         try:
             return await ref
+        except ActorUnavailableError as exc:
+            raise EngineUnavailable(
+                self.engine_id, f"{type(exc).__name__}: {exc}", transient=True
+            ) from exc
         except RayActorError as exc:  # died, killed, or unreachable
             raise EngineUnavailable(self.engine_id, type(exc).__name__) from exc
         except RayTaskError as exc:

@@ -110,12 +110,14 @@ class LoadMonitor:
                 self.peak_kv_usage[engine.engine_id] = max(peak, usage)
             elif isinstance(answer, AttributeError | NotImplementedError):
                 self._unsupported.add(engine.engine_id)
+            elif isinstance(answer, TimeoutError) or (
+                isinstance(answer, EngineUnavailable) and answer.transient
+            ):
+                self._watch_silence(engine, now, stuck)
             elif isinstance(answer, EngineUnavailable):
                 # An idle engine's death shows here first; the router finds it only when
                 # it next sends work there.
                 self.pools.mark_dead(engine.engine_id, cause=f"load poll failed: {answer}")
-            elif isinstance(answer, TimeoutError):
-                self._watch_silence(engine, now, stuck)
             else:
                 logger.debug("load of engine %d: %r", engine.engine_id, answer)
         self._retire_stuck(stuck)

@@ -700,6 +700,11 @@ class PDRouter:
             raise LegFailed(f"{where} failed in the engine")
 
     def _engine_failed(self, exc: EngineUnavailable) -> None:
+        if exc.transient:
+            # Unreachable this once: the turn goes elsewhere, the engine stays (the
+            # monitor's stall watch retires it if it stays silent).
+            logger.warning("engine %d unreachable: %s", exc.engine_id, exc.reason)
+            return
         if self.pools.mark_dead(exc.engine_id, cause=f"request failed: {exc.reason}"):
             logger.error("engine %d marked dead: %s", exc.engine_id, exc.reason)
 
