@@ -379,3 +379,30 @@ def test_ray_client_tells_an_unreachable_actor_from_a_dead_one(transient, error)
     with pytest.raises(EngineUnavailable) as err:
         asyncio.run(client._wait(failing()))
     assert err.value.engine_id == 3 and err.value.transient is transient
+
+
+def test_a_turn_hashes_each_prompt_prefix_once_whatever_the_candidates(monkeypatch):
+    # Found by review: each prefill candidate hashed the whole prompt again (about 1 ms
+    # per 128k tokens, ~7 times a turn).
+    from prorsa.runtime.ray import turns
+
+    router, _engines = make_router(["prefill", "prefill", "prefill", "decode"])
+    first = prompt(200)
+    calls = []
+
+    def counting(value):
+        calls.append(len(value))
+        return hash(value)
+
+    async def run():
+        done = await router.generate(TurnRequest("t", first, 8))
+        follow = [*first, *done.output_token_ids, *prompt(30, 5)]
+        monkeypatch.setattr(turns, "hash", counting, raising=False)
+        again = await router.generate(TurnRequest("t", follow, 8, turn=1))
+        return done, again
+
+    _done, again = asyncio.run(run())
+    assert again.path == "disaggregated" and again.prefill_cached_tokens >= 192
+    # the prefix a prefill engine holds, the context the decode engine holds and the
+    # whole prompt the prefill leg leaves: each hashed once, however often compared
+    assert sorted(calls) == [200, 208, 238]

@@ -431,16 +431,13 @@ class PDRouter:
             return 0
         prompt = request.prompt_token_ids
         seen = self._resident.get(request.trajectory_id, {}).get(engine.engine_id)
-        if (
-            seen is not None
-            and seen[0] <= len(prompt)
-            and hash(tuple(prompt[: seen[0]])) == seen[1]
-        ):
+        if seen is not None and seen[0] <= len(prompt) and request.prefix_hash(seen[0]) == seen[1]:
             return seen[0]
         return 0
 
-    def _remember(self, traj: str, engine: EngineState, tokens: list[int]) -> None:
-        self._resident.setdefault(traj, {})[engine.engine_id] = (len(tokens), hash(tuple(tokens)))
+    def _remember(self, traj: str, engine: EngineState, tokens: int, digest: int) -> None:
+        """``engine`` now holds ``tokens`` tokens of ``traj``'s context, of hash ``digest``."""
+        self._resident.setdefault(traj, {})[engine.engine_id] = (tokens, digest)
 
     # ------------------------------------------------------------------ serving
     async def _serve(
@@ -534,7 +531,8 @@ class PDRouter:
             new_tokens=context - cached,
             cached_tokens=cached,
         )
-        self._remember(request.trajectory_id, prefill, prompt)
+        length = len(prompt)
+        self._remember(request.trajectory_id, prefill, length, request.prefix_hash(length))
         kv_params = first.get("kv_transfer_params")
         try:
             decode = await self._decode_engine(request, decode)
@@ -668,7 +666,8 @@ class PDRouter:
             finish_reason=result["finish_reason"],
             path=plan.path,
         )
-        self._remember(request.trajectory_id, decode, list(request.prompt_token_ids) + output)
+        context = [*request.prompt_token_ids, *output]
+        self._remember(request.trajectory_id, decode, len(context), hash(tuple(context)))
         self._last_context[request.trajectory_id] = len(request.prompt_token_ids) + len(output)
         legs = {"decode": result}
         if prefill_result is not None:

@@ -100,6 +100,19 @@ class TurnRequest:
     mode: Mode = "auto"
     engine_id: int | None = None  # pin: the colocated engine, or the decode engine
     prefill_engine_id: int | None = None  # pin the prefill engine of a disaggregated turn
+    #: Hashes of prompt prefixes by length, computed once per turn: the router compares
+    #: each candidate engine's cached context with the prompt, and at 128k tokens one
+    #: hash costs about a millisecond.
+    _prefix_hashes: dict[int, int] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def prefix_hash(self, tokens: int) -> int:
+        """Hash of the prompt's first ``tokens`` tokens (memoised)."""
+        known = self._prefix_hashes.get(tokens)
+        if known is None:
+            known = self._prefix_hashes[tokens] = hash(tuple(self.prompt_token_ids[:tokens]))
+        return known
 
     def sampling(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
