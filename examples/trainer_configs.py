@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> str:
         "# verl (overrides)",
         "actor_rollout_ref.rollout.agent.agent_loop_manager_class="
         "prorsa.integrations.verl.ProrsaAgentLoopManager \\",
-        f"+actor_rollout_ref.rollout.custom.prorsa_url={args.url}",
+        f"+actor_rollout_ref.rollout.custom.prorsa_url={args.url} \\",
+        "trainer.save_freq=1 \\",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     ]
     text = "\n".join(sections)
     print(text)

@@ -9,23 +9,34 @@ through prorsa's router and its prefill/decode engines. Set::
     actor_rollout_ref.rollout.agent.agent_loop_manager_class=prorsa.integrations.verl.ProrsaAgentLoopManager
     +actor_rollout_ref.rollout.custom.prorsa_url=http://HOST:PORT
 
-``ProrsaAgentLoopManager`` is verl's own ``AgentLoopManager`` with only the client swapped
-(built on first use, so this module imports without verl). verl keeps its own weight sync
-(its checkpoint engine updates the replicas it manages); point prorsa's engines at the
-same weights with ``POST /update_weights {"weight_dir"}`` after each save, or let verl
-own the engines and use prorsa for routing only when it gains per-engine endpoints.
+``ProrsaAgentLoopManager`` is verl's own ``AgentLoopManager`` with the client swapped
+(built on first use, so this module imports without verl). verl keeps its own weight sync:
+its checkpoint engine updates the replicas it manages, in memory, and tells no manager.
+What verl does write is its checkpoint: with ``trainer.save_freq=1`` and ``hf_model`` in
+``actor_rollout_ref.actor.checkpoint.save_contents``, each step's weights land in
+``{trainer.default_local_dir}/global_step_{N}/actor/huggingface`` before the next step
+generates. The manager's :class:`CheckpointFollower` loads the newest such folder into
+prorsa's engines (``POST /update_weights``, version N) at the start of each
+``generate_sequences``, which verl calls with the step in ``meta_info["global_steps"]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prorsa.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 URL_ENV = "PRORSA_URL"
+TOKEN_ENV = "PRORSA_ADMIN_TOKEN"
+#: Where verl's checkpoint manager saves a step's weights in Hugging Face format.
+HF_WEIGHTS = ("global_step_{step}", "actor", "huggingface")
 #: verl sampling keys prorsa takes as they are.
 _PASS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "ignore_eos",
@@ -163,6 +174,114 @@ class ProrsaLLMClient:
         await self._http().post("/finish_session", params={"session_id": str(request_id)})
 
 
+class CheckpointFollower:
+    """Loads verl's newest saved Hugging Face weights into prorsa's engines.
+
+    verl's replicas get each step's weights in memory; prorsa's engines only from disk.
+    Before step ``S`` generates, the weights verl trains from are those its step ``S - 1``
+    saved, in ``{checkpoint_dir}/global_step_{S-1}/actor/huggingface``. :meth:`sync` loads
+    the newest complete such folder below ``S`` that prorsa does not serve yet, as weight
+    version ``S - 1`` (the number verl's staleness checks read back from each turn).
+
+    Args:
+        url: the prorsa server.
+        checkpoint_dir: verl's ``trainer.default_local_dir``.
+        admin_token: the server's ``--admin-token``, if it has one.
+        timeout_s: the most seconds one weight load may take.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        admin_token: str | None = None,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.admin_token = admin_token
+        self.timeout_s = timeout_s
+        #: The step whose weights prorsa serves (None: none loaded by this follower).
+        self.loaded_step: int | None = None
+
+    def newest_below(self, step: int) -> tuple[int, Path] | None:
+        """(step, folder) of the newest complete saved weights of a step before ``step``."""
+        found = []
+        for folder in self.checkpoint_dir.glob("global_step_*"):
+            number = folder.name.removeprefix("global_step_")
+            weights = folder.joinpath(*HF_WEIGHTS[1:])
+            if number.isdigit() and int(number) < step and _complete(weights):
+                found.append((int(number), weights))
+        return max(found, default=None)
+
+    def sync(self, step: int | None) -> dict[str, Any] | None:
+        """Before verl's step ``step`` generates: load the weights it trains from, if
+        prorsa does not serve them yet. Returns the server's update summary, or None when
+        there was nothing newer to load (a warning says when the newest saved step lags
+        the weights verl serves itself)."""
+        if step is None:
+            return None
+        newest = self.newest_below(int(step))
+        if newest is not None and newest[0] < int(step) - 1:
+            logger.warning(
+                "verl step %d generates from step %d's weights, but the newest saved are "
+                "step %d's: prorsa serves older weights than verl's own replicas (set "
+                "trainer.save_freq=1 and add hf_model to the checkpoint's save_contents)",
+                step, int(step) - 1, newest[0],
+            )  # fmt: skip
+        if newest is None or (self.loaded_step is not None and newest[0] <= self.loaded_step):
+            return None
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        with httpx.Client(base_url=self.url, timeout=self.timeout_s) as http:
+            response = http.post(
+                "/update_weights",
+                json={"weight_dir": str(newest[1]), "version": newest[0]},
+                headers=headers,
+            )
+        if response.status_code >= 400:
+            raise RuntimeError(
+                f"prorsa refused verl's step {newest[0]} weights ({newest[1]}): "
+                f"{response.status_code} {response.text[:500]}"
+            )
+        self.loaded_step = newest[0]
+        return response.json()
+
+
+def _complete(folder: Path) -> bool:
+    """A ``save_pretrained`` folder with its config and at least one weights file."""
+    if not (folder / "config.json").is_file():
+        return False
+    return any(f.suffix in (".safetensors", ".bin") and f.is_file() for f in folder.iterdir())
+
+
+def checkpoint_follower(config: Any, url: str) -> CheckpointFollower | None:
+    """The follower verl's config asks for (``rollout.custom.prorsa_follow_checkpoints``,
+    default on), after checking that verl will save what it reads."""
+    custom = config.actor_rollout_ref.rollout.get("custom") or {}
+    if not custom.get("prorsa_follow_checkpoints", True):
+        return None
+    trainer = config.trainer
+    contents = list(config.actor_rollout_ref.actor.checkpoint.get("save_contents") or [])
+    if "hf_model" not in contents or trainer.get("save_freq") != 1:
+        raise ConfigError(
+            "prorsa's engines load verl's weights from its checkpoints, which this config "
+            f"does not save every step (save_freq={trainer.get('save_freq')!r}, "
+            f"save_contents={contents!r})",
+            hint="set trainer.save_freq=1 and add hf_model to "
+            "actor_rollout_ref.actor.checkpoint.save_contents, or set "
+            "+actor_rollout_ref.rollout.custom.prorsa_follow_checkpoints=false and update "
+            "prorsa's weights yourself (POST /update_weights)",
+        )
+    return CheckpointFollower(
+        url,
+        trainer.default_local_dir,
+        admin_token=custom.get("prorsa_admin_token") or os.environ.get(TOKEN_ENV),
+    )
+
+
 def _token_output(**fields: Any) -> Any:
     try:
         from verl.workers.rollout.replica import TokenOutput
@@ -191,13 +310,22 @@ def _manager_class() -> type:
 
         def __init__(self, config: Any, llm_client: Any = None, *args: Any, **kwargs: Any):
             rollout = config.actor_rollout_ref.rollout
+            url = prorsa_url(config)
             client = ProrsaLLMClient(
-                prorsa_url(config),
+                url,
                 max_tokens=rollout.response_length,
                 prompt_length=rollout.prompt_length,
                 max_model_len=rollout.get("max_model_len"),
             )
+            self.prorsa_weights = checkpoint_follower(config, url)
             super().__init__(config, client, *args, **kwargs)
+
+        def generate_sequences(self, prompts: Any) -> Any:
+            # verl updated its own replicas (and saved) since the last step: prorsa's
+            # engines load the saved weights before any turn of this step.
+            if self.prorsa_weights is not None:
+                self.prorsa_weights.sync(prompts.meta_info.get("global_steps"))
+            return super().generate_sequences(prompts)
 
     return ProrsaAgentLoopManager
 
