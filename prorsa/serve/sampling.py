@@ -10,6 +10,7 @@ extends the router's ``TurnRequest`` with the settings it lacks; the router pass
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,8 +137,8 @@ def _check(s: Sampling, source: str) -> None:
         if not _is_int(getattr(s, name)):
             raise bad(name, "must be an integer")
     for name in _NUMBERS:
-        if not _is_number(getattr(s, name)):
-            raise bad(name, "must be a number")
+        if not _is_number(getattr(s, name)) or not math.isfinite(getattr(s, name)):
+            raise bad(name, "must be a finite number")
     if s.max_tokens < 1:
         raise bad("max_tokens", "must be >= 1")
     if not 0 <= s.min_tokens <= s.max_tokens:
@@ -152,6 +153,13 @@ def _check(s: Sampling, source: str) -> None:
         raise bad("top_k", "must be -1 or 0 (off) or >= 1")
     if not 0 <= s.min_p <= 1:
         raise bad("min_p", "must be in [0, 1]")
+    # vLLM's own limits, checked here so a refused turn never reaches the session's turn
+    # count or an engine.
+    if s.repetition_penalty <= 0:
+        raise bad("repetition_penalty", "must be > 0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(s, name) <= 2:
+            raise bad(name, "must be in [-2, 2]")
     if s.seed is not None and not _is_int(s.seed):
         raise bad("seed", "must be an integer")
     for name in ("logprobs", "prompt_logprobs"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pyarrow.compute as pc
 import pytest
 
 from prorsa.errors import ConfigError
@@ -104,6 +105,16 @@ def test_malformed_sampling_and_control_calls_are_refused_before_anything_change
                                "sampling_params": {"max_tokens": 2, "min_tokens": 3}}),
                 "penalty text": await http.post(
                     "/v1/completions", json={"prompt": PROMPT, "presence_penalty": "high"}),
+                # vLLM's ranges (and JSON's numbers), refused before the session counts a turn
+                "repetition penalty zero": await http.post(
+                    gen, headers={"X-Session-ID": "s"},
+                    json={"token_ids": PROMPT, "sampling_params": {"repetition_penalty": 0}}),
+                "frequency penalty over 2": await http.post(
+                    "/v1/completions", headers={"X-Session-ID": "s"},
+                    json={"prompt": PROMPT, "frequency_penalty": 2.5}),
+                "temperature nan": await http.post(
+                    gen, headers={"X-Session-ID": "s"},
+                    content=b'{"token_ids": [5, 6], "sampling_params": {"temperature": NaN}}'),
                 "routing not an object": await http.post(
                     "/v1/completions", json={"prompt": PROMPT, "routing": "abc"}),
                 "switch drain text": await http.post(
@@ -114,15 +125,25 @@ def test_malformed_sampling_and_control_calls_are_refused_before_anything_change
             }  # fmt: skip
             asleep = svc.sleeping
             served = await asyncio.wait_for(
-                http.post(gen, json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}),
+                http.post(
+                    gen,
+                    headers={"X-Session-ID": "s"},
+                    json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}},
+                ),
                 10,
             )
-            return bad, asleep, served
+            return bad, asleep, served, svc.router.telemetry.log.to_table()
 
-    bad, asleep, served = run(go())
+    bad, asleep, served, table = run(go())
     assert {name: r.status_code for name, r in bad.items()} == dict.fromkeys(bad, 400)
     params = {name: r.json()["error"]["param"] for name, r in bad.items()}
     assert params["sleep level"] == "level" and params["sleep mode"] == "mode"
+    assert params["repetition penalty zero"] == "sampling_params.repetition_penalty"
+    assert params["frequency penalty over 2"] == "frequency_penalty"
+    assert "not valid JSON" in bad["temperature nan"].json()["error"]["message"]
+    # the session's first served turn is its turn 0: the refused ones counted nothing
+    queued = table.filter(pc.equal(table.column("kind"), "prefill_queued")).to_pylist()
+    assert [(r["trajectory_id"], r["turn"]) for r in queued] == [("s", 0)]
     assert params["routing not an object"] == "routing"
     assert params["switch drain text"] == "drain_timeout_s"
     # The refused sleep left nothing asleep or closed behind it.
@@ -514,3 +535,22 @@ def test_the_context_reported_is_what_every_engine_accepts(tmp_path):
 
     engines, models = run(go())
     assert engines < 4096 and models["data"][0]["max_model_len"] == engines
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+    ],
+)
+def test_sampling_numbers_must_be_finite_and_in_vllms_ranges(values, field):
+    # Python callers (the Ray actor, RolloutService.generate) skip JSON's checks.
+    from prorsa.errors import InputError
+    from prorsa.serve.sampling import parse_sampling
+
+    with pytest.raises(InputError) as err:
+        parse_sampling(values)
+    assert err.value.field == field
