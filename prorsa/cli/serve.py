@@ -125,5 +125,8 @@ def serve_cmd(
             highlight=False,
         )
 
-    serve(config, on_ready=ready)
+    def stopping() -> None:
+        console.print("stopping: shutting down engines and Ray ...", highlight=False)
+
+    serve(config, on_ready=ready, on_stopping=stopping)
     console.print("stopped: engines and Ray shut down", highlight=False)

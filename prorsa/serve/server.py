@@ -49,6 +49,7 @@ def serve(
     config: ServeConfig,
     *,
     on_ready: Callable[[Any], None] | None = None,
+    on_stopping: Callable[[], None] | None = None,
     fleet: Any = None,
 ) -> int:
     """Start the service and its HTTP server; block until a signal; clean up.
@@ -56,6 +57,8 @@ def serve(
     Args:
         config: the service to run.
         on_ready: called with the started service once the HTTP server listens.
+        on_stopping: called once the HTTP server has stopped, as the engines, Ray and
+            telemetry are being shut down (signals then no longer interrupt).
         fleet: an already started engine fleet to adopt (left running).
 
     Returns:
@@ -66,7 +69,7 @@ def serve(
         listen_socket(config.host, config.port) as sock,
         asyncio.Runner(loop_factory=event_loop_factory()) as runner,
     ):
-        return runner.run(_serve(config, on_ready, fleet, sock))
+        return runner.run(_serve(config, on_ready, on_stopping, fleet, sock))
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -79,7 +82,11 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def _serve(
-    config: ServeConfig, on_ready: Callable[[Any], None] | None, fleet: Any, sock: socket.socket
+    config: ServeConfig,
+    on_ready: Callable[[Any], None] | None,
+    on_stopping: Callable[[], None] | None,
+    fleet: Any,
+    sock: socket.socket,
 ) -> int:
     from prorsa.serve.app import create_app
     from prorsa.serve.service import RolloutService
@@ -94,17 +101,37 @@ async def _serve(
     try:
         try:
             await service.start()
+            server = _Server(uvicorn_config(config, create_app(service)))
         finally:
             if in_main:
                 loop.remove_signal_handler(signal.SIGTERM)
-        server = _Server(uvicorn_config(config, create_app(service)))
         if on_ready is not None:
             asyncio.get_running_loop().create_task(_when_started(server, on_ready, service))
-        await server.serve(sock)
+        await server.serve(sock)  # uvicorn holds SIGINT and SIGTERM from its first step
     finally:
         logger.info("shutting down the rollout service")
-        await service.shutdown()
+        if in_main:
+            # A second Ctrl-C or a supervisor's repeated SIGTERM must not cut the clean-up
+            # short: engines and Ray processes would outlive the server.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, _ignored_during_shutdown, sig)
+        try:
+            if on_stopping is not None:
+                on_stopping()
+            await service.shutdown()
+        finally:
+            if in_main:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
     return server.signal_number if server is not None else 0
+
+
+def _ignored_during_shutdown(sig: int) -> None:
+    logger.warning(
+        "%s while shutting down: the engines and Ray are being stopped, please wait "
+        "(SIGKILL stops the server at once and leaves them running)",
+        signal.Signals(sig).name,
+    )
 
 
 def uvicorn_config(config: ServeConfig, app: Any) -> Any:

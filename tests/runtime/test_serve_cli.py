@@ -72,6 +72,16 @@ def test_sigterm_shuts_down_engines_and_ray(tiny_model_dir, tmp_path):
         children = _tree(proc.pid)
         assert len(children) >= 3  # Ray's processes and the engine actor at least
         proc.send_signal(signal.SIGTERM)
+        # Signals during the clean-up (a second Ctrl-C, a supervisor's repeated SIGTERM)
+        # must not cut it short.
+        deadline = time.monotonic() + 60
+        while "stopping: shutting down" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        resignalled = proc.poll() is None
+        if resignalled:
+            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
@@ -80,6 +90,7 @@ def test_sigterm_shuts_down_engines_and_ray(tiny_model_dir, tmp_path):
     output = log_path.read_text()
     assert code == 0, output
     assert "stopped: engines and Ray shut down" in output
+    assert not resignalled or "while shutting down" in output
     deadline = time.monotonic() + 30
     while _alive(children) and time.monotonic() < deadline:
         time.sleep(0.5)
