@@ -84,6 +84,7 @@ def assert_same(a: LifecycleTracker, b: LifecycleTracker) -> None:
     assert a.counts == b.counts
     assert a.cum_prefill == b.cum_prefill and a.out_completed == b.out_completed
     assert a.cum_first_prefill == b.cum_first_prefill
+    assert (a.cohort_age_s, a.cohort_done) == (b.cohort_age_s, b.cohort_done)
     assert a.decode_rate == b.decode_rate and a.ttft_s == b.ttft_s
     assert a.first_time == b.first_time and a.last_event_time == b.last_event_time
     assert a.gpus == b.gpus

@@ -188,3 +188,29 @@ def test_slots_are_reused_and_arrays_grow():
     assert len(tr.slot_array("extra")) >= tr._n_slots
     assert set(tr.ids[tr.snapshot["slot"]]) == {f"t{i}" for i in range(300, 600)}
     assert (tr.snapshot["state"] == QUEUED).all()
+
+
+def test_the_cohort_restarts_with_each_sync_step():
+    """Two sync steps of two trajectories each: the second step reads as young and
+    undone as the first did (time since the run began and ends over all starts do not)."""
+    from tests.conftest import make_two_turn_events
+
+    def step(t0: float, names: tuple[str, str], short_end_after: float) -> list:
+        a = make_two_turn_events(names[0], t0=t0)
+        b = [e for e in make_two_turn_events(names[1], t0=t0) if e.time <= t0 + 2.5]
+        b.append(type(b[0])(t0 + short_end_after, "r", names[1], "g", "swe", 0, "traj_end",
+                            -1, 0, 0, 0, 0))  # fmt: skip
+        return sorted(a + b, key=lambda e: e.time)
+
+    rows = _rows(step(0.0, ("a", "b"), 3.0) + step(20.0, ("c", "d"), 3.0))
+    tr = LifecycleTracker(["swe"])
+    seen, before = {}, -1.0
+    for t in (1.0, 5.0, 9.0, 21.0, 25.0):
+        tr.update([r for r in rows if before < r[0] <= t])
+        tr.tick(t)
+        before = t
+        seen[t] = (tr.cohort_age_s, tr.cohort_done)
+    assert seen[1.0] == (1.0, 0.0)
+    assert seen[5.0] == (5.0, 0.5)  # b ended, a still live
+    assert seen[9.0] == (0.0, 0.0)  # nothing live
+    assert seen[21.0] == (1.0, 0.0) and seen[25.0] == (5.0, 0.5)  # as in the first step

@@ -74,8 +74,8 @@ def aggregate_feature_names(lags_s: Sequence[float], tasks: Sequence[str]) -> li
     names += [
         "decode_rate_per_seq",
         "ttft_s",
-        "time_s",
-        "frac_done",
+        "cohort_age_s",
+        "cohort_done",
         "mean_turn",
         "mean_context_ktokens",
         "tool_elapsed_mean_s",
@@ -104,7 +104,6 @@ def aggregate_features(tracker: LifecycleTracker) -> np.ndarray:
     waiting = (state == QUEUED) | (state == PREFILLING)
     in_tool = state == IN_TOOL
     kv = snap["ctx"] + snap["decoded"]
-    ticks = tracker.time_s - (tracker.first_time or 0.0)
     obs_sum, obs_mean = tracker.observed_sum, tracker.observed_mean
     values = [
         live / scale,
@@ -128,12 +127,11 @@ def aggregate_features(tracker: LifecycleTracker) -> np.ndarray:
             obs_mean("kv", h) / scale,
             obs_sum("cum_first_prefill", h) / scale,
         ]
-    starts = tracker.counts["starts"]
     values += [
         tracker.decode_rate,
         tracker.ttft_s,
-        ticks,
-        tracker.counts["ends"] / starts if starts else 0.0,
+        tracker.cohort_age_s,
+        tracker.cohort_done,
         _mean(snap["turn"].astype(float)),
         _mean(snap["ctx"]) / 1000.0,
         _mean(snap["tool_elapsed"][in_tool]),

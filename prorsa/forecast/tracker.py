@@ -22,6 +22,7 @@ per-sequence decode rate of completed decodes (tokens / decode seconds over the 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections.abc import Iterable, Sequence
 
@@ -202,6 +203,14 @@ class LifecycleTracker:
         self.gpus = 0
         self.time_s: float | None = None
         self.snapshot: dict[str, np.ndarray] = {}
+        #: The cohort of the oldest live trajectory, at the last tick: seconds since it
+        #: started, and the fraction ended of the trajectories started since. A sync
+        #: step reads as its own age and progress whichever step of a run it is (time
+        #: since the run began, and ends over all starts, grow step after step, out of
+        #: the range a model trained on single steps knows); async load reads as steady.
+        self.cohort_age_s = 0.0
+        self.cohort_done = 0.0
+        self._ended_starts: list[float] = []  # start times of ended trajectories (a heap)
 
     # ------------------------------------------------------------------ storage
     def _grow(self, cap: int) -> None:
@@ -624,9 +633,12 @@ class LifecycleTracker:
         self.time_s = float(time_s)
         if self.first_time is None:
             self.first_time = float(time_s)
+        for slot in self._freed_later:
+            heapq.heappush(self._ended_starts, float(self.start_s[slot]))
         self._free.extend(self._freed_later)
         self._freed_later.clear()
         live = np.flatnonzero(self.alive[: self._n_slots])
+        self._tick_cohort(live, float(time_s))
         state = self.state[live]
         open_start = self.dec_open[live]
         is_open = open_start == open_start
@@ -677,6 +689,15 @@ class LifecycleTracker:
             if cut > 0:
                 for key in hist:
                     del hist[key][:cut]
+
+    def _tick_cohort(self, live: np.ndarray, time_s: float) -> None:
+        oldest = float(self.start_s[live].min()) if len(live) else time_s
+        ended = self._ended_starts
+        while ended and ended[0] < oldest:
+            heapq.heappop(ended)
+        self.cohort_age_s = time_s - oldest
+        cohort = len(live) + len(ended)
+        self.cohort_done = len(ended) / cohort if cohort else 0.0
 
     # ------------------------------------------------------------- observed
     def _value_before(self, key: str, t: float) -> tuple[float, float]:
