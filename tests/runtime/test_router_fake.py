@@ -344,8 +344,8 @@ def test_queued_prefill_counts_the_tokens_a_leg_computes_not_its_cached_prefix()
     seen = []
     lease = router.pools.lease
 
-    def watching(engine, request_id, role, trajectory_id, tokens, compute_tokens=None):
-        made = lease(engine, request_id, role, trajectory_id, tokens, compute_tokens)
+    def watching(engine, request_id, role, trajectory_id, tokens, compute_tokens=None, **more):
+        made = lease(engine, request_id, role, trajectory_id, tokens, compute_tokens, **more)
         if role is Role.PREFILL:
             seen.append((tokens, engine.queued_prefill_tokens))
         return made
@@ -406,3 +406,21 @@ def test_a_turn_hashes_each_prompt_prefix_once_whatever_the_candidates(monkeypat
     # the prefix a prefill engine holds, the context the decode engine holds and the
     # whole prompt the prefill leg leaves: each hashed once, however often compared
     assert sorted(calls) == [200, 208, 238]
+
+
+def test_a_prefill_run_where_it_decodes_counts_in_that_engines_queue_until_its_first_token():
+    # Found by review: the simulator counts a colocated turn's (or a local prefill's)
+    # tokens in its engine's queued prefill; the router counted only prefill legs.
+    router, _engines = make_router(["colocated"], prefill_s_per_token=0.002, step_s=0.01)
+    engine = router.pools.get(0)
+
+    async def run():
+        turn = asyncio.ensure_future(router.generate(TurnRequest("t", prompt(100), 20)))
+        await router.pools.wait_until(lambda: bool(engine.leases), 5)
+        during = engine.queued_prefill_tokens
+        await asyncio.sleep(0.3)  # 100 tokens x 2 ms: prefilled, decoding
+        after_first_token = engine.queued_prefill_tokens
+        await turn
+        return during, after_first_token, engine.queued_prefill_tokens
+
+    assert asyncio.run(run()) == (100, 0, 0)

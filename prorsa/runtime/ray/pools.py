@@ -56,6 +56,9 @@ class Lease:
     evicted: bool = False  # a role switch aborted it; the router serves it elsewhere
     #: Tokens a prefill leg computes (its uncached part); None: all of ``tokens``.
     compute_tokens: int | None = None
+    #: Tokens a leg that prefills where it decodes (a colocated turn, a local prefill)
+    #: still computes before its first token; 0 once that token exists.
+    prefill_left: int = 0
 
 
 @dataclass(eq=False)
@@ -95,12 +98,14 @@ class EngineState:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """Tokens the prefill legs running here still compute, cached prefixes left out
-        (the router's queue view, and the simulator's: its uncached ``prefill_left``)."""
+        """Tokens the prefill running here still computes, cached prefixes left out: prefill
+        legs', and those of legs prefilling where they decode until their first token (the
+        router's queue view, and the simulator's: its uncached ``prefill_left``)."""
         return sum(
-            x.tokens if x.compute_tokens is None else x.compute_tokens
-            for x in self.leases.values()
+            (x.tokens if x.compute_tokens is None else x.compute_tokens)
             if x.role is Role.PREFILL
+            else x.prefill_left
+            for x in self.leases.values()
         )
 
     @property
@@ -227,9 +232,16 @@ class RolePools:
         trajectory_id: str,
         tokens: int,
         compute_tokens: int | None = None,
+        prefill_left: int = 0,
     ) -> Lease:
         lease = Lease(
-            request_id, engine.engine_id, role, trajectory_id, tokens, compute_tokens=compute_tokens
+            request_id,
+            engine.engine_id,
+            role,
+            trajectory_id,
+            tokens,
+            compute_tokens=compute_tokens,
+            prefill_left=prefill_left,
         )
         engine.leases[request_id] = lease
         self.notify()

@@ -485,7 +485,9 @@ class PDRouter:
             )
             self._event(K.DECODE_START, at, request, engine.engine_id, context_tokens=context)
 
-        result = await self._stream(engine, "t", request, None, started, first_token)
+        result = await self._stream(
+            engine, "t", request, None, started, first_token, prefill_tokens=plan.new_tokens
+        )
         return self._finish(plan, request, result, None)
 
     async def _serve_disaggregated(
@@ -614,12 +616,21 @@ class PDRouter:
         kv_params: dict[str, Any] | None,
         started: float,
         on_first_token: Callable[[float, int], None],
+        prefill_tokens: int = 0,
     ) -> dict[str, Any]:
-        """Run a leg that decodes; ``on_first_token`` fires once, when the first token exists."""
+        """Run a leg that decodes; ``on_first_token`` fires once, when the first token exists.
+
+        ``prefill_tokens``: what the leg prefills here first (its engine's queued prefill
+        until the first token, as the simulator counts a prefill run where it decodes)."""
         request_id = self._request_id(request, leg)
         prompt = request.prompt_token_ids
         lease = self.pools.lease(
-            engine, request_id, engine.role, request.trajectory_id, len(prompt) + request.max_tokens
+            engine,
+            request_id,
+            engine.role,
+            request.trajectory_id,
+            len(prompt) + request.max_tokens,
+            prefill_left=prefill_tokens,
         )
         result: dict[str, Any] = {}
         fired = False
@@ -635,6 +646,9 @@ class PDRouter:
                 async for item in stream:
                     if item.get("event") == "first_token":
                         fired = True
+                        if lease.prefill_left:
+                            lease.prefill_left = 0
+                            self.pools.notify()
                         on_first_token(self.now(), int(item.get("num_cached_tokens") or 0))
                     else:
                         result = item
