@@ -424,3 +424,37 @@ def test_a_prefill_run_where_it_decodes_counts_in_that_engines_queue_until_its_f
         return during, after_first_token, engine.queued_prefill_tokens
 
     assert asyncio.run(run()) == (100, 0, 0)
+
+
+def test_a_switching_prefill_engine_hands_its_queued_legs_on_and_drains_the_rest():
+    # Found by review: the router drained every leg of a switching prefill engine, those
+    # still queued in vLLM included; the simulator re-routes the queue at once.
+    class Queueing(FakeEngine):
+        """Reports every leg past the first as waiting, as a one-request batch would."""
+
+        async def load(self):
+            self._check()
+            return {"running": min(1, len(self.in_flight)), "waiting": len(self.in_flight) - 1}
+
+    engines = [Queueing(0, prefill_s_per_token=0.004), FakeEngine(1), FakeEngine(2)]
+    roles = {0: "prefill", 1: "decode", 2: "decode"}
+    pools = RolePools(engines, roles, {i: LIMITS for i in range(3)})
+    router = PDRouter(pools, RouterConfig(route_timeout_s=5))
+
+    async def run():
+        turns = []
+        for i in range(3):
+            request = TurnRequest(f"t{i}", prompt(60, 11 * i), 4)
+            turns.append(asyncio.ensure_future(router.generate(request)))
+            await pools.wait_until(lambda i=i: len(pools.get(0).leases) == i + 1, 5)
+        summary = await router.switch_role(0, "decode", drain_timeout_s=5)
+        return summary, await asyncio.gather(*turns)
+
+    summary, results = asyncio.run(run())
+    assert summary["error"] is None and summary["requeued"] == 2 and summary["aborted"] == 0
+    # the oldest leg ran to its end there; the two queued were prefilled where they decode
+    assert [r.prefill_engine_id for r in results] == [0, -1, -1]
+    assert [r.reroutes for r in results] == [0, 1, 1]
+    assert all(
+        r.output_token_ids == expected_tokens(prompt(60, 11 * i), 4) for i, r in enumerate(results)
+    )

@@ -3,8 +3,9 @@
 Stages (:class:`~prorsa.runtime.cluster.switching.SwitchStage`), as in the simulator:
 
 1. ``stop_new_work``: mark the engine ``switching``; the router routes no new work to it.
-2. ``draining``: wait up to ``drain_timeout_s`` for its legs (and, on a prefill engine,
-   KV handoffs not yet pulled) to finish; then ``migrating``: abort legs still running —
+2. ``draining``: a prefill engine's legs still waiting in its queue are aborted and served
+   elsewhere at once; then wait up to ``drain_timeout_s`` for its legs (and, on a prefill
+   engine, KV handoffs not yet pulled) to finish; then ``migrating``: abort legs still running —
    the router re-serves each on another engine of the old role (it sees
    ``finish_reason == "abort"`` on a lease marked ``evicted``).
 3. ``reconfiguring``: pause the scheduler (anything that slipped in is aborted and
@@ -266,18 +267,24 @@ class RoleSwitcher:
             )
 
         switch.begin_moving_work()
+        evicted: list[str] = []
+        if switch.from_role == Role.PREFILL.value:
+            with _Stage(stages, "requeue"):
+                evicted += await self._requeue_waiting(engine, answered)
         with _Stage(stages, "drain"):
             drained = await pools.wait_until(lambda: engine.idle, drain_timeout_s)
         in_flight_at_abort = len(engine.leases)
-        evicted: list[str] = []
+        requeued = len(evicted)
         if not drained:
             switch.migrate_rest()
             with _Stage(stages, "abort"):
+                rest = []
                 for lease in engine.leases.values():
                     lease.evicted = True
-                    evicted.append(lease.request_id)
-                if evicted:
-                    await answered("abort", engine.client.abort(evicted))
+                    rest.append(lease.request_id)
+                if rest:
+                    await answered("abort", engine.client.abort(rest))
+                evicted += rest
                 await pools.wait_until(lambda: engine.idle, self.config.abort_grace_s)
         switch.mark_drained(self.clock())
         self.telemetry.switch_event(switch.drained_s, switch, "drained", engine.engine_id)
@@ -293,11 +300,36 @@ class RoleSwitcher:
             await answered("resume", engine.client.resume())
         return {
             "drained": drained,
-            "aborted": len(evicted),
+            "requeued": requeued,
+            "aborted": len(evicted) - requeued,
             "in_flight_at_abort": in_flight_at_abort if evicted else 0,
             "kv_pending_left": len(engine.kv_pending),
             "prefix_cache_reset": reset,
         }
+
+    async def _requeue_waiting(
+        self, engine: EngineState, answered: Callable[[str, Awaitable[Any]], Awaitable[Any]]
+    ) -> list[str]:
+        """Abort the prefill legs still waiting in the engine's queue, so the router serves
+        them on another prefill engine now; only those running are drained (as the
+        simulator re-routes a switching engine's queue and drains its running chunk).
+
+        vLLM reports how many requests wait, not which: its queue is first come, first
+        served, so they are the newest legs the router sent (its leases keep that order).
+        Without a ``load`` call the engine's legs all drain."""
+        if not hasattr(engine.client, "load"):
+            return []
+        load = await answered("load", engine.client.load())
+        waiting = int(load.get("waiting") or 0) if isinstance(load, dict) else 0
+        legs = [x for x in engine.leases.values() if x.role is Role.PREFILL]
+        queued = legs[len(legs) - min(waiting, len(legs)) :]
+        if not queued:
+            return []
+        for lease in queued:
+            lease.evicted = True
+        ids = [lease.request_id for lease in queued]
+        await answered("abort", engine.client.abort(ids))
+        return ids
 
 
 class _Stage:
