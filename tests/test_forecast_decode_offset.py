@@ -110,3 +110,27 @@ def test_calibration_splits_the_prefill_lag_into_later_and_first_turns():
     assert first > 0 and total > first  # every trajectory's first prompt is in the window
     assert lag[LAG_FEATURES.index("lag_first_prefill")] == pytest.approx(first)
     assert lag[LAG_FEATURES.index("lag_later_prefill")] == pytest.approx(total - first)
+
+
+def test_blend_weights_never_see_the_runs_the_conformal_shifts_are_measured_on():
+    import dataclasses
+
+    from prorsa.forecast.conformal import held_out_runs
+    from prorsa.forecast.types import target_column
+
+    data = build_dataset([_telemetry(2, 60, s, f"r{s}") for s in range(5)], horizons=[5])
+    settings = {"horizons": [5], "n_estimators": 5, "calibration_estimators": 1}
+    held = held_out_runs(data.runs, 0.2, seed=0)
+    assert held and len(held) < len(data.runs)
+    ticks = data.ticks.copy()
+    rows = ticks["run_id"].isin(held)
+    for target in TARGETS[1:]:
+        ticks.loc[rows, target_column(target, 5)] *= 7.0  # only the held-out runs move
+    moved = dataclasses.replace(data, ticks=ticks)
+    weights = [
+        make_forecaster("lightgbm-trajectory", decode_offset="blend", **settings)
+        .fit(d)
+        .offset_weights_
+        for d in (data, moved)
+    ]
+    assert weights[0] == weights[1]

@@ -44,6 +44,17 @@ def subsample(n: int, max_rows: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, max_rows, replace=False))
 
 
+#: Share of the training runs (by source) held out to measure the conformal shifts.
+CONFORMAL_FRACTION = 0.2
+
+
+def conformal_rows(run_of_row: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Rows of the runs :func:`fit_target_models` holds out to measure conformal shifts
+    (a boolean mask): anything else fitted on the same data must leave them out too."""
+    held = held_out_runs(sorted(set(run_of_row.tolist())), fraction, seed)
+    return np.isin(run_of_row, list(held)) if held else np.zeros(len(run_of_row), bool)
+
+
 def fit_target_models(
     xs: np.ndarray,
     ys: np.ndarray,
@@ -55,7 +66,7 @@ def fit_target_models(
     *,
     init: np.ndarray | None = None,
     prefix: str = "",
-    held_out_fraction: float = 0.2,
+    held_out_fraction: float = CONFORMAL_FRACTION,
 ) -> tuple[dict[str, object], dict[str, dict[str, list[float]]]]:
     """One booster per target and loss of :data:`LOSSES`, quantiles split-conformal.
 
@@ -66,8 +77,7 @@ def fit_target_models(
     :mod:`prorsa.forecast.conformal`). Returns (boosters keyed ``{prefix}{target}:{loss}``,
     shifts ``{level: {target: [per horizon]}}``).
     """
-    held = held_out_runs(sorted(set(run_of_row.tolist())), held_out_fraction, seed)
-    is_cal = np.isin(run_of_row, list(held)) if held else np.zeros(len(xs), bool)
+    is_cal = conformal_rows(run_of_row, held_out_fraction, seed)
     fit_rows = ~is_cal
     boosters: dict[str, object] = {}
     shifts: dict[str, dict[str, list[float]]] = {}

@@ -33,7 +33,9 @@ import pandas as pd
 from prorsa.errors import InputError
 from prorsa.forecast import bottomup, lgbm
 from prorsa.forecast.aggregate import (
+    CONFORMAL_FRACTION,
     LOSSES,
+    conformal_rows,
     conformal_shift,
     fit_target_models,
     read_conformal,
@@ -287,7 +289,10 @@ class LightGBMTrajectoryForecaster(Forecaster):
         ys = np.stack([y[:, i, :].T.reshape(-1) for i in range(len(TARGETS))], axis=1)
         runs = np.tile(sub["run_id"].to_numpy(), len(self.horizons_))
         x_kept, y_kept = xs[keep], ys[keep]
-        self.offset_weights_ = self._fit_offset_weights(x_kept, y_kept)
+        # Fitted, like the quantile models, without the runs the conformal shifts are
+        # measured on: those must be new to everything the quantiles are built from.
+        fit = ~conformal_rows(runs[keep], CONFORMAL_FRACTION, self.seed)
+        self.offset_weights_ = self._fit_offset_weights(x_kept[fit], y_kept[fit])
 
         def train(xk, yk, objective, alpha, init):
             return self._train(
