@@ -134,3 +134,19 @@ def test_blend_weights_never_see_the_runs_the_conformal_shifts_are_measured_on()
         for d in (data, moved)
     ]
     assert weights[0] == weights[1]
+
+
+def test_a_dataset_of_other_features_is_refused_before_training():
+    # Found by review: models read features by position, so a dataset built before a
+    # feature changed would train on the wrong columns.
+    import dataclasses
+
+    data = build_dataset([_telemetry(2, 40, 0, "r0")], horizons=[5])
+    names = data.feature_names
+    old = {**data.meta, "feature_names": [n.replace("cohort_age_s", "time_s") for n in names]}
+    stale = dataclasses.replace(
+        data, ticks=data.ticks.rename(columns={"cohort_age_s": "time_s"}), meta=old
+    )
+    with pytest.raises(InputError, match="not this version's") as err:
+        make_forecaster("lightgbm-aggregate", horizons=[5]).fit(stale)
+    assert "cohort_age_s" in str(err.value) and err.value.field == "feature_names"

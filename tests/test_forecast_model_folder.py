@@ -237,7 +237,7 @@ def test_weights_from_another_save_are_named_not_loaded(tmp_path, small_model):
     assert "does not match" in str(err.value)
 
 
-def test_a_failed_manifest_write_keeps_the_old_manifest(tmp_path, small_model, monkeypatch):
+def test_a_save_cut_short_leaves_no_manifest_to_load(tmp_path, small_model, monkeypatch):
     import prorsa.forecast.base as base
 
     folder = small_model.save(tmp_path / "m")
@@ -249,5 +249,7 @@ def test_a_failed_manifest_write_keeps_the_old_manifest(tmp_path, small_model, m
     monkeypatch.setattr(base, "atomic_write_text", full_disk)
     with pytest.raises(OSError):
         small_model.save(folder, metrics={"changed": 1.0})
-    assert (folder / "manifest.json").read_bytes() == before
-    load_forecaster(folder)  # the same weights were moved in: still consistent
+    # no manifest is better than the old one beside weights it may not describe
+    assert not (folder / "manifest.json").exists() and before
+    with pytest.raises(InputError, match=r"no manifest\.json"):
+        load_forecaster(folder)

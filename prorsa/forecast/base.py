@@ -323,10 +323,10 @@ class Forecaster(ABC):
     ) -> Path:
         """Write ``path/manifest.json`` and the model files; returns the folder.
 
-        The model files are written beside the folder first and moved in, the manifest
-        last, holding each file's SHA-256: a save cut short leaves the old manifest (or
-        none), and loading names any file that does not match it instead of pairing an
-        old manifest with new weights. ``extra`` adds top-level manifest fields (a
+        The model files are written beside the folder first; then the old manifest is
+        removed, the files moved in, and the new manifest written last, holding each
+        file's SHA-256. A save cut short leaves no manifest (loading says so) rather
+        than an old manifest beside new weights. ``extra`` adds top-level manifest fields (a
         training recipe, say). Other files in the folder are left alone.
         """
         self._check_fitted()
@@ -336,6 +336,9 @@ class Forecaster(ABC):
             self.metrics_ = dict(metrics)
         with tempfile.TemporaryDirectory(prefix=".saving-", dir=path) as staging:
             state = self._get_state(Path(staging))
+            # The old manifest goes first: one saved before manifests listed their files
+            # would otherwise load beside the new weights if this save stopped half-way.
+            (path / MANIFEST).unlink(missing_ok=True)
             files = {}
             for file in sorted(Path(staging).iterdir()):
                 files[file.name] = file_sha256(file)

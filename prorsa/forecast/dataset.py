@@ -99,6 +99,18 @@ class ForecastDataset:
         missing = [c for c in need if c not in self.ticks.columns]
         if missing:
             raise InputError(f"dataset lacks column(s) {missing[:5]}", field=missing[0])
+        from prorsa.forecast.features import aggregate_feature_names
+
+        # Models read features by position in today's list: a dataset built by another
+        # version of the features would train on the wrong columns.
+        expected = aggregate_feature_names(self.horizons, self.tasks)
+        if self.feature_names != expected:
+            changed = sorted(set(self.feature_names) ^ set(expected)) or ["(their order)"]
+            raise InputError(
+                f"the dataset's features are not this version's: {changed[:6]} differ",
+                field="feature_names",
+                hint="rebuild it (`prorsa forecast dataset`)",
+            )
 
     def data_hash(self) -> str:
         """SHA-256 over the three tables' contents (order-sensitive)."""

@@ -199,7 +199,9 @@ class CheckpointFollower:
         timeout_s: float = 3600.0,
     ) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
-        self.checkpoint_dir = Path(checkpoint_dir)
+        # Absolute: the server resolves a relative folder against its own working
+        # directory (verl's default checkpoint folder is relative).
+        self.checkpoint_dir = Path(checkpoint_dir).resolve()
         self.admin_token = admin_token
         self.timeout_s = timeout_s
         #: The step whose weights prorsa serves (None: none loaded by this follower).

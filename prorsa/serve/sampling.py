@@ -137,7 +137,7 @@ def _check(s: Sampling, source: str) -> None:
         if not _is_int(getattr(s, name)):
             raise bad(name, "must be an integer")
     for name in _NUMBERS:
-        if not _is_number(getattr(s, name)) or not math.isfinite(getattr(s, name)):
+        if not _is_finite_number(getattr(s, name)):
             raise bad(name, "must be a finite number")
     if s.max_tokens < 1:
         raise bad("max_tokens", "must be >= 1")
@@ -178,6 +178,13 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    try:
+        return _is_number(value) and math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 @dataclass

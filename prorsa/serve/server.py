@@ -117,7 +117,10 @@ async def _serve(
                 loop.add_signal_handler(sig, _ignored_during_shutdown, sig)
         try:
             if on_stopping is not None:
-                on_stopping()
+                try:
+                    on_stopping()
+                except Exception:  # a closed stdout (a pipe whose reader died) and the like
+                    logger.exception("on_stopping failed; shutting down regardless")
             await service.shutdown()
         finally:
             if in_main:

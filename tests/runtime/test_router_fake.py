@@ -8,6 +8,7 @@ import json
 import pytest
 
 from prorsa.errors import ConfigError, InputError
+from prorsa.runtime.ray.client import EngineUnavailable
 from prorsa.runtime.ray.pools import Role, RolePools
 from prorsa.runtime.ray.router import PDRouter, RouterConfig, RoutingError, TurnRequest
 from prorsa.telemetry import Recorder, read_telemetry
@@ -216,22 +217,32 @@ def test_engine_death_mid_decode_reroutes_with_retry_count(tmp_path):
 
 def test_an_unreachable_engine_loses_the_turn_but_stays_in_service():
     # Found by review: Ray's transient ActorUnavailableError (a restarting actor, a
-    # network blip) retired the engine for good, like a death.
-    router, engines = make_router(["prefill", "decode", "decode"])
-    engines[1].unreachable_for(1)
-    engines[2].unreachable_for(1)
+    # network blip) retired the engine for good, like a death; and without a back-off
+    # every retry went to the same sticky engine.
+    router, engines = make_router(
+        ["prefill", "decode", "decode"], RouterConfig(route_timeout_s=5, unreachable_backoff_s=0.2)
+    )
+    engines[0].unreachable_for(10)  # the prefill engine: prefilled where it decodes
+    engines[1].unreachable_for(10)  # the first decode choice: decoded on the other
 
     async def run():
         first = await router.generate(TurnRequest("t0", prompt(20), 6))
+        backing_off = [e.accepting for e in router.pools.engines()]
+        engines[0].unreachable_for(0)
+        engines[1].unreachable_for(0)
+        await asyncio.sleep(0.3)
         later = await router.generate(TurnRequest("t1", prompt(24, 9), 6))
-        return first, later
+        return first, backing_off, later
 
-    first, later = asyncio.run(run())
+    first, backing_off, later = asyncio.run(run())
     assert first.output_token_ids == expected_tokens(prompt(20), 6)
-    assert first.retries >= 1
+    assert first.retries == 2 and first.decode_engine_id == 2 and first.prefill_engine_id == -1
+    assert backing_off == [False, False, True]
     assert router.pools.counts()["dead"] == 0
+    # back in service once the back-off is over
+    assert later.path == "disaggregated" and later.prefill_engine_id == 0
+    assert later.decode_engine_id == 1
     assert later.output_token_ids == expected_tokens(prompt(24, 9), 6)
-    assert {e.engine_id for e in router.pools.engines() if e.alive} == {0, 1, 2}
 
 
 def test_an_unreachable_load_poll_waits_for_the_stall_watch_and_a_death_retires():
@@ -368,7 +379,7 @@ def test_queued_prefill_counts_the_tokens_a_leg_computes_not_its_cached_prefix()
 def test_ray_client_tells_an_unreachable_actor_from_a_dead_one(transient, error):
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-    from prorsa.runtime.ray.client import EngineUnavailable, RayEngineClient
+    from prorsa.runtime.ray.client import RayEngineClient
 
     async def failing():
         if error == "unavailable":
@@ -458,3 +469,25 @@ def test_a_switching_prefill_engine_hands_its_queued_legs_on_and_drains_the_rest
     assert all(
         r.output_token_ids == expected_tokens(prompt(60, 11 * i), 4) for i, r in enumerate(results)
     )
+
+
+def test_a_prefill_engine_that_gives_no_load_before_its_switch_drains_every_leg():
+    # Found by review: the optional load call before a switch could fail the switch and
+    # retire a healthy engine.
+    class Silent(FakeEngine):
+        async def load(self):
+            raise EngineUnavailable(self.engine_id, "ActorUnavailableError", transient=True)
+
+    engines = [Silent(0, prefill_s_per_token=0.002), FakeEngine(1)]
+    pools = RolePools(engines, {0: "prefill", 1: "decode"}, {0: LIMITS, 1: LIMITS})
+    router = PDRouter(pools, RouterConfig(route_timeout_s=5))
+
+    async def run():
+        turn = asyncio.ensure_future(router.generate(TurnRequest("t", prompt(60), 4)))
+        await pools.wait_until(lambda: bool(pools.get(0).leases), 5)
+        summary = await router.switch_role(0, "decode", drain_timeout_s=5)
+        return summary, await turn
+
+    summary, result = asyncio.run(run())
+    assert summary["error"] is None and summary["requeued"] == 0 and summary["drained"]
+    assert pools.get(0).alive and result.prefill_engine_id == 0

@@ -542,6 +542,7 @@ def test_the_context_reported_is_what_every_engine_accepts(tmp_path):
     [
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": float("inf")}, "top_p"),
+        ({"temperature": 10**400}, "temperature"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"presence_penalty": -2.5}, "presence_penalty"),
     ],

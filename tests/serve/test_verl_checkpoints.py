@@ -110,10 +110,19 @@ class Node(dict):
     __getattr__ = dict.__getitem__
 
 
+def test_a_relative_checkpoint_folder_is_sent_absolute(tmp_path, monkeypatch):
+    # Found by review: verl's default folder is relative; the server would resolve it
+    # against its own working directory.
+    monkeypatch.chdir(tmp_path)
+    follower = CheckpointFollower("http://prorsa", "checkpoints/project/run")
+    assert follower.checkpoint_dir == tmp_path / "checkpoints" / "project" / "run"
+
+
 def test_the_manager_config_must_save_what_the_follower_reads(monkeypatch):
     monkeypatch.setenv("PRORSA_ADMIN_TOKEN", "from-env")
     follower = checkpoint_follower(_config(), "http://prorsa:8000")
-    assert follower.checkpoint_dir == Path("/ckpt") and follower.admin_token == "from-env"
+    assert follower.checkpoint_dir == Path("/ckpt").resolve()
+    assert follower.admin_token == "from-env"
     with pytest.raises(ConfigError, match="save_freq=2"):
         checkpoint_follower(_config(trainer={"save_freq": 2}), "http://prorsa")
     with pytest.raises(ConfigError, match=r"save_contents=\['model'\]"):

@@ -80,6 +80,9 @@ class EngineState:
     switches: int = 0
     owned: int = 0  # live trajectories whose decode side sticks here (routing)
     lost_cause: str | None = None  # why it was marked dead (telemetry), once it is
+    #: ``time.monotonic()`` before which the engine gets no new work: Ray could not reach
+    #: it (:meth:`RolePools.back_off`), which is not a death.
+    unreachable_until: float = 0.0
 
     @property
     def switching_from(self) -> Role | None:
@@ -93,8 +96,13 @@ class EngineState:
 
     @property
     def accepting(self) -> bool:
-        """Takes new work: alive and not switching roles."""
-        return self.alive and self.role is not Role.SWITCHING
+        """Takes new work: alive, not switching roles, not backing off after Ray could not
+        reach it."""
+        return (
+            self.alive
+            and self.role is not Role.SWITCHING
+            and (not self.unreachable_until or time.monotonic() >= self.unreachable_until)
+        )
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -218,6 +226,21 @@ class RolePools:
             for listener in self._lost_listeners:
                 listener(engine)
         return was_alive
+
+    def back_off(self, engine_id: int, seconds: float) -> None:
+        """Give the engine no new work for ``seconds`` (Ray could not reach it this time);
+        routing sees it leave and come back like a role change."""
+        engine = self.get(engine_id)
+        engine.unreachable_until = time.monotonic() + seconds
+        self.roles_version += 1
+        self.notify()
+        # A little late rather than early: the engine must accept again when this runs.
+        asyncio.get_running_loop().call_later(seconds + 0.01, self._backed_off, engine)
+
+    def _backed_off(self, engine: EngineState) -> None:
+        if engine.accepting:
+            self.roles_version += 1
+            self.notify()
 
     def on_engine_lost(self, listener: Callable[[EngineState], None]) -> None:
         """Call ``listener(engine)`` when a live engine is marked dead (telemetry, metrics);

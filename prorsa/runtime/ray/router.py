@@ -366,7 +366,7 @@ class PDRouter:
             return None
         traj = request.trajectory_id
         context = len(request.prompt_token_ids)
-        prefill_pool = self.pools.members(Role.PREFILL)
+        prefill_pool = [e for e in self.pools.members(Role.PREFILL) if e.accepting]
         pinned_prefill = request.prefill_engine_id
         if pinned_prefill is not None:
             engine = self.pools.get(pinned_prefill)
@@ -714,9 +714,11 @@ class PDRouter:
 
     def _engine_failed(self, exc: EngineUnavailable) -> None:
         if exc.transient:
-            # Unreachable this once: the turn goes elsewhere, the engine stays (the
-            # monitor's stall watch retires it if it stays silent).
+            # Unreachable this once: the engine stays, but takes no new work for a while
+            # so that the turn's retries go elsewhere (the monitor's stall watch retires
+            # it if it stays silent).
             logger.warning("engine %d unreachable: %s", exc.engine_id, exc.reason)
+            self.pools.back_off(exc.engine_id, self.config.unreachable_backoff_s)
             return
         if self.pools.mark_dead(exc.engine_id, cause=f"request failed: {exc.reason}"):
             logger.error("engine %d marked dead: %s", exc.engine_id, exc.reason)

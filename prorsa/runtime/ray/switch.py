@@ -319,7 +319,12 @@ class RoleSwitcher:
         Without a ``load`` call the engine's legs all drain."""
         if not hasattr(engine.client, "load"):
             return []
-        load = await answered("load", engine.client.load())
+        try:
+            load = await answered("load", engine.client.load())
+        except (EngineUnavailable, AttributeError, NotImplementedError) as exc:
+            # Optional: without an answer the switch drains every leg, as before.
+            logger.info("engine %d gave no load before its switch: %s", engine.engine_id, exc)
+            return []
         waiting = int(load.get("waiting") or 0) if isinstance(load, dict) else 0
         legs = [x for x in engine.leases.values() if x.role is Role.PREFILL]
         queued = legs[len(legs) - min(waiting, len(legs)) :]

@@ -67,6 +67,13 @@ class RouterConfig:
             "reset or resume; one that does not is taken out of service."
         },
     )
+    unreachable_backoff_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "Seconds an engine Ray could not reach (not dead) gets no new work; "
+            "the turn that met it is served elsewhere."
+        },
+    )
     reset_prefix_cache_on_switch: bool = field(
         default=True, metadata={"help": "Drop an engine's prefix cache when its role changes."}
     )
@@ -76,7 +83,15 @@ class RouterConfig:
             raise ConfigError("local_prefill_threshold_tokens must be >= 0")
         if self.max_retries < 0 or self.max_reroutes < 0:
             raise ConfigError("max_retries and max_reroutes must be >= 0")
-        if min(self.route_timeout_s, self.drain_timeout_s, self.abort_grace_s) < 0:
+        if (
+            min(
+                self.route_timeout_s,
+                self.drain_timeout_s,
+                self.abort_grace_s,
+                self.unreachable_backoff_s,
+            )
+            < 0
+        ):
             raise ConfigError("timeouts must be >= 0")
         if self.control_timeout_s <= 0:
             raise ConfigError("control_timeout_s must be > 0")
