@@ -15,6 +15,12 @@ benchmarks/results/regimes/cells.jsonl, and writes:
 
     .venv/bin/python benchmarks/regimes_bench.py              # full map (~1 h on 2 idle cores)
     .venv/bin/python benchmarks/regimes_bench.py --quick      # minutes
+    .venv/bin/python benchmarks/regimes_bench.py --regime "qwen3-30b-a3b tau2 sync 64/GPU"
+
+``--regime LABEL`` (repeatable) reruns regimes of the full grid alone, on the code and
+models checked out, into benchmarks/results/regimes-rerun.json (its cells in
+benchmarks/results/regimes/rerun-cells.jsonl): a check of one regime after a change,
+which leaves the map's own files as they are.
 """
 
 from __future__ import annotations
@@ -134,7 +140,20 @@ def main() -> None:
         help="run nothing: redo the derived parts of regimes.json, report.md and the README "
         "block from the regimes in regimes.json",
     )
+    parser.add_argument(
+        "--regime",
+        action="append",
+        default=[],
+        metavar="LABEL",
+        help="rerun only this regime of the full grid (its label, e.g. 'qwen3-30b-a3b tau2 "
+        "sync 64/GPU'; repeatable) into regimes-rerun.json, leaving the map's files alone",
+    )
     args = parser.parse_args()
+    if args.regime:
+        if args.quick or args.models or args.reanalyse:
+            parser.error("--regime takes regimes of the full grid by label, alone")
+        rerun(args.regime, args.forecaster, args.workers, args.address, fresh=args.fresh)
+        return
     if args.reanalyse:
         if args.quick or args.models or args.fresh or args.address:
             parser.error("--reanalyse runs no cell: it takes only --no-readme")
@@ -195,6 +214,38 @@ def main() -> None:
     print(headline_markdown(summaries))
     print(json.dumps(goals(summaries), indent=1))
     print(f"map {map_s:,.0f} s; saved {path}; README updated: {readme}")
+
+
+def rerun(labels: list[str], forecaster: str, workers: int, address: str | None, *, fresh: bool):
+    """Run the full grid's regimes named ``labels`` alone; print and save their summaries."""
+    grid = {r.label: r for r in get_grid("full")}
+    unknown = [x for x in labels if x not in grid]
+    if unknown:
+        raise SystemExit(f"not a regime of the full grid: {unknown}; e.g. {next(iter(grid))!r}")
+    cfg = MapConfig(
+        regimes=[grid[x] for x in labels],
+        forecaster=forecaster,
+        workers=workers,
+        address=address,
+        cells_path=OUT / "rerun-cells.jsonl",
+        resume=not fresh,
+    )
+    started = time.perf_counter()
+    result = run_map(cfg)
+    summaries = [compact(s) for s in result["regimes"]]
+    for summary in summaries:
+        speedups = json.dumps(summary["speedup_by_seed"])
+        print(summary["label"], json.dumps(summary["speedup"]), speedups)
+    path = save(
+        "regimes-rerun",
+        {
+            "forecaster": forecaster,
+            "regimes": summaries,
+            "cells": result["cells"],
+            "wall_s": time.perf_counter() - started,
+        },
+    )
+    print(f"saved {path}")
 
 
 def copy_heatmaps() -> None:
