@@ -116,17 +116,23 @@ async def _serve(
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, _ignored_during_shutdown, sig)
         try:
-            if on_stopping is not None:
-                try:
-                    on_stopping()
-                except Exception:  # a closed stdout (a pipe whose reader died) and the like
-                    logger.exception("on_stopping failed; shutting down regardless")
-            await service.shutdown()
+            await shut_down(service, on_stopping)
         finally:
             if in_main:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
     return server.signal_number if server is not None else 0
+
+
+async def shut_down(service: Any, on_stopping: Callable[[], None] | None = None) -> None:
+    """Tell ``on_stopping``, then stop ``service`` whatever that callback does (a CLI
+    printing to a pipe whose reader died with the same Ctrl-C raises)."""
+    if on_stopping is not None:
+        try:
+            on_stopping()
+        except Exception:
+            logger.exception("on_stopping failed; shutting down regardless")
+    await service.shutdown()
 
 
 def _ignored_during_shutdown(sig: int) -> None:

@@ -555,3 +555,22 @@ def test_sampling_numbers_must_be_finite_and_in_vllms_ranges(values, field):
     with pytest.raises(InputError) as err:
         parse_sampling(values)
     assert err.value.field == field
+
+
+def test_a_failing_stop_callback_does_not_skip_the_clean_up():
+    # Found by review: `prorsa serve | tee log` and Ctrl-C: the CLI's "stopping" line
+    # raised BrokenPipeError and the engines and Ray were never shut down.
+    from prorsa.serve.server import shut_down
+
+    class Service:
+        stopped = False
+
+        async def shutdown(self):
+            self.stopped = True
+
+    def printing_to_a_dead_pipe():
+        raise BrokenPipeError("[Errno 32] Broken pipe")
+
+    service = Service()
+    asyncio.run(shut_down(service, printing_to_a_dead_pipe))
+    assert service.stopped
