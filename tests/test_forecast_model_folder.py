@@ -175,6 +175,9 @@ CASES = (
 def test_damaged_folder_gives_one_input_error(tmp_path, model, case, damage, expected):
     folder = tmp_path / model
     shutil.copytree(MODELS / model, folder)
+    # Without the file digests (as in folders saved before them), so that each reader's
+    # own checks are what meets the damage (the digests are tested below).
+    _edit(_del("files"))(folder)
     damage(folder)
     with pytest.raises(InputError) as err:
         load_forecaster(folder)
@@ -253,3 +256,21 @@ def test_a_save_cut_short_leaves_no_manifest_to_load(tmp_path, small_model, monk
     assert not (folder / "manifest.json").exists() and before
     with pytest.raises(InputError, match=r"no manifest\.json"):
         load_forecaster(folder)
+
+
+@pytest.mark.parametrize(
+    ("model", "file"),
+    [("lightgbm-trajectory", "boosters.json.gz"), ("lightgbm-aggregate", "boosters.json.gz"),
+     ("gru", "gru.npz")],
+)  # fmt: skip
+def test_shipped_models_list_their_files_and_any_damage_is_named(tmp_path, model, file):
+    folder = tmp_path / model
+    shutil.copytree(MODELS / model, folder)
+    digest = hashlib.sha256((folder / file).read_bytes()).hexdigest()
+    assert _manifest(folder)["files"][file] == digest
+    load_forecaster(folder)
+    _truncate(file)(folder)
+    with pytest.raises(InputError) as err:
+        load_forecaster(folder)
+    assert f"files.{file}" in str(err.value) and "does not match" in str(err.value)
+
