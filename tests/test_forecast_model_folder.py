@@ -273,4 +273,3 @@ def test_shipped_models_list_their_files_and_any_damage_is_named(tmp_path, model
     with pytest.raises(InputError) as err:
         load_forecaster(folder)
     assert f"files.{file}" in str(err.value) and "does not match" in str(err.value)
-

@@ -304,30 +304,36 @@ def prorsa_url(config: Any) -> str:
     return url
 
 
+class ProrsaManagerMixin:
+    """What prorsa adds to verl's ``AgentLoopManager`` (kept apart so it is testable
+    without verl): prorsa as the LLM client, and verl's saved weights loaded into prorsa's
+    engines before each step generates."""
+
+    def __init__(self, config: Any, llm_client: Any = None, *args: Any, **kwargs: Any):
+        rollout = config.actor_rollout_ref.rollout
+        url = prorsa_url(config)
+        client = ProrsaLLMClient(
+            url,
+            max_tokens=rollout.response_length,
+            prompt_length=rollout.prompt_length,
+            max_model_len=rollout.get("max_model_len"),
+        )
+        self.prorsa_weights = checkpoint_follower(config, url)
+        super().__init__(config, client, *args, **kwargs)  # type: ignore[call-arg]
+
+    def generate_sequences(self, prompts: Any) -> Any:
+        # verl updated its own replicas (and saved) since the last step: prorsa's engines
+        # load the saved weights before any turn of this step.
+        if self.prorsa_weights is not None:
+            self.prorsa_weights.sync(prompts.meta_info.get("global_steps"))
+        return super().generate_sequences(prompts)  # type: ignore[misc]
+
+
 def _manager_class() -> type:
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
-    class ProrsaAgentLoopManager(AgentLoopManager):
+    class ProrsaAgentLoopManager(ProrsaManagerMixin, AgentLoopManager):
         """verl's agent loop manager with prorsa as the LLM client."""
-
-        def __init__(self, config: Any, llm_client: Any = None, *args: Any, **kwargs: Any):
-            rollout = config.actor_rollout_ref.rollout
-            url = prorsa_url(config)
-            client = ProrsaLLMClient(
-                url,
-                max_tokens=rollout.response_length,
-                prompt_length=rollout.prompt_length,
-                max_model_len=rollout.get("max_model_len"),
-            )
-            self.prorsa_weights = checkpoint_follower(config, url)
-            super().__init__(config, client, *args, **kwargs)
-
-        def generate_sequences(self, prompts: Any) -> Any:
-            # verl updated its own replicas (and saved) since the last step: prorsa's
-            # engines load the saved weights before any turn of this step.
-            if self.prorsa_weights is not None:
-                self.prorsa_weights.sync(prompts.meta_info.get("global_steps"))
-            return super().generate_sequences(prompts)
 
     return ProrsaAgentLoopManager
 

@@ -129,3 +129,31 @@ def test_the_manager_config_must_save_what_the_follower_reads(monkeypatch):
         checkpoint_follower(_config(save_contents=["model"]), "http://prorsa")
     off = _config(save_contents=["model"], custom={"prorsa_follow_checkpoints": False})
     assert checkpoint_follower(off, "http://prorsa") is None
+
+
+def test_the_manager_loads_the_weights_before_its_step_generates(tmp_path, monkeypatch):
+    # verl's AgentLoopManager does not install here: the mixin over a stand-in base that
+    # records what verl's would receive.
+    from prorsa.integrations.verl import ProrsaManagerMixin
+
+    class VerlManager:  # the parts of verl's AgentLoopManager the mixin relies on
+        def __init__(self, config, llm_client, *args, **kwargs):
+            self.llm_client = llm_client
+
+        def generate_sequences(self, prompts):
+            calls.append(("generate", prompts.meta_info["global_steps"]))
+            return "batch"
+
+    class Manager(ProrsaManagerMixin, VerlManager):
+        pass
+
+    monkeypatch.setenv("PRORSA_URL", "http://prorsa:8000")
+    config = _config(trainer={"default_local_dir": str(tmp_path)})
+    config.actor_rollout_ref.rollout.update(response_length=64, prompt_length=32)
+    calls = []
+    manager = Manager(config)
+    monkeypatch.setattr(manager.prorsa_weights, "sync", lambda step: calls.append(("sync", step)))
+    batch = SimpleNamespace(meta_info={"global_steps": 3})
+    assert manager.generate_sequences(batch) == "batch"
+    assert calls == [("sync", 3), ("generate", 3)]  # the weights first, then the step
+    assert manager.llm_client.url == "http://prorsa:8000" and manager.llm_client.max_tokens == 64
