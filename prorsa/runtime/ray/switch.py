@@ -37,7 +37,7 @@ from prorsa.runtime.cluster.switching import (
 )
 from prorsa.runtime.cluster.telemetry import ClusterTelemetry
 from prorsa.runtime.ray.client import EngineUnavailable, answered_within
-from prorsa.runtime.ray.pools import EngineState, Role, RolePools, parse_role
+from prorsa.runtime.ray.pools import EngineState, Lease, Role, RolePools, parse_role
 
 if TYPE_CHECKING:
     from prorsa.runtime.ray.turns import RouterConfig
@@ -278,13 +278,7 @@ class RoleSwitcher:
         if not drained:
             switch.migrate_rest()
             with _Stage(stages, "abort"):
-                rest = []
-                for lease in engine.leases.values():
-                    lease.evicted = True
-                    rest.append(lease.request_id)
-                if rest:
-                    await answered("abort", engine.client.abort(rest))
-                evicted += rest
+                evicted += await _evict(engine, list(engine.leases.values()), answered)
                 await pools.wait_until(lambda: engine.idle, self.config.abort_grace_s)
         switch.mark_drained(self.clock())
         self.telemetry.switch_event(switch.drained_s, switch, "drained", engine.engine_id)
@@ -327,14 +321,23 @@ class RoleSwitcher:
             return []
         waiting = int(load.get("waiting") or 0) if isinstance(load, dict) else 0
         legs = [x for x in engine.leases.values() if x.role is Role.PREFILL]
-        queued = legs[len(legs) - min(waiting, len(legs)) :]
-        if not queued:
-            return []
-        for lease in queued:
-            lease.evicted = True
-        ids = [lease.request_id for lease in queued]
+        return await _evict(engine, legs[len(legs) - min(waiting, len(legs)) :], answered)
+
+
+async def _evict(
+    engine: EngineState,
+    leases: list[Lease],
+    answered: Callable[[str, Awaitable[Any]], Awaitable[Any]],
+) -> list[str]:
+    """Mark ``leases`` evicted (the router serves them elsewhere) and abort them on the
+    engine; their request ids."""
+    ids = []
+    for lease in leases:
+        lease.evicted = True
+        ids.append(lease.request_id)
+    if ids:
         await answered("abort", engine.client.abort(ids))
-        return ids
+    return ids
 
 
 class _Stage:
