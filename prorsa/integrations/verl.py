@@ -256,7 +256,9 @@ def _complete(folder: Path) -> bool:
     """A ``save_pretrained`` folder with its config and at least one weights file."""
     if not (folder / "config.json").is_file():
         return False
-    return any(f.suffix in (".safetensors", ".bin") and f.is_file() for f in folder.iterdir())
+    from prorsa.runtime.ray.weights import WEIGHT_SUFFIXES  # what the server takes
+
+    return any(f.suffix in WEIGHT_SUFFIXES and f.is_file() for f in folder.iterdir())
 
 
 def checkpoint_follower(config: Any, url: str) -> CheckpointFollower | None:
