@@ -43,7 +43,7 @@ def random_live(n: int, seed: int) -> Live:
         state=rng.choice(STATES, n),
         open=rng.random(n) < 0.7,
         ctx=rng.uniform(0.0, 30_000.0, n),
-        since_queued=rng.exponential(1.0, n),
+        wait=rng.exponential(1.0, n),
         decoded=decoded,
         tool_elapsed=tool_elapsed,
         out_last=out_last,
@@ -165,3 +165,23 @@ def test_inverse_normal_cdf_matches_scipy():
     p = np.concatenate([low, np.linspace(0.01, 0.99, 400), 1.0 - np.logspace(-15, -1, 200)])
     ours = np.array([bottomup_kernel._ndtri(float(x)) for x in p])
     np.testing.assert_allclose(ours, ndtri(p), rtol=1e-13, atol=1e-13)
+
+
+def test_a_queued_turn_waits_for_the_turns_queued_before_it():
+    """Six rows: four waiting (one queued 3 s ago, three just now), one decoding, one in
+    a tool. At 2 turns/s the three new ones wait 0.5, 1 and 1.5 s for the queue ahead;
+    the recent queue-to-decode time (0.8 s) is the floor."""
+    state = np.array([QUEUED, PREFILLING, QUEUED, DECODING, IN_TOOL, QUEUED])
+    is_open = np.array([False, False, False, True, False, False])
+    since = np.array([3.0, 0.0, 0.0, 0.4, 0.0, 0.0])
+    waits = bottomup.decode_waits(state, is_open, since, 0.8, 2.0)
+    np.testing.assert_allclose(waits, [0.0, 0.8, 1.0, 0.0, 0.0, 1.5])
+    # An unknown rate leaves only the queue-to-decode term.
+    unknown = bottomup.decode_waits(state, is_open, since, 0.8, np.nan)
+    np.testing.assert_allclose(unknown, [0.0, 0.8, 0.8, 0.0, 0.0, 0.8])
+    # Stacked ticks rank their queues apart: the same rows twice give the same waits.
+    twice = bottomup.decode_waits(
+        np.r_[state, state], np.r_[is_open, is_open], np.r_[since, since], 0.8, 2.0,
+        tick=np.repeat([0, 1], len(state)),
+    )  # fmt: skip
+    np.testing.assert_allclose(twice, np.r_[waits, waits])

@@ -214,3 +214,38 @@ def test_the_cohort_restarts_with_each_sync_step():
     assert seen[5.0] == (5.0, 0.5)  # b ended, a still live
     assert seen[9.0] == (0.0, 0.0)  # nothing live
     assert seen[21.0] == (1.0, 0.0) and seen[25.0] == (5.0, 0.5)  # as in the first step
+
+
+def test_turn_start_rate_counts_only_time_with_a_queue():
+    """Ten turns queued at once start one every 0.5 s: 2 turns/s, and a pause with
+    nothing waiting before the next burst does not dilute the rate."""
+    from prorsa.telemetry.schema import LifecycleEvent
+
+    def burst(t0: float, tag: str) -> list:
+        events = []
+        for k in range(10):
+            name = f"{tag}{k}"
+            at = t0 + 0.5 * (k + 1)
+
+            def e(t, kind, ctx=100, new=100, out=0, name=name):
+                return LifecycleEvent(t, "r", name, "g", "swe", 0, kind, 0, ctx, new, 0, out)
+
+            events += [e(t0, "traj_start"), e(t0, "prefill_queued"), e(at, "prefill_start"),
+                       e(at, "prefill_end"), e(at, "decode_start"), e(at + 0.2, "decode_end", out=5),
+                       e(at + 0.2, "traj_end")]  # fmt: skip
+        return events
+
+    rows = _rows(sorted(burst(0.0, "a") + burst(30.0, "b"), key=lambda e: e.time))
+    tr = LifecycleTracker(["swe"])
+    seen, before = {}, -1.0
+    for t in np.arange(0.0, 34.01, 0.25):
+        tr.update([r for r in rows if before < r[0] <= t])
+        tr.tick(float(t))
+        before = t
+        seen[round(float(t), 2)] = tr.turn_start_rate
+    assert np.isnan(seen[0.0])  # nothing has started yet
+    assert seen[3.0] == pytest.approx(2.0)
+    assert seen[4.0] == pytest.approx(2.0)
+    # 25 s idle, then the second burst: its first second reads 2/s, not 2/26.
+    assert seen[31.0] == pytest.approx(2.0)
+    assert seen[34.0] == pytest.approx(2.0)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from scipy.special import log_ndtr, ndtr, ndtri
 
-from prorsa.forecast.tracker import DECODING, IN_TOOL, PREFILLING, QUEUED, TRANSFERRING
+from prorsa.forecast.tracker import DECODING, IN_TOOL, waiting_mask
 
 if TYPE_CHECKING:
     from prorsa.forecast.bottomup_kernel import SharedRows
@@ -72,7 +72,7 @@ class Live:
     state: np.ndarray
     open: np.ndarray
     ctx: np.ndarray
-    since_queued: np.ndarray
+    wait: np.ndarray  # seconds until the current turn's decode starts (decode_waits)
     decoded: np.ndarray
     tool_elapsed: np.ndarray
     out_last: np.ndarray
@@ -224,9 +224,44 @@ def row_groups(live: Live) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Masks of the rows whose current turn waits for its decode (queued, prefilling,
     moving its KV, or decoding a turn not yet open), decodes, and is in a tool."""
     state, is_open = np.asarray(live.state), np.asarray(live.open)
-    waiting = (state == QUEUED) | (state == PREFILLING) | (state == TRANSFERRING)
-    waiting |= (state == DECODING) & ~is_open
-    return waiting, (state == DECODING) & is_open, state == IN_TOOL
+    running = (state == DECODING) & is_open
+    return waiting_mask(state, is_open), running, state == IN_TOOL
+
+
+def decode_waits(
+    state: np.ndarray,
+    is_open: np.ndarray,
+    since_queued: np.ndarray,
+    ttft_s: np.ndarray | float,
+    start_rate: np.ndarray | float,
+    tick: np.ndarray | None = None,
+) -> np.ndarray:
+    """Seconds until each row's current turn starts decoding (0 where it already does or
+    is in a tool): the recent queue-to-decode time less what the turn has waited, or, where
+    longer, the turns queued before it over the rate turns leave the wait
+    (:attr:`~prorsa.forecast.tracker.LifecycleTracker.turn_start_rate`; NaN: unknown).
+
+    The queue term matters in a burst: the queue-to-decode times seen so far are those
+    of the turns served first, and a sync step's later turns wait far longer. Rows of
+    several ticks stacked carry ``tick`` (their queues are ranked apart); ties, as at a
+    launch, are ranked in row order.
+    """
+    state, is_open = np.asarray(state), np.asarray(is_open)
+    since = np.asarray(since_queued, float)
+    n = len(state)
+    waiting = waiting_mask(state, is_open)
+    tick = np.zeros(n, np.int64) if tick is None else np.asarray(tick)
+    rows = np.flatnonzero(waiting)
+    order = rows[np.lexsort((-since[rows], tick[rows]))]  # per tick, longest waiting first
+    group_start = np.r_[0, np.flatnonzero(np.diff(tick[order])) + 1]
+    sizes = np.diff(np.r_[group_start, len(order)])
+    ahead = np.zeros(n)
+    ahead[order] = np.arange(len(order)) - np.repeat(group_start, sizes)
+    rate = np.broadcast_to(np.asarray(start_rate, float), (n,))
+    known = np.isfinite(rate) & (rate > 0)
+    queue = np.where(known, ahead / np.where(known, rate, 1.0), 0.0)
+    ttft = np.broadcast_to(np.asarray(ttft_s, float), (n,))
+    return np.where(waiting, np.maximum(np.maximum(ttft - since, 0.0), queue), 0.0)
 
 
 def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
@@ -290,7 +325,7 @@ def _current_turn(live: Live, waiting: np.ndarray, horizons: np.ndarray) -> np.n
     out = np.zeros((len(waiting), 4, len(horizons)))
     size = expected_size(live.mu_next, live.sd_next)
     rate = np.maximum(live.rate, _TINY)
-    wait = np.where(waiting, np.maximum(live.ttft - live.since_queued, 0.0), 0.0)
+    wait = np.where(waiting, live.wait, 0.0)
     d = np.where(waiting, 0.0, live.decoded)
     mu, sd = live.mu_out, live.sd_out
     out[:, 1], out[:, 2], out[:, 3] = _decode_terms(mu, sd, d, live.ctx + d, rate, wait, horizons)

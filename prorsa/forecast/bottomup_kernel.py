@@ -36,11 +36,11 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 GROUPS = (_WAITING, _RUNNING, _IN_TOOL) = (1, 2, 3)
 #: The Live fields the kernel reads, as the columns of one row matrix.
 FIELDS = (
-    "ctx", "since_queued", "decoded", "tool_elapsed", "out_last", "mu_out", "sd_out",
+    "ctx", "wait", "decoded", "tool_elapsed", "out_last", "mu_out", "sd_out",
     "q_cont", "p_instant", "mu_tool", "sd_tool", "mu_next", "sd_next", "rate", "ttft",
 )  # fmt: skip
 (
-    _CTX, _SINCE_QUEUED, _DECODED, _TOOL_ELAPSED, _OUT_LAST, _MU_OUT, _SD_OUT, _Q_CONT,
+    _CTX, _WAIT, _DECODED, _TOOL_ELAPSED, _OUT_LAST, _MU_OUT, _SD_OUT, _Q_CONT,
     _P_INSTANT, _MU_TOOL, _SD_TOOL, _MU_NEXT, _SD_NEXT, _RATE, _TTFT,
 ) = range(len(FIELDS))  # fmt: skip
 
@@ -217,13 +217,13 @@ def _later(out, i, horizons, arr, dec, kv_base, mean_out, size, row):
 
 def _current(out, i, horizons, waiting, row):
     """bottomup._current_turn for row ``i`` (``row``: its :data:`FIELDS`)."""
-    ctx, since_queued, decoded = row[_CTX], row[_SINCE_QUEUED], row[_DECODED]
+    ctx, decoded = row[_CTX], row[_DECODED]
     mu, sd, q, p0 = row[_MU_OUT], row[_SD_OUT], row[_Q_CONT], row[_P_INSTANT]
     mu_t, sd_t, mu_n, sd_n = row[_MU_TOOL], row[_SD_TOOL], row[_MU_NEXT], row[_SD_NEXT]
     rate_raw, ttft = row[_RATE], row[_TTFT]
     size = _expected_size(mu_n, sd_n)
     rate = max(rate_raw, _TINY)
-    wait = max(ttft - since_queued, 0.0) if waiting else 0.0
+    wait = row[_WAIT] if waiting else 0.0
     d = 0.0 if waiting else decoded
     at = _truncation(mu, sd, d)
     for j in range(len(horizons)):

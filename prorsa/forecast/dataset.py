@@ -51,6 +51,9 @@ SNAPSHOT_COLUMNS = (
     "out_last",
 )
 TURN_LABELS = ("output_tokens", "continues", "tool_s", "next_new_tokens")
+#: Tick column (not a feature): the tracker's turn_start_rate, which the bottom-up
+#: expectation of lightgbm-trajectory reads beside the features.
+TURN_START_RATE = "turn_start_rate"
 _META_KEY = b"prorsa.forecast_dataset"
 #: Written into the main file and its siblings alike by one save.
 _SAVE_KEY = b"prorsa.forecast_dataset.save"
@@ -89,7 +92,7 @@ class ForecastDataset:
         """Raise InputError when the dataset cannot train a forecaster for ``horizons``."""
         if self.ticks.empty:
             raise InputError("dataset has no ticks", hint="simulate or replay longer runs")
-        need = ["run_id", "time", "scale", *self.feature_names]
+        need = ["run_id", "time", "scale", TURN_START_RATE, *self.feature_names]
         for h in horizons or self.horizons:
             if h not in self.horizons:
                 raise ConfigError(
@@ -343,10 +346,12 @@ def _replay_run(
     (the tracker reads the GPU count from them), ``stages`` the same without (targets)."""
     tracker = pipeline.make_tracker(record_event_rows=True)
     scales = np.empty(len(ticks))
+    start_rates = np.empty(len(ticks))
     snaps: list[dict[str, np.ndarray]] = []
 
     def on_tick(tr, i: int) -> None:
         scales[i] = max(tr.peak_live, 1)
+        start_rates[i] = tr.turn_start_rate
         tr.pending.clear()
         if i % snapshot_every == 0 and len(tr.snapshot["slot"]):
             snap = {c: tr.snapshot[c] for c in SNAPSHOT_COLUMNS}
@@ -356,6 +361,7 @@ def _replay_run(
 
     features = replay(tracker, run, ticks, on_tick)
     tick_frame = pd.DataFrame(features, columns=pipeline.feature_names_)
+    tick_frame.insert(0, TURN_START_RATE, start_rates)
     tick_frame.insert(0, "scale", scales)
     tick_frame.insert(0, "time", ticks)
     tick_frame.insert(0, "run_id", run_id)

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from prorsa.errors import ConfigError, InputError
 from prorsa.forecast.base import Forecaster, Point, Quantiles, register
-from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up
+from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up, decode_waits
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.targets import event_frame, run_targets
 from prorsa.forecast.tracker import IN_TOOL, rows_of
@@ -152,7 +152,9 @@ class OracleForecaster(Forecaster):
             state=snap["state"],
             open=snap["open"],
             ctx=snap["ctx"],
-            since_queued=snap["since_queued"],
+            wait=decode_waits(
+                snap["state"], snap["open"], snap["since_queued"], tr.ttft_s, tr.turn_start_rate
+            ),
             decoded=np.minimum(snap["decoded"], out_tokens - 1),
             tool_elapsed=snap["tool_elapsed"],
             out_last=snap["out_last"],

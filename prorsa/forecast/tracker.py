@@ -38,6 +38,14 @@ from prorsa.telemetry.views import STATES
 STATE_CODE: dict[str, int] = {s: i for i, s in enumerate(STATES)}
 QUEUED, PREFILLING, TRANSFERRING, DECODING, IN_TOOL, DONE = range(6)
 
+
+def waiting_mask(state: np.ndarray, is_open: np.ndarray) -> np.ndarray:
+    """Rows whose current turn waits for its decode: queued, prefilling, moving its KV,
+    or decoding a turn not yet open."""
+    waiting = (state == QUEUED) | (state == PREFILLING) | (state == TRANSFERRING)
+    return waiting | ((state == DECODING) & ~is_open)
+
+
 #: Features frozen when a turn arrives (one row per turn).
 EVENT_FEATURES: tuple[str, ...] = (
     "task",
@@ -676,6 +684,7 @@ class LifecycleTracker:
             "decode_ends": self.counts["decode_ends"],
             "tool_ends": self.counts["tool_ends"],
             "live": float(len(live)),
+            "waiting": float(waiting_mask(state, is_open).sum()),
         }
         hist = self.history
         for key, value in values.items():
@@ -748,6 +757,24 @@ class LifecycleTracker:
         vals = self.history[key][i:] or self.history[key][-1:]
         return float(sum(vals) / len(vals))
 
+    @property
+    def turn_start_rate(self) -> float:
+        """Turns per second whose decode began over the last :data:`START_RATE_WINDOW_S`,
+        counting only the time a turn was waiting (NaN before any has been seen to start).
+
+        Turns leave the wait at this rate, so a turn with ``k`` others queued before it
+        starts in about ``k / rate`` seconds. Idle time is left out because a sync step
+        launches after a pause, and the pause says nothing about how fast its queue drains.
+        """
+        times, waiting, turns = self.history["time"], self.history["waiting"], self.history["turns"]
+        if len(times) < 2:
+            return _NAN
+        i = max(bisect.bisect_left(times, times[-1] - START_RATE_WINDOW_S), 0)
+        busy = sum(times[k] - times[k - 1] for k in range(i + 1, len(times)) if waiting[k - 1] > 0)
+        # Turns that arrived, less the growth of those still waiting, have started.
+        started = (turns[-1] - turns[i]) - (waiting[-1] - waiting[i])
+        return started / busy if busy > 1e-9 and started > 0 else _NAN
+
     def live_count(self) -> int:
         return int(self.alive[: self._n_slots].sum())
 
@@ -777,7 +804,12 @@ _HISTORY = (
     "decode_ends",
     "tool_ends",
     "live",
+    "waiting",
 )
+#: Look-back (seconds) of :attr:`LifecycleTracker.turn_start_rate`: long enough to hold
+#: a few dozen decode starts at a light load, short enough to follow a sync step's
+#: launch burst as it drains.
+START_RATE_WINDOW_S = 5.0
 #: Per-group statistics of the GRPO siblings (one array each, indexed by group).
 GROUP_ARRAYS = (
     "g_members",

@@ -38,13 +38,20 @@ from prorsa.forecast.aggregate import (
     conformal_rows,
     conformal_shift,
     fit_target_models,
+    median_point,
     read_conformal,
     subsample,
 )
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
-from prorsa.forecast.bottomup import TOOL_SHIFT_S, Live, bottom_up, shared_bottom_up
+from prorsa.forecast.bottomup import (
+    TOOL_SHIFT_S,
+    Live,
+    bottom_up,
+    decode_waits,
+    shared_bottom_up,
+)
 from prorsa.forecast.compiled_trees import MIN_ROWS
-from prorsa.forecast.dataset import ForecastDataset
+from prorsa.forecast.dataset import TURN_START_RATE, ForecastDataset
 from prorsa.forecast.features import PER_GPU_FEATURES, aggregate_feature_names
 from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
 from prorsa.forecast.sources import Fold, source_folds
@@ -265,13 +272,16 @@ class LightGBMTrajectoryForecaster(Forecaster):
         tick_key = ticks[["run_id", "time"]].reset_index().rename(columns={"index": "tick"})
         joined = joined.merge(tick_key, on=["run_id", "time"], how="inner")
         rate = ticks["decode_rate_per_seq"].to_numpy(float)[joined["tick"].to_numpy()]
-        ttft = ticks["ttft_s"].to_numpy(float)[joined["tick"].to_numpy()]
+        tick = joined["tick"].to_numpy()
+        ttft = ticks["ttft_s"].to_numpy(float)[tick]
         live = self._live(
             {c: joined[c].to_numpy() for c in joined.columns},
             {n: joined[n].to_numpy(float) for n in _SLOT_ARRAYS},
             np.nan_to_num(joined["task_code"].to_numpy(float), nan=len(self.tasks_)).astype(int),
             rate,
             ttft,
+            ticks[TURN_START_RATE].to_numpy(float)[tick],
+            tick,
         )
         contrib = bottom_up(live, np.asarray(self.horizons_))
         ticks_used, inverse = np.unique(joined["tick"].to_numpy(), return_inverse=True)
@@ -480,7 +490,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
             "mu_next": mu("mu_next", "next"),
         }
 
-    def _live(self, snap: dict, mus: dict, task: np.ndarray, rate, ttft) -> Live:
+    def _live(
+        self, snap: dict, mus: dict, task: np.ndarray, rate, ttft, start_rate, tick=None
+    ) -> Live:
         def spread(model: str) -> np.ndarray:
             table = np.asarray(self.spread_.get(model, [1.0]), float)
             return table[np.minimum(task, len(table) - 1)]
@@ -490,7 +502,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
             state=np.asarray(snap["state"]),
             open=np.asarray(snap["open"], bool),
             ctx=np.asarray(snap["ctx"], float),
-            since_queued=np.asarray(snap["since_queued"], float),
+            wait=decode_waits(
+                snap["state"], snap["open"], snap["since_queued"], ttft, start_rate, tick
+            ),
             decoded=np.asarray(snap["decoded"], float),
             tool_elapsed=np.asarray(snap["tool_elapsed"], float),
             out_last=np.asarray(snap["out_last"], float),
@@ -518,7 +532,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
         snap = tr.snapshot
         slots = snap["slot"]
         mus = {n: tr.slot_array(n)[slots] for n in _SLOT_ARRAYS}
-        live = self._live(snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s)
+        live = self._live(
+            snap, mus, snap["task"].astype(int), tr.decode_rate, tr.ttft_s, tr.turn_start_rate
+        )
         return shared_bottom_up(live, np.asarray(horizons, float))
 
     def _calibration_index(self) -> tuple[np.ndarray, dict[float, np.ndarray]]:
@@ -543,7 +559,6 @@ class LightGBMTrajectoryForecaster(Forecaster):
             return {t: sums[i] for i, t in enumerate(TARGETS)}, {}
         scale = float(max(self.tracker_.peak_live, 1))
         x = self._calibration_rows(self.current_features()[None, :], sums[None], scale, horizons)
-        point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
         offset = self._offsets(x)
         for i, target in enumerate(TARGETS):
@@ -552,14 +567,10 @@ class LightGBMTrajectoryForecaster(Forecaster):
                 raw = raw + conformal_shift(
                     self.conformal_, alpha, target, self.horizons_, horizons
                 )
-                values = np.array(
+                quantiles[alpha][target] = np.array(
                     [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
                 )
-                if alpha is None:
-                    point[target] = values
-                else:
-                    quantiles[alpha][target] = values
-        return point, quantiles
+        return median_point(quantiles), quantiles
 
     # ------------------------------------------------------------- save/load
     def _get_state(self, path: Path) -> dict:
