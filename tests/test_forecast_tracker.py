@@ -231,8 +231,8 @@ def test_turn_start_rate_counts_only_time_with_a_queue():
                 return LifecycleEvent(t, "r", name, "g", "swe", 0, kind, 0, ctx, new, 0, out)
 
             events += [e(t0, "traj_start"), e(t0, "prefill_queued"), e(at, "prefill_start"),
-                       e(at, "prefill_end"), e(at, "decode_start"), e(at + 0.2, "decode_end", out=5),
-                       e(at + 0.2, "traj_end")]  # fmt: skip
+                       e(at, "prefill_end"), e(at, "decode_start"),
+                       e(at + 0.2, "decode_end", out=5), e(at + 0.2, "traj_end")]  # fmt: skip
         return events
 
     rows = _rows(sorted(burst(0.0, "a") + burst(30.0, "b"), key=lambda e: e.time))

@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from prorsa.policy.types import (
     switch_latency_s,
 )
 from prorsa.registry import Registry
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -240,10 +243,30 @@ class Policy(ABC):
     #: False for fixed allocations: the controller then never ticks (saves time).
     dynamic: bool = True
 
+    #: True while :meth:`resize` runs :meth:`reset`.
+    resizing_: bool = False
+
     def reset(self, cluster: ClusterSpec, seed: int = 0) -> None:
-        """Forget state; called once before a run."""
+        """Forget state; called once before a run (and by :meth:`resize` mid-run)."""
         self.cluster_ = cluster
         self.seed_ = seed
+
+    def resize(self, cluster: ClusterSpec) -> None:
+        """Size the policy to ``cluster`` mid-run, when an engine left or came back.
+
+        Runs :meth:`reset` with :attr:`resizing_` set: what a policy learned of the run
+        (timers, a mode change under way, measured ratios) is kept where its reset reads
+        it through :meth:`kept_on_resize`; the rest is rebuilt for the new size.
+        """
+        self.resizing_ = True
+        try:
+            self.reset(cluster, getattr(self, "seed_", 0))
+        finally:
+            self.resizing_ = False
+
+    def kept_on_resize(self, name: str, fresh: T) -> T:
+        """``fresh``, or during :meth:`resize` the value already held as ``name``."""
+        return getattr(self, name, fresh) if self.resizing_ else fresh
 
     @abstractmethod
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
@@ -354,7 +377,16 @@ class ModeChoosingPolicy(SplitPolicy):
             )
         # The last mode change ordered (colocate, or disaggregate into a split), kept
         # until every slot has left the old mode.
-        self.mode_change_: Allocation | None = None
+        change: Allocation | None = self.kept_on_resize("mode_change_", None)
+        # A lost engine leaves a change under way to finish, sized to the slots left.
+        self.mode_change_ = None if change is None else self._resized(change)
+
+    def _resized(self, change: Allocation) -> Allocation:
+        """``change`` ordered again on the cluster as sized now."""
+        if change.gpus.get("colocated"):
+            return self.colocate(change.reason)
+        prefill = change.gpus["prefill"] // self.cluster_.slot_gpus
+        return self.split(min(max(prefill, 1), self.cluster_.num_slots - 1), change.reason)
 
     @staticmethod
     def start_space(trial) -> dict:

@@ -785,7 +785,10 @@ def choose_mode(
     moved = current_prefill
     if not relabel:
         latency += (n - current_prefill) * spec.switch_latency_between("decode", "colocated")
-        done_s = max(done_s, spec.switch_latency_between("decode", "colocated"))
+        # Decode slots that reshard drain their running sequences first (as leaving
+        # colocation does above): colocation serves only once the longest drain ends.
+        reshard_s = spec.switch_latency_between("decode", "colocated")
+        done_s = max(done_s, reshard_s + decode_drain_s(obs, spec, n - current_prefill))
         moved = n
     saved = (current_short - c_short) * paying_s(payback_s, done_s)
     colocate_net = saved - switch_cost_weight * (

@@ -157,7 +157,8 @@ class MPCPolicy(ModeChoosingPolicy):
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
         self.last_plan_: list[int] = []
-        self.work_ = PrefillWorkMeter()
+        # The work ratio is per token, not per slot: a lost engine keeps it.
+        self.work_ = self.kept_on_resize("work_", PrefillWorkMeter())
 
     def requirements(
         self,
@@ -213,6 +214,15 @@ class MPCPolicy(ModeChoosingPolicy):
                 sizing.target_batch_per_gpu,
             )
         return lengths, need_p, need_d, pace
+
+    def backlog_slots(self, obs: ClusterObservation, horizon_s: float) -> float:
+        """Prefill slots (at the target utilisation) that drain the queued backlog over
+        ``horizon_s``: the share :meth:`requirements` adds to every interval's need."""
+        spec = self.cluster_
+        per_slot = (
+            spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * self.sizing_.prefill_target_util
+        )
+        return current_load(obs).prefill_backlog_tokens / max(horizon_s, 1e-9) / per_slot
 
     def plan(
         self,
@@ -418,7 +428,8 @@ class MPCPolicy(ModeChoosingPolicy):
             return changed
         current = min(max(current, 1), self.cluster_.num_slots - 1)
         terms = self._plan_terms(obs, ends[0][0])  # the same at every end
-        plans = [self._plan_ahead(current, terms, *end) for end in ends]
+        backlog_p = self.backlog_slots(obs, float(ends[0][0].sum()))
+        plans = [self._plan_ahead(current, terms, *end, backlog_p=backlog_p) for end in ends]
         target = agreed_move(current, [plan[0] for plan in plans])
         chosen = [plan for plan in plans if plan[0] == target]
         if not chosen:  # the ends' plans move in opposite directions
@@ -489,16 +500,20 @@ class MPCPolicy(ModeChoosingPolicy):
         need_p: np.ndarray,
         need_d: np.ndarray,
         pace: DecodePace | None,
+        backlog_p: float = 0.0,
     ) -> list[int]:
         """The plan over the forecast's intervals from ``current`` prefill slots
-        (``terms``: :meth:`_plan_terms`)."""
+        (``terms``: :meth:`_plan_terms`); ``backlog_p``: the share of each interval's
+        prefill need that drains the backlog (:meth:`backlog_slots`)."""
         horizons = len(lengths)
         if self.tail_s > 0:
             # The split the plan ends in stays for ``tail_s`` more, at the last interval's
             # demand: a cost-to-go, so that what a split costs just past the horizon
             # (contexts outgrowing a smaller prefill pool's caches) counts.
             lengths = np.append(lengths, self.tail_s)
-            need_p, need_d = np.append(need_p, need_p[-1]), np.append(need_d, need_d[-1])
+            # The horizon drains the backlog already: the tail holds arrivals only.
+            tail_p = max(float(need_p[-1]) - backlog_p, 0.0)
+            need_p, need_d = np.append(need_p, tail_p), np.append(need_d, need_d[-1])
             pace = None if pace is None else pace.held_for_one_more()
         return self.plan(
             current, lengths, need_p, need_d, pace=pace, hold_last=self.tail_s > 0, **terms

@@ -135,7 +135,8 @@ class PredictivePolicy(ModeChoosingPolicy):
         self.sizing_ = Sizing(
             self.target_batch_per_gpu, self.kv_target_fraction, self.prefill_target_util
         )
-        self.work_ = PrefillWorkMeter()
+        # The work ratio is per token, not per slot: a lost engine keeps it.
+        self.work_ = self.kept_on_resize("work_", PrefillWorkMeter())
 
     def needs(
         self,
@@ -235,7 +236,8 @@ class PredictivePolicy(ModeChoosingPolicy):
             obs, self.cluster_, current, target, self.sizing_.prefill_target_util
         )
         lost = self.switch_cost_weight * (abs(target - current) * latency + rebuild)
-        if gain >= self.min_gain and saved >= lost:
+        # Strictly: a switch that saves nothing (saved == lost == 0) still drains its slots.
+        if gain >= self.min_gain and saved > lost:
             return self.split(target, f"predictive: need {need_p:.1f}P/{need_d:.1f}D")
         return self.split(
             current,

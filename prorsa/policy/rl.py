@@ -77,6 +77,8 @@ class TargetPolicy(SplitPolicy):
         super().reset(cluster, seed)
         if self.decision_interval_s <= 0:
             raise ConfigError(f"{type(self).__name__}: decision_interval_s must be > 0")
+        if self.resizing_ and getattr(self, "started_", False):
+            return  # a lost engine keeps the target (a fraction) and the guard's timers
         self.guard_ = SwitchGuard(self.min_hold_s, self.max_changes_per_min)
         self.target_: Target = COLOCATED
         self.initial_target_: Target = COLOCATED

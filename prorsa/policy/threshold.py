@@ -65,8 +65,9 @@ class ThresholdPolicy(SplitPolicy):
             raise ConfigError("threshold: kv_high must be in (0, 1]")
         if self.cooldown_s < 0:
             raise ConfigError("threshold: cooldown_s must be >= 0")
-        self.last_change_s_ = float("-inf")
-        self.started_ = False
+        # A lost engine keeps the cooldown and the split (not back to prefill_fraction).
+        self.last_change_s_ = self.kept_on_resize("last_change_s_", float("-inf"))
+        self.started_ = self.kept_on_resize("started_", False)
 
     def decide(self, obs: ClusterObservation, forecast: Forecast | None) -> Allocation:
         spec = self.cluster_

@@ -276,13 +276,12 @@ class Controller:
         if spec is None or not obs.slots or spec.num_slots == len(obs.slots):
             return
         logger.warning(
-            "the cluster has %d slots, the policy was sized for %d: resetting it",
+            "the cluster has %d slots, the policy was sized for %d: resizing it",
             len(obs.slots),
             spec.num_slots,
         )
-        seed = getattr(self.policy, "seed_", 0)
         try:
-            self.policy.reset(replace(spec, num_slots=len(obs.slots)), seed)
+            self.policy.resize(replace(spec, num_slots=len(obs.slots)))
         except Exception:
             self.policy.cluster_ = spec  # half reset: the next tick tries again
             raise

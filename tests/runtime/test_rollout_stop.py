@@ -261,7 +261,7 @@ def test_a_dynamic_policy_keeps_deciding_after_an_engine_is_lost(tmp_path, caplo
     assert result.errors == [] and result.metrics["trajectories_completed"] == 6
     assert result.metrics["engines_lost"] == [2]
     assert "does not add up" not in caplog.text and "control tick failed" not in caplog.text
-    assert "the policy was sized for 3: resetting it" in caplog.text
+    assert "the policy was sized for 3: resizing it" in caplog.text
 
 
 class HangingFake(LoadFake):
