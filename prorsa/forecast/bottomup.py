@@ -246,22 +246,27 @@ def decode_waits(
     several ticks stacked carry ``tick`` (their queues are ranked apart); ties, as at a
     launch, are ranked in row order.
     """
-    state, is_open = np.asarray(state), np.asarray(is_open)
     since = np.asarray(since_queued, float)
-    n = len(state)
-    waiting = waiting_mask(state, is_open)
-    tick = np.zeros(n, np.int64) if tick is None else np.asarray(tick)
-    rows = np.flatnonzero(waiting)
-    order = rows[np.lexsort((-since[rows], tick[rows]))]  # per tick, longest waiting first
-    group_start = np.r_[0, np.flatnonzero(np.diff(tick[order])) + 1]
-    sizes = np.diff(np.r_[group_start, len(order)])
-    ahead = np.zeros(n)
-    ahead[order] = np.arange(len(order)) - np.repeat(group_start, sizes)
-    rate = np.broadcast_to(np.asarray(start_rate, float), (n,))
+    rows = np.flatnonzero(waiting_mask(np.asarray(state), np.asarray(is_open)))
+    out = np.zeros(len(since))
+    if not len(rows):
+        return out
+    back = -since[rows]  # longest waiting first; a stable sort keeps ties in row order
+    if tick is None:
+        order = np.argsort(back, kind="stable")
+        ahead = np.arange(len(rows), dtype=float)
+    else:
+        at = np.asarray(tick)[rows]
+        order = np.lexsort((back, at))
+        first = np.r_[0, np.flatnonzero(np.diff(at[order])) + 1]
+        ahead = np.arange(len(rows)) - np.repeat(first, np.diff(np.r_[first, len(rows)]))
+    rows = rows[order]
+    rate = np.broadcast_to(np.asarray(start_rate, float), out.shape)[rows]
     known = np.isfinite(rate) & (rate > 0)
     queue = np.where(known, ahead / np.where(known, rate, 1.0), 0.0)
-    ttft = np.broadcast_to(np.asarray(ttft_s, float), (n,))
-    return np.where(waiting, np.maximum(np.maximum(ttft - since, 0.0), queue), 0.0)
+    ttft = np.broadcast_to(np.asarray(ttft_s, float), out.shape)[rows]
+    out[rows] = np.maximum(np.maximum(ttft - since[rows], 0.0), queue)
+    return out
 
 
 def bottom_up(live: Live, horizons: np.ndarray) -> np.ndarray:
