@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> str:
         *(f"export {k}={v}" for k, v in areal_environment(args.url).items()),
         "",
         "# verl (overrides)",
-        "actor_rollout_ref.rollout.agent.agent_loop_manager_class="
+        "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
         "prorsa.integrations.verl.ProrsaAgentLoopManager \\",
         f"+actor_rollout_ref.rollout.custom.prorsa_url={args.url} \\",
+        "trainer.use_v1=false \\",
         "trainer.save_freq=1 \\",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     ]

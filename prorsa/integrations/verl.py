@@ -6,18 +6,24 @@ verl's agent loops call ``llm_client.generate(request_id, prompt_ids=..., sampli
 ``/inference/v1/generate``, with the request id as ``X-Session-ID``, so every turn goes
 through prorsa's router and its prefill/decode engines. Set::
 
-    actor_rollout_ref.rollout.agent.agent_loop_manager_class=prorsa.integrations.verl.ProrsaAgentLoopManager
+    +actor_rollout_ref.rollout.agent.agent_loop_manager_class=prorsa.integrations.verl.ProrsaAgentLoopManager
     +actor_rollout_ref.rollout.custom.prorsa_url=http://HOST:PORT
+    trainer.use_v1=false
+
+(``+``: neither key is in verl's config files, only in its dataclasses, and Hydra refuses
+an override of a key it does not have. ``use_v1=false``: verl 0.9's default V1 trainer
+streams batches through TransferQueue and drives a different manager.)
 
 ``ProrsaAgentLoopManager`` is verl's own ``AgentLoopManager`` with the client swapped
 (built on first use, so this module imports without verl). verl keeps its own weight sync:
 its checkpoint engine updates the replicas it manages, in memory, and tells no manager.
 What verl does write is its checkpoint: with ``trainer.save_freq=1`` and ``hf_model`` in
 ``actor_rollout_ref.actor.checkpoint.save_contents``, each step's weights land in
-``{trainer.default_local_dir}/global_step_{N}/actor/huggingface`` before the next step
-generates. The manager's :class:`CheckpointFollower` loads the newest such folder into
-prorsa's engines (``POST /update_weights``, version N) at the start of each
-``generate_sequences``, which verl calls with the step in ``meta_info["global_steps"]``.
+``{trainer.default_local_dir}/global_step_{N}/actor/huggingface`` (``actor/model/huggingface``
+from Megatron) before the next step generates. The manager's :class:`CheckpointFollower`
+loads the newest such folder into prorsa's engines (``POST /update_weights``, version N)
+at the start of each ``generate_sequences``, which verl calls with the step in
+``meta_info["global_steps"]``.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 URL_ENV = "PRORSA_URL"
 TOKEN_ENV = "PRORSA_ADMIN_TOKEN"
-#: Where verl's checkpoint manager saves a step's weights in Hugging Face format.
-HF_WEIGHTS = ("global_step_{step}", "actor", "huggingface")
+#: Where in ``global_step_{N}`` verl's checkpoint managers save the weights in Hugging Face
+#: format: FSDP's (and veomni's), then Megatron's.
+HF_WEIGHTS = (("actor", "huggingface"), ("actor", "model", "huggingface"))
 #: verl sampling keys prorsa takes as they are.
 _PASS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "ignore_eos",
@@ -206,15 +213,19 @@ class CheckpointFollower:
         self.timeout_s = timeout_s
         #: The step whose weights prorsa serves (None: none loaded by this follower).
         self.loaded_step: int | None = None
+        self._warned_none = False
 
     def newest_below(self, step: int) -> tuple[int, Path] | None:
         """(step, folder) of the newest complete saved weights of a step before ``step``."""
         found = []
         for folder in self.checkpoint_dir.glob("global_step_*"):
             number = folder.name.removeprefix("global_step_")
-            weights = folder.joinpath(*HF_WEIGHTS[1:])
-            if number.isdigit() and int(number) < step and _complete(weights):
-                found.append((int(number), weights))
+            if not number.isdigit() or int(number) >= step:
+                continue
+            for parts in HF_WEIGHTS:
+                if _complete(weights := folder.joinpath(*parts)):
+                    found.append((int(number), weights))
+                    break
         return max(found, default=None)
 
     def sync(self, step: int | None) -> dict[str, Any] | None:
@@ -225,6 +236,13 @@ class CheckpointFollower:
         if step is None:
             return None
         newest = self.newest_below(int(step))
+        if newest is None and int(step) > 1 and not self._warned_none:
+            self._warned_none = True
+            logger.warning(
+                "verl step %d: no saved Hugging Face weights under %s (looked in %s of "
+                "each global_step_N): prorsa serves the weights it started with",
+                step, self.checkpoint_dir, " and ".join("/".join(p) for p in HF_WEIGHTS),
+            )  # fmt: skip
         if newest is not None and newest[0] < int(step) - 1:
             logger.warning(
                 "verl step %d generates from step %d's weights, but the newest saved are "
@@ -312,7 +330,22 @@ class ProrsaManagerMixin:
     engines before each step generates."""
 
     def __init__(self, config: Any, llm_client: Any = None, *args: Any, **kwargs: Any):
+        if config.trainer.get("use_v1", False):
+            raise ConfigError(
+                "prorsa's verl manager runs under verl's PPO trainer, not the V1 trainer "
+                "(trainer.use_v1=true streams batches through TransferQueue to its own "
+                "AgentLoopManagerTQ)",
+                hint="set trainer.use_v1=false",
+            )
         rollout = config.actor_rollout_ref.rollout
+        if rollout.get("full_determinism", False):
+            # verl then names every request det-{priority}, the same ids each step: one
+            # step's trajectories would continue the last step's prorsa sessions.
+            raise ConfigError(
+                "prorsa keys its sessions by verl's request id, which "
+                "rollout.full_determinism makes the same every step",
+                hint="set actor_rollout_ref.rollout.full_determinism=false",
+            )
         url = prorsa_url(config)
         client = ProrsaLLMClient(
             url,
@@ -323,21 +356,39 @@ class ProrsaManagerMixin:
         self.prorsa_weights = checkpoint_follower(config, url)
         super().__init__(config, client, *args, **kwargs)  # type: ignore[call-arg]
 
-    def generate_sequences(self, prompts: Any) -> Any:
+    async def generate_sequences(self, prompts: Any) -> Any:
+        """verl's ``generate_sequences`` (a coroutine, as verl's own is), after prorsa's
+        engines load the weights this step generates from."""
         # verl updated its own replicas (and saved) since the last step: prorsa's engines
-        # load the saved weights before any turn of this step.
+        # load the saved weights before any turn of this step. Validation runs after
+        # step S saved and with global_steps = S: it scores step S's weights.
         if self.prorsa_weights is not None:
-            self.prorsa_weights.sync(prompts.meta_info.get("global_steps"))
-        return super().generate_sequences(prompts)  # type: ignore[misc]
+            meta = prompts.meta_info
+            step = meta.get("global_steps")
+            if step is not None and meta.get("validate"):
+                step = int(step) + 1
+            await asyncio.to_thread(self.prorsa_weights.sync, step)
+        return await super().generate_sequences(prompts)  # type: ignore[misc]
+
+
+def manager_class(base: type, auto_await: Any) -> type:
+    """``base`` (verl's ``AgentLoopManager``) with :class:`ProrsaManagerMixin`, its
+    ``generate_sequences`` wrapped in ``auto_await`` as verl wraps its own: awaited by the
+    async trainers, run to completion by the synchronous PPO trainer."""
+
+    class ProrsaAgentLoopManager(ProrsaManagerMixin, base):  # type: ignore[misc, valid-type]
+        """verl's agent loop manager with prorsa as the LLM client."""
+
+        generate_sequences = auto_await(ProrsaManagerMixin.generate_sequences)
+
+    return ProrsaAgentLoopManager
 
 
 def _manager_class() -> type:
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+    from verl.utils.ray_utils import auto_await
 
-    class ProrsaAgentLoopManager(ProrsaManagerMixin, AgentLoopManager):
-        """verl's agent loop manager with prorsa as the LLM client."""
-
-    return ProrsaAgentLoopManager
+    return manager_class(AgentLoopManager, auto_await)
 
 
 def __getattr__(name: str) -> Any:

@@ -131,29 +131,92 @@ def test_the_manager_config_must_save_what_the_follower_reads(monkeypatch):
     assert checkpoint_follower(off, "http://prorsa") is None
 
 
-def test_the_manager_loads_the_weights_before_its_step_generates(tmp_path, monkeypatch):
+def _auto_await(func):
+    """verl's ``auto_await`` (verl/utils/ray_utils.py), as far as these tests go: run the
+    coroutine where no loop runs, hand it back to a caller that awaits it."""
+
+    def wrapper(*args, **kwargs):
+        coro = func(*args, **kwargs)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        return coro
+
+    return wrapper
+
+
+def _manager(tmp_path, monkeypatch, calls, **config_overrides):
     # verl's AgentLoopManager does not install here: the mixin over a stand-in base that
-    # records what verl's would receive.
-    from prorsa.integrations.verl import ProrsaManagerMixin
+    # records what verl's would receive (its generate_sequences a coroutine, as verl's).
+    from prorsa.integrations.verl import manager_class
 
     class VerlManager:  # the parts of verl's AgentLoopManager the mixin relies on
         def __init__(self, config, llm_client, *args, **kwargs):
             self.llm_client = llm_client
 
-        def generate_sequences(self, prompts):
+        @_auto_await
+        async def generate_sequences(self, prompts):
             calls.append(("generate", prompts.meta_info["global_steps"]))
             return "batch"
 
-    class Manager(ProrsaManagerMixin, VerlManager):
-        pass
-
     monkeypatch.setenv("PRORSA_URL", "http://prorsa:8000")
-    config = _config(trainer={"default_local_dir": str(tmp_path)})
+    trainer = {"default_local_dir": str(tmp_path), **config_overrides.pop("trainer", {})}
+    config = _config(trainer=trainer, **config_overrides)
     config.actor_rollout_ref.rollout.update(response_length=64, prompt_length=32)
+    manager = manager_class(VerlManager, _auto_await)(config)
+    if manager.prorsa_weights is not None:
+        monkeypatch.setattr(
+            manager.prorsa_weights, "sync", lambda step: calls.append(("sync", step))
+        )
+    return manager
+
+
+def test_the_manager_loads_the_weights_before_its_step_generates(tmp_path, monkeypatch):
     calls = []
-    manager = Manager(config)
-    monkeypatch.setattr(manager.prorsa_weights, "sync", lambda step: calls.append(("sync", step)))
+    manager = _manager(tmp_path, monkeypatch, calls)
     batch = SimpleNamespace(meta_info={"global_steps": 3})
+    # verl's PPO trainer calls it from plain code, the one-step-off trainer awaits it.
     assert manager.generate_sequences(batch) == "batch"
-    assert calls == [("sync", 3), ("generate", 3)]  # the weights first, then the step
+
+    async def awaited():
+        return await manager.generate_sequences(batch)
+
+    assert asyncio.run(awaited()) == "batch"
+    assert calls == [("sync", 3), ("generate", 3)] * 2  # the weights first, then the step
     assert manager.llm_client.url == "http://prorsa:8000" and manager.llm_client.max_tokens == 64
+
+
+def test_validation_scores_the_step_just_saved(tmp_path, monkeypatch):
+    # Found by review: verl validates after step S saved and updated its own replicas,
+    # with global_steps = S; loading only below S scored step S - 1's weights.
+    calls = []
+    manager = _manager(tmp_path, monkeypatch, calls)
+    manager.generate_sequences(SimpleNamespace(meta_info={"global_steps": 3, "validate": True}))
+    assert calls == [("sync", 4), ("generate", 3)]
+
+
+def test_verl_v1_trainer_and_repeated_request_ids_are_refused(tmp_path, monkeypatch):
+    # verl 0.9's default trainer drives a TransferQueue manager; this one would hang it.
+    with pytest.raises(ConfigError, match="use_v1"):
+        _manager(tmp_path, monkeypatch, [], trainer={"use_v1": True})
+    # full_determinism names requests det-{priority}: every step's ids collide.
+    config = _config()
+    config.actor_rollout_ref.rollout.update(full_determinism=True)
+    from prorsa.integrations.verl import ProrsaManagerMixin
+
+    with pytest.raises(ConfigError, match="full_determinism"):
+        ProrsaManagerMixin(config)
+
+
+def test_megatron_checkpoints_are_followed_and_a_missing_folder_is_named(tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    folder = root / "global_step_2" / "actor" / "model"
+    folder.mkdir(parents=True)
+    weights_folder(folder, "huggingface")  # where verl's Megatron manager saves
+    follower = CheckpointFollower("http://prorsa", root)
+    assert follower.newest_below(3) == (2, folder / "huggingface")
+    empty = CheckpointFollower("http://prorsa", tmp_path / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="prorsa.integrations.verl"):
+        assert empty.sync(3) is None
+    assert "no saved Hugging Face weights" in caplog.text
