@@ -157,3 +157,19 @@ def test_predictive_needs_a_strict_saving_to_switch():
         chosen[need_p] = policy.decide(obs, forecast(30.0, need_p * 16_000.0)).gpus["prefill"]
     assert chosen[1.9] == 2
     assert chosen[2.4] > 2
+
+
+def test_resizing_a_split_waits_for_the_decode_slots_it_takes_to_drain():
+    # The alternative colocation is weighed against, growing the split's prefill, takes
+    # decode slots that drain first: with long outputs it pays back too late and
+    # colocation (one layout, a relabel) wins; with one-token outputs the resize does.
+    roles = ["prefill", "decode", "decode", "decode"]
+    chosen = {}
+    for output_tokens in (1.0, 4_000.0):
+        shape = WorkloadShape(10, 1000, 300, output_tokens, 2.0, 9000)
+        obs = replace(observation(30.0, roles, decoding=150, decode_kv=16_000), workload=shape)
+        chosen[output_tokens] = choose_mode(
+            obs, spec(4), 2.0, 1.5, current_prefill=1, payback_s=60.0,
+            switch_cost_weight=1.0, prefill_target_util=0.8,
+        )  # fmt: skip
+    assert chosen == {1.0: None, 4_000.0: "colocated"}

@@ -799,7 +799,9 @@ def choose_mode(
     resize_s = spec.switch_latency_between("decode", "prefill")
     resized = abs(best_x - current_prefill) * resize_s
     resized += resize_rebuild_s(obs, spec, current_prefill, best_x, prefill_target_util)
+    # Growing prefill takes decode slots, which drain first, as colocating's do above.
+    resize_done_s = resize_s + decode_drain_s(obs, spec, best_x - current_prefill)
     resize_net = (current_short - pd_short) * paying_s(
-        payback_s, resize_s
+        payback_s, resize_done_s
     ) - switch_cost_weight * resized
     return "colocated" if colocate_net > max(resize_net, 0.0) else None
