@@ -173,3 +173,17 @@ def test_resizing_a_split_waits_for_the_decode_slots_it_takes_to_drain():
             switch_cost_weight=1.0, prefill_target_util=0.8,
         )  # fmt: skip
     assert chosen == {1.0: None, 4_000.0: "colocated"}
+
+
+def test_threshold_gives_decode_a_slot_back_when_its_engine_is_lost():
+    # Found by review of the resize: 2 prefill + 1 decode, the decode engine dies; the
+    # kept split read both survivors as prefill and no branch could leave it.
+    cluster = spec(3)
+    policy = make_policy("threshold")
+    policy.reset(cluster, seed=0)
+    policy.decide(observation(0.0, ["colocated"] * 3), None)
+    policy.decide(observation(10.0, ["prefill", "prefill", "decode"]), None)
+    _lose_a_slot(policy, cluster)
+    for t in (40.0, 50.0):  # a prefill queue would have grown prefill further
+        after = policy.decide(observation(t, ["prefill", "prefill"], prefill_queue=400_000), None)
+        assert after.gpus == {"prefill": 1, "decode": 1}

@@ -111,11 +111,6 @@ def fit_target_models(
     return boosters, shifts
 
 
-def median_point(quantiles: Quantiles) -> Point:
-    """The point forecast: each target's :data:`POINT_LEVEL` quantile (a copy)."""
-    return {t: v.copy() for t, v in quantiles[POINT_LEVEL].items()}
-
-
 def conformal_shift(
     shifts: dict,
     alpha: float | None,
@@ -167,6 +162,7 @@ class LightGBMAggregateForecaster(Forecaster):
     """
 
     provides_quantiles = True
+    point_quantile = POINT_LEVEL
 
     def __init__(
         self,
@@ -225,7 +221,7 @@ class LightGBMAggregateForecaster(Forecaster):
                 quantiles[alpha][target] = np.array(
                     [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
                 )
-        return median_point(quantiles), quantiles
+        return {}, quantiles  # the point: POINT_LEVEL (Forecaster.point_quantile)
 
     def _get_state(self, path: Path) -> dict:
         return {

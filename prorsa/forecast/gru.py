@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
-from prorsa.forecast.aggregate import median_point
+from prorsa.forecast.aggregate import POINT_LEVEL
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, register
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import aggregate_feature_names
@@ -79,6 +79,7 @@ class GRUForecaster(Forecaster):
     """
 
     provides_quantiles = True
+    point_quantile = POINT_LEVEL
 
     def __init__(
         self,
@@ -188,8 +189,7 @@ class GRUForecaster(Forecaster):
                     for i, t in enumerate(TARGETS)
                 }
             )
-        quantiles = dict(zip(QUANTILES, tables, strict=True))
-        return median_point(quantiles), quantiles
+        return {}, dict(zip(QUANTILES, tables, strict=True))  # the point: point_quantile
 
     def _get_state(self, path: Path) -> dict:
         arrays = {f"w:{k}": v for k, v in self.weights_.items()}

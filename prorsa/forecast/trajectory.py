@@ -35,10 +35,10 @@ from prorsa.forecast import bottomup, lgbm
 from prorsa.forecast.aggregate import (
     CONFORMAL_FRACTION,
     LOSSES,
+    POINT_LEVEL,
     conformal_rows,
     conformal_shift,
     fit_target_models,
-    median_point,
     read_conformal,
     subsample,
 )
@@ -121,6 +121,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
     """
 
     provides_quantiles = True
+    point_quantile = POINT_LEVEL
 
     def __init__(
         self,
@@ -570,7 +571,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
                 quantiles[alpha][target] = np.array(
                     [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
                 )
-        return median_point(quantiles), quantiles
+        return {}, quantiles  # the point: POINT_LEVEL (Forecaster.point_quantile)
 
     # ------------------------------------------------------------- save/load
     def _get_state(self, path: Path) -> dict:

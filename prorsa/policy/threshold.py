@@ -73,7 +73,8 @@ class ThresholdPolicy(SplitPolicy):
         spec = self.cluster_
         slots, size = spec.num_slots, spec.slot_gpus
         load = current_load(obs)
-        prefill = load.prefill_slots
+        # A lost decode engine can leave every slot prefilling: keep one to decode.
+        prefill = min(load.prefill_slots, slots - 1)
         if not self.started_ or prefill == 0:
             self.started_ = True
             return self.split(self.initial_prefill_slots(), "threshold: initial split")
