@@ -101,7 +101,11 @@ class ForecastDataset:
             need += [target_column(t, h) for t in TARGETS]
         missing = [c for c in need if c not in self.ticks.columns]
         if missing:
-            raise InputError(f"dataset lacks column(s) {missing[:5]}", field=missing[0])
+            raise InputError(
+                f"dataset lacks column(s) {missing[:5]}",
+                field=missing[0],
+                hint="a dataset built by an older version: rebuild it (`prorsa forecast dataset`)",
+            )
         from prorsa.forecast.features import aggregate_feature_names
 
         # Models read features by position in today's list: a dataset built by another

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,9 @@ class CheckpointFollower:
         #: The step whose weights prorsa serves (None: none loaded by this follower).
         self.loaded_step: int | None = None
         self._warned_none = False
+        # sync runs in worker threads (the manager's coroutine hands it off); two at once,
+        # a validation beside a generation, could both load and the older land last.
+        self._lock = threading.Lock()
 
     def newest_below(self, step: int) -> tuple[int, Path] | None:
         """(step, folder) of the newest complete saved weights of a step before ``step``."""
@@ -232,7 +236,11 @@ class CheckpointFollower:
         """Before verl's step ``step`` generates: load the weights it trains from, if
         prorsa does not serve them yet. Returns the server's update summary, or None when
         there was nothing newer to load (a warning says when the newest saved step lags
-        the weights verl serves itself)."""
+        the weights verl serves itself). One call at a time."""
+        with self._lock:
+            return self._sync(step)
+
+    def _sync(self, step: int | None) -> dict[str, Any] | None:
         if step is None:
             return None
         newest = self.newest_below(int(step))
