@@ -4,6 +4,8 @@ each step, over a real socket to a served app (fake engines), and its config che
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import inspect
 import logging
 import socket
 import threading
@@ -132,8 +134,9 @@ def test_the_manager_config_must_save_what_the_follower_reads(monkeypatch):
 
 
 def _auto_await(func):
-    """verl's ``auto_await`` (verl/utils/ray_utils.py), as far as these tests go: run the
-    coroutine where no loop runs, hand it back to a caller that awaits it."""
+    """What verl 0.9.1's ``auto_await`` (verl/utils/ray_utils.py) does: run the coroutine
+    where no loop runs; hand it back to a coroutine that calls it; from plain code inside
+    a running loop, run it to completion on a thread of its own."""
 
     def wrapper(*args, **kwargs):
         coro = func(*args, **kwargs)
@@ -141,7 +144,11 @@ def _auto_await(func):
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(coro)
-        return coro
+        caller = inspect.currentframe().f_back
+        if caller is not None and caller.f_code.co_flags & inspect.CO_COROUTINE:
+            return coro
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, coro).result()
 
     return wrapper
 
@@ -183,7 +190,12 @@ def test_the_manager_loads_the_weights_before_its_step_generates(tmp_path, monke
         return await manager.generate_sequences(batch)
 
     assert asyncio.run(awaited()) == "batch"
-    assert calls == [("sync", 3), ("generate", 3)] * 2  # the weights first, then the step
+
+    async def called_from_plain_code_in_a_loop():
+        return (lambda: manager.generate_sequences(batch))()
+
+    assert asyncio.run(called_from_plain_code_in_a_loop()) == "batch"
+    assert calls == [("sync", 3), ("generate", 3)] * 3  # the weights first, then the step
     assert manager.llm_client.url == "http://prorsa:8000" and manager.llm_client.max_tokens == 64
 
 
