@@ -170,3 +170,17 @@ def test_the_point_is_the_median_as_reported_after_ordering(data):
     for target in TARGETS:
         assert (fc.quantiles[0.5][target] >= fc.quantiles[0.1][target]).all()
         np.testing.assert_array_equal(fc.point[target], fc.quantiles[0.5][target])
+
+
+def test_an_uncalibrated_trajectory_model_forecasts_its_bottom_up_sum(data):
+    # Found in use: with calibrate=False there are no quantiles to take the point from.
+    train, events = data
+    model = make_forecaster(
+        "lightgbm-trajectory", horizons=HORIZONS, seed=7, calibrate=False,
+        **FAST.get("lightgbm-trajectory", {}),
+    ).set_drift_check(False).fit(train)  # fmt: skip
+    fc = _stream(model, events)[-1]
+    assert not fc.quantiles
+    sums = model.bottom_up_now(HORIZONS)
+    for i, target in enumerate(TARGETS):
+        np.testing.assert_allclose(fc.point[target], np.maximum(sums[i], 0.0))

@@ -245,8 +245,9 @@ class Forecaster(ABC):
             if below is not None:
                 values = {t: np.maximum(values[t], below[t]) for t in TARGETS}
             fixed[level] = below = values
-        if self.point_quantile is not None:
-            # The point is that quantile as reported, after the ordering above.
+        if self.point_quantile in fixed:
+            # The point is that quantile as reported, after the ordering above (a
+            # forecaster without its quantiles, e.g. uncalibrated, keeps its own point).
             point = {t: fixed[self.point_quantile][t].copy() for t in TARGETS}
         point = {t: np.maximum(np.asarray(point[t], float), 0.0) for t in TARGETS}
         return Forecast(
