@@ -155,21 +155,36 @@ def test_expected_forecasters_are_registered():
 
 
 def test_the_point_is_the_median_as_reported_after_ordering(data):
-    # Found by review: the point copied the raw P50 before predict made the levels
-    # non-decreasing; with conformal shifts that cross (P10 above P50) they differed.
+    # Found by review: gru's point (its P50 head) was copied before predict made the
+    # levels non-decreasing; where the P10 head crossed above the P50 they differed.
     train, events = data
-    model = make_forecaster("lightgbm-aggregate", horizons=HORIZONS, seed=7, **FAST.get(
-        "lightgbm-aggregate", {}
-    )).set_drift_check(False).fit(train)  # fmt: skip
-    model.conformal_ = {
-        "0.1": {t: [1e6] * len(HORIZONS) for t in TARGETS},
-        "0.5": {t: [0.0] * len(HORIZONS) for t in TARGETS},
-        "0.9": {t: [2e6] * len(HORIZONS) for t in TARGETS},
-    }
+    model = make_forecaster("gru", horizons=HORIZONS, seed=7, **FAST.get("gru", {}))
+    model.set_drift_check(False).fit(train)
+    unordered = model._predict
+
+    def crossing(horizons):
+        point, quantiles = unordered(horizons)
+        quantiles[0.1] = {t: v + 1e6 for t, v in quantiles[0.1].items()}
+        return point, quantiles
+
+    model._predict = crossing
     fc = _stream(model, events)[-1]
     for target in TARGETS:
-        assert (fc.quantiles[0.5][target] >= fc.quantiles[0.1][target]).all()
+        assert (fc.quantiles[0.5][target] >= 1e6).all()
         np.testing.assert_array_equal(fc.point[target], fc.quantiles[0.5][target])
+
+
+def test_learned_points_are_chosen_on_held_out_runs(data):
+    # The point per target and horizon is the candidate of least WAPE on the conformal
+    # runs, and it travels with the saved model.
+    train, _ = data
+    for name in ("lightgbm-aggregate", "lightgbm-trajectory"):
+        model = make_forecaster(name, horizons=HORIZONS, seed=7, **FAST.get(name, {}))
+        model.fit(train)
+        assert set(model.points_) == set(TARGETS)
+        assert all(len(v) == len(HORIZONS) for v in model.points_.values())
+        allowed = {"mean", "median"} | ({"offset"} if name == "lightgbm-trajectory" else set())
+        assert {c for v in model.points_.values() for c in v} <= allowed
 
 
 def test_an_uncalibrated_trajectory_model_forecasts_its_bottom_up_sum(data):
@@ -184,3 +199,16 @@ def test_an_uncalibrated_trajectory_model_forecasts_its_bottom_up_sum(data):
     sums = model.bottom_up_now(HORIZONS)
     for i, target in enumerate(TARGETS):
         np.testing.assert_allclose(fc.point[target], np.maximum(sums[i], 0.0))
+
+
+def test_choose_points_takes_the_least_wape_per_horizon():
+    from prorsa.forecast.aggregate import choose_points
+
+    y = np.array([10.0, 10.0, 1.0, 1.0])
+    at = np.array([5.0, 5.0, 30.0, 30.0])
+    candidates = {
+        "mean": np.array([10.0, 10.0, 9.0, 9.0]),  # right at 5 s, far off at 30 s
+        "median": np.array([4.0, 4.0, 1.0, 1.0]),  # the other way round
+    }
+    assert choose_points(y, candidates, at, (5.0, 30.0)) == ["mean", "median"]
+    assert choose_points(y, {}, at, (5.0, 30.0)) == ["mean", "mean"]

@@ -67,7 +67,8 @@ def test_split_conformal_quantiles_cover_new_data():
             min_child_samples=5,
         )
 
-    boosters, shifts = fit_target_models(xs, ys, runs, xs[:, -1], (5.0,), train, seed=1)
+    boosters, shifts, points = fit_target_models(xs, ys, runs, xs[:, -1], (5.0,), train, seed=1)
+    assert set(points) == set(TARGETS)
     assert set(boosters) == {f"{t}:{k}" for t in TARGETS for k, _, _ in LOSSES}
     x_new, y_new = sample(4000)
     x_new = np.column_stack([x_new, np.full(len(x_new), 5.0)])

@@ -23,17 +23,22 @@ from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
 #: (key suffix, LightGBM objective, quantile level)
 LOSSES = (
+    ("mean", "regression", None),
     ("q0.1", "quantile", 0.1),
     ("q0.5", "quantile", 0.5),
     ("q0.9", "quantile", 0.9),
 )
 
 
-#: The quantile the point forecast is. WAPE, the score the forecasters are judged on,
-#: is minimised by the median, and demand is heavy-tailed: a sync launch queues every
-#: prompt at once, and a squared-error model fitted with those bursts in its data put
-#: burst-sized leaves under ordinary states of clusters it had not seen (100x the actual
-#: on the held-out 235B cell).
+#: What a learned forecaster's point forecast may be, chosen per target and horizon on
+#: the held-out conformal runs (:func:`choose_points`): the squared-error model, the
+#: median model, or the offset the trees correct (lightgbm-trajectory's bottom-up sum).
+#: Demand is heavy-tailed (a sync launch queues every prompt at once): a squared-error
+#: model fitted with those bursts put burst-sized leaves under ordinary states of a
+#: cluster it had not seen (prefill WAPE 6-13 on the held-out 235B cell, where its median
+#: scored 0.6-0.9), while for decode it was the better of the two.
+POINT_CHOICES = ("mean", "median", "offset")
+#: The quantile level of the ``median`` point.
 POINT_LEVEL = 0.5
 
 
@@ -74,22 +79,26 @@ def fit_target_models(
     init: np.ndarray | None = None,
     prefix: str = "",
     held_out_fraction: float = CONFORMAL_FRACTION,
-) -> tuple[dict[str, object], dict[str, dict[str, list[float]]]]:
-    """One booster per target and loss of :data:`LOSSES`, quantiles split-conformal.
+) -> tuple[dict[str, object], dict[str, dict[str, list[float]]], dict[str, list[str]]]:
+    """One booster per target and loss of :data:`LOSSES`, quantiles split-conformal, and
+    the point forecast chosen per target and horizon (:data:`POINT_CHOICES`).
 
     ``ys`` [rows, targets]; ``train(x, y, objective, alpha, init_score)`` fits one
     booster; ``init`` [rows, targets] is an offset the trees correct. The models learn
-    from all but a seeded fifth of the runs, on which each quantile's conformal shift
-    per target and horizon is measured (see
-    :mod:`prorsa.forecast.conformal`). Returns (boosters keyed ``{prefix}{target}:{loss}``,
-    shifts ``{level: {target: [per horizon]}}``).
+    from all but a seeded fifth of the runs; on that fifth each quantile's conformal
+    shift per target and horizon is measured (see :mod:`prorsa.forecast.conformal`) and
+    the point is chosen as the candidate of least WAPE there. Returns (boosters keyed
+    ``{prefix}{target}:{loss}``, shifts ``{level: {target: [per horizon]}}``, point
+    choices ``{target: [per horizon]}``).
     """
     is_cal = conformal_rows(run_of_row, held_out_fraction, seed)
     fit_rows = ~is_cal
     boosters: dict[str, object] = {}
     shifts: dict[str, dict[str, list[float]]] = {}
+    points: dict[str, list[str]] = {}
     for i, target in enumerate(TARGETS):
         offset = init[:, i] if init is not None else None
+        held: dict[str, np.ndarray] = {}  # each candidate point on the held-out rows
         for key, objective, alpha in LOSSES:
             booster = train(
                 xs[fit_rows],
@@ -99,16 +108,88 @@ def fit_target_models(
                 None if offset is None else offset[fit_rows],
             )
             boosters[f"{prefix}{target}:{key}"] = booster
+            if not is_cal.any():
+                if alpha is not None:
+                    shifts.setdefault(f"{alpha:g}", {})[target] = [0.0] * len(horizons)
+                continue
+            pred = lgbm.predict(booster, xs[is_cal])
+            if offset is not None:
+                pred = pred + offset[is_cal]
+            if alpha is None:
+                held["mean"] = pred
+                continue
             per_h = [0.0] * len(horizons)
-            if is_cal.any():
-                pred = lgbm.predict(booster, xs[is_cal])
-                if offset is not None:
-                    pred = pred + offset[is_cal]
-                for j, h in enumerate(horizons):
-                    at = np.isclose(horizon_of_row[is_cal], h)
-                    per_h[j] = conformal_offset(ys[is_cal, i][at], pred[at], alpha)
+            for j, h in enumerate(horizons):
+                at = np.isclose(horizon_of_row[is_cal], h)
+                per_h[j] = conformal_offset(ys[is_cal, i][at], pred[at], alpha)
             shifts.setdefault(f"{alpha:g}", {})[target] = per_h
-    return boosters, shifts
+            if alpha == POINT_LEVEL:
+                held["median"] = (
+                    pred + np.array(per_h)[_horizon_index(horizon_of_row[is_cal], horizons)]
+                )
+        if offset is not None and is_cal.any():
+            held["offset"] = offset[is_cal]
+        points[target] = choose_points(ys[is_cal, i], held, horizon_of_row[is_cal], horizons)
+    return boosters, shifts, points
+
+
+def _horizon_index(horizon_of_row: np.ndarray, horizons: Sequence[float]) -> np.ndarray:
+    return np.argmin(np.abs(horizon_of_row[:, None] - np.asarray(horizons)[None, :]), axis=1)
+
+
+def choose_points(
+    y: np.ndarray,
+    candidates: dict[str, np.ndarray],
+    horizon_of_row: np.ndarray,
+    horizons: Sequence[float],
+) -> list[str]:
+    """Per horizon, the candidate point (:data:`POINT_CHOICES`) of least WAPE on the
+    held-out rows ``y`` (``"mean"`` where nothing is held out)."""
+    out = []
+    for h in horizons:
+        at = np.isclose(horizon_of_row, h)
+        total = float(np.abs(y[at]).sum())
+        if not candidates or total <= 0:
+            out.append("mean")
+            continue
+        wape = {
+            k: float(np.abs(y[at] - np.maximum(v[at], 0.0)).sum()) / total
+            for k, v in candidates.items()
+        }
+        out.append(min(POINT_CHOICES, key=lambda k: wape.get(k, np.inf)))
+    return out
+
+
+def read_points(state: dict, source: str, n_horizons: int) -> dict[str, list[str]]:
+    """``state.point`` of a saved model, checked (absent in older folders: the mean)."""
+    from prorsa.errors import InputError
+
+    points = state.get("point", {t: ["mean"] * n_horizons for t in TARGETS})
+    for target in TARGETS:
+        choice = points.get(target) if isinstance(points, dict) else None
+        if (
+            not isinstance(choice, list)
+            or len(choice) != n_horizons
+            or any(c not in POINT_CHOICES for c in choice)
+        ):
+            raise InputError(
+                f"must list one of {POINT_CHOICES} per horizon, got {choice!r}",
+                source=source,
+                field=f"state.point.{target}",
+            )
+    return {t: list(points[t]) for t in TARGETS}
+
+
+def pick_point(
+    points: dict[str, list[str]],
+    target: str,
+    fitted: Sequence[float],
+    horizons: Sequence[float],
+    candidates: dict[str, np.ndarray],
+) -> np.ndarray:
+    """The point of ``target`` at ``horizons`` from ``candidates`` (each per horizon)."""
+    choice = [points[target][list(fitted).index(h)] for h in horizons]
+    return np.array([candidates[c][j] for j, c in enumerate(choice)])
 
 
 def conformal_shift(
@@ -118,8 +199,8 @@ def conformal_shift(
     fitted: Sequence[float],
     horizons: Sequence[float],
 ) -> np.ndarray | float:
-    """The conformal shift of quantile ``alpha`` at ``horizons``."""
-    if not shifts:
+    """The conformal shift of quantile ``alpha`` at ``horizons`` (0 for the mean)."""
+    if alpha is None or not shifts:
         return 0.0
     table = shifts.get(f"{alpha:g}", {}).get(target)
     if table is None:
@@ -162,7 +243,6 @@ class LightGBMAggregateForecaster(Forecaster):
     """
 
     provides_quantiles = True
-    point_quantile = POINT_LEVEL
 
     def __init__(
         self,
@@ -204,13 +284,14 @@ class LightGBMAggregateForecaster(Forecaster):
                 feature_names=names,
             )
 
-        self.boosters_, self.conformal_ = fit_target_models(
+        self.boosters_, self.conformal_, self.points_ = fit_target_models(
             xs[keep], ys[keep], runs[keep], xs[keep, -1], self.horizons_, train, self.seed
         )
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
         x = stack_horizons(self.current_features()[None, :], horizons)
         scale = float(max(self.tracker_.peak_live, 1))
+        point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
         for target in TARGETS:
             for key, _, alpha in LOSSES:
@@ -218,15 +299,22 @@ class LightGBMAggregateForecaster(Forecaster):
                 raw = raw + conformal_shift(
                     self.conformal_, alpha, target, self.horizons_, horizons
                 )
-                quantiles[alpha][target] = np.array(
+                values = np.array(
                     [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
                 )
-        return {}, quantiles  # the point: POINT_LEVEL (Forecaster.point_quantile)
+                if alpha is None:
+                    point[target] = values
+                else:
+                    quantiles[alpha][target] = values
+            candidates = {"mean": point[target], "median": quantiles[POINT_LEVEL][target]}
+            point[target] = pick_point(self.points_, target, self.horizons_, horizons, candidates)
+        return point, quantiles
 
     def _get_state(self, path: Path) -> dict:
         return {
             "boosters": lgbm.save_boosters(self.boosters_, path / "boosters.json.gz"),
             "conformal": self.conformal_,
+            "point": self.points_,
         }
 
     def _set_state(self, state: dict, path: Path) -> None:
@@ -236,6 +324,7 @@ class LightGBMAggregateForecaster(Forecaster):
             model_file(path, name, field="state.boosters"), required
         )
         self.conformal_ = read_conformal(state, path, len(self.horizons_))
+        self.points_ = read_points(state, str(path), len(self.horizons_))
         width = len(aggregate_feature_names(self.lags_, self.tasks_)) + 1
         for booster in self.boosters_.values():
             lgbm.check_width(booster, width, source=str(path / state["boosters"]))

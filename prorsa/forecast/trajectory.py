@@ -39,7 +39,9 @@ from prorsa.forecast.aggregate import (
     conformal_rows,
     conformal_shift,
     fit_target_models,
+    pick_point,
     read_conformal,
+    read_points,
     subsample,
 )
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
@@ -121,7 +123,6 @@ class LightGBMTrajectoryForecaster(Forecaster):
     """
 
     provides_quantiles = True
-    point_quantile = POINT_LEVEL
 
     def __init__(
         self,
@@ -312,7 +313,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
 
         # The trees correct an offset (the bottom-up sum, or for decode what
         # ``decode_offset`` names), rather than replace it.
-        boosters, self.conformal_ = fit_target_models(
+        boosters, self.conformal_, self.points_ = fit_target_models(
             x_kept,
             y_kept,
             runs[keep],
@@ -560,18 +561,32 @@ class LightGBMTrajectoryForecaster(Forecaster):
             return {t: sums[i] for i, t in enumerate(TARGETS)}, {}
         scale = float(max(self.tracker_.peak_live, 1))
         x = self._calibration_rows(self.current_features()[None, :], sums[None], scale, horizons)
+        point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
         offset = self._offsets(x)
+
+        def tokens(values: np.ndarray, target: str) -> np.ndarray:
+            return np.array(
+                [denormalise(v, target, h, scale) for v, h in zip(values, horizons, strict=True)]
+            )
+
         for i, target in enumerate(TARGETS):
             for suffix, _, alpha in LOSSES:
                 raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x) + offset[:, i]
                 raw = raw + conformal_shift(
                     self.conformal_, alpha, target, self.horizons_, horizons
                 )
-                quantiles[alpha][target] = np.array(
-                    [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
-                )
-        return {}, quantiles  # the point: POINT_LEVEL (Forecaster.point_quantile)
+                if alpha is None:
+                    point[target] = tokens(raw, target)
+                else:
+                    quantiles[alpha][target] = tokens(raw, target)
+            candidates = {
+                "mean": point[target],
+                "median": quantiles[POINT_LEVEL][target],
+                "offset": tokens(offset[:, i], target),
+            }
+            point[target] = pick_point(self.points_, target, self.horizons_, horizons, candidates)
+        return point, quantiles
 
     # ------------------------------------------------------------- save/load
     def _get_state(self, path: Path) -> dict:
@@ -581,6 +596,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             "default": self.default_,
             "calibration_features": getattr(self, "calibration_features_", []),
             "conformal": getattr(self, "conformal_", {}),
+            "point": getattr(self, "points_", {}),
             "offset_weights": getattr(self, "offset_weights_", {}),
         }
 
@@ -616,6 +632,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.default_ = {k: float(v) for k, v in default.items()}
         self.calibration_features_ = list(features)
         self.conformal_ = read_conformal(state, path, len(self.horizons_))
+        self.points_ = read_points(state, source, len(self.horizons_))
         self.offset_weights_ = _offset_weights(state, source, len(self.horizons_))
         if not self.offset_weights_ and self.decode_offset != "bottom-up":
             raise InputError(
