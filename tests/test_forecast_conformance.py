@@ -187,18 +187,21 @@ def test_learned_points_are_chosen_on_held_out_runs(data):
         assert {c for v in model.points_.values() for c in v} <= allowed
 
 
-def test_an_uncalibrated_trajectory_model_forecasts_its_bottom_up_sum(data):
+def test_an_uncalibrated_trajectory_model_forecasts_its_bottom_up_sum(data, tmp_path):
     # Found in use: with calibrate=False there are no quantiles to take the point from.
     train, events = data
     model = make_forecaster(
         "lightgbm-trajectory", horizons=HORIZONS, seed=7, calibrate=False,
         **FAST.get("lightgbm-trajectory", {}),
     ).set_drift_check(False).fit(train)  # fmt: skip
-    fc = _stream(model, events)[-1]
-    assert not fc.quantiles
+    forecasts = _stream(model, events, ticks=6)  # mid-run: demand still to come
+    fc = forecasts[-1]
+    assert not fc.quantiles and fc.point["decode_tokens"].sum() > 0
     sums = model.bottom_up_now(HORIZONS)
     for i, target in enumerate(TARGETS):
         np.testing.assert_allclose(fc.point[target], np.maximum(sums[i], 0.0))
+    loaded = load_forecaster(model.save(tmp_path / "uncalibrated")).set_drift_check(False)
+    np.testing.assert_array_equal(_as_array(_stream(loaded, events, ticks=6)), _as_array(forecasts))
 
 
 def test_choose_points_takes_the_least_wape_per_horizon():

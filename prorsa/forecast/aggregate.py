@@ -161,10 +161,11 @@ def choose_points(
 
 
 def read_points(state: dict, source: str, n_horizons: int) -> dict[str, list[str]]:
-    """``state.point`` of a saved model, checked (absent in older folders: the mean)."""
+    """``state.point`` of a saved model, checked (absent or empty, as in older folders
+    and uncalibrated models: the mean)."""
     from prorsa.errors import InputError
 
-    points = state.get("point", {t: ["mean"] * n_horizons for t in TARGETS})
+    points = state.get("point") or {t: ["mean"] * n_horizons for t in TARGETS}
     for target in TARGETS:
         choice = points.get(target) if isinstance(points, dict) else None
         if (
