@@ -97,11 +97,6 @@ def test_forecaster_conformance(name, data, tmp_path):
                 lo, mid, hi = (fc.quantiles[q][target] for q in QUANTILES)
                 assert lo.shape == mid.shape == hi.shape == (len(HORIZONS),)
                 assert (lo >= 0).all() and (lo <= mid).all() and (mid <= hi).all()
-            if model.point_quantile is not None:  # the point is that quantile as reported
-                for target in TARGETS:
-                    np.testing.assert_array_equal(
-                        fc.point[target], fc.quantiles[model.point_quantile][target]
-                    )
         elif model.provides_quantiles and name != "lightgbm-trajectory":
             pytest.fail(f"{name} promises quantiles but gave none")
     # Any subset of the fitted horizons, each predicted on its own (the controller asks
@@ -154,26 +149,6 @@ def test_expected_forecasters_are_registered():
     } <= set(FORECASTERS.names())
 
 
-def test_the_point_is_the_median_as_reported_after_ordering(data):
-    # Found by review: gru's point (its P50 head) was copied before predict made the
-    # levels non-decreasing; where the P10 head crossed above the P50 they differed.
-    train, events = data
-    model = make_forecaster("gru", horizons=HORIZONS, seed=7, **FAST.get("gru", {}))
-    model.set_drift_check(False).fit(train)
-    unordered = model._predict
-
-    def crossing(horizons):
-        point, quantiles = unordered(horizons)
-        quantiles[0.1] = {t: v + 1e6 for t, v in quantiles[0.1].items()}
-        return point, quantiles
-
-    model._predict = crossing
-    fc = _stream(model, events)[-1]
-    for target in TARGETS:
-        assert (fc.quantiles[0.5][target] >= 1e6).all()
-        np.testing.assert_array_equal(fc.point[target], fc.quantiles[0.5][target])
-
-
 def test_learned_points_are_chosen_on_held_out_runs(data):
     # The point per target and horizon is the candidate of least WAPE on the conformal
     # runs, and it travels with the saved model.
@@ -215,3 +190,29 @@ def test_choose_points_takes_the_least_wape_per_horizon():
     }
     assert choose_points(y, candidates, at, (5.0, 30.0)) == ["mean", "median"]
     assert choose_points(y, {}, at, (5.0, 30.0)) == ["mean", "mean"]
+
+
+def test_queue_wait_is_an_option_of_the_bottom_up_sum(data, monkeypatch):
+    # Off (the shipped model's setting) a queued turn waits the recent queue-to-decode
+    # time less its own wait (no queue rate reaches decode_waits); on, the tracker's rate.
+    import prorsa.forecast.trajectory as trajectory
+
+    train, events = data
+    seen = []
+    real = trajectory.decode_waits
+
+    def spy(state, is_open, since, ttft, rate, tick=None):
+        seen.append(np.asarray(rate, float))
+        return real(state, is_open, since, ttft, rate, tick)
+
+    monkeypatch.setattr(trajectory, "decode_waits", spy)
+    for on in (False, True):
+        model = make_forecaster(
+            "lightgbm-trajectory", horizons=HORIZONS, seed=7, calibrate=False,
+            queue_wait=on, **FAST.get("lightgbm-trajectory", {}),
+        ).set_drift_check(False).fit(train)  # fmt: skip
+        assert model.get_params()["queue_wait"] is on
+        seen.clear()
+        _stream(model, events, ticks=6)
+        rates = np.concatenate([np.atleast_1d(r) for r in seen])
+        assert np.isnan(rates).all() if not on else np.isfinite(rates).any()

@@ -74,9 +74,6 @@ class Forecaster(ABC):
     requires_data: ClassVar[bool] = True
     #: True when ``predict`` returns p50 and p90 besides the point forecast.
     provides_quantiles: ClassVar[bool] = False
-    #: The quantile the point forecast is (None: ``_predict``'s own point). Set, the
-    #: point is that quantile after the levels are made non-decreasing.
-    point_quantile: ClassVar[float | None] = None
     #: True for the oracle: it must be shown the future (see ``attach``).
     needs_future: ClassVar[bool] = False
     #: ``update`` takes an :class:`~prorsa.telemetry.columns.EventBatch` as it is.
@@ -245,10 +242,6 @@ class Forecaster(ABC):
             if below is not None:
                 values = {t: np.maximum(values[t], below[t]) for t in TARGETS}
             fixed[level] = below = values
-        if self.point_quantile in fixed:
-            # The point is that quantile as reported, after the ordering above (a
-            # forecaster without its quantiles, e.g. uncalibrated, keeps its own point).
-            point = {t: fixed[self.point_quantile][t].copy() for t in TARGETS}
         point = {t: np.maximum(np.asarray(point[t], float), 0.0) for t in TARGETS}
         return Forecast(
             time_s=float(self.tracker_.time_s),

@@ -120,6 +120,12 @@ class LightGBMTrajectoryForecaster(Forecaster):
             squares on the training ticks). Decode demand is a slowly moving stock, which
             recent demand predicts well at short horizons; trees correct a good offset
             more easily than they learn it.
+        queue_wait: a queued turn also waits for the turns queued before it (its place in
+            the queue over the rate turns leave it, :func:`~prorsa.forecast.bottomup.
+            decode_waits`); off, it waits the recent queue-to-decode time less what it has
+            waited. On makes the raw bottom-up sum far closer to demand on held-out runs,
+            but the calibration trained on it transferred worse (docs/results.md,
+            "Forecasting"); the shipped model has it off.
     """
 
     provides_quantiles = True
@@ -137,6 +143,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         calibration_estimators: int = 150,
         max_rows: int = 200_000,
         decode_offset: str = "bottom-up",
+        queue_wait: bool = False,
     ) -> None:
         super().__init__(horizons, seed)
         self.n_estimators = n_estimators
@@ -154,6 +161,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
                 f"unknown decode_offset {decode_offset!r}", hint=f"one of {DECODE_OFFSETS}"
             )
         self.decode_offset = decode_offset
+        self.queue_wait = queue_wait
 
     # ------------------------------------------------------------------- fit
     def _train(
@@ -505,7 +513,12 @@ class LightGBMTrajectoryForecaster(Forecaster):
             open=np.asarray(snap["open"], bool),
             ctx=np.asarray(snap["ctx"], float),
             wait=decode_waits(
-                snap["state"], snap["open"], snap["since_queued"], ttft, start_rate, tick
+                snap["state"],
+                snap["open"],
+                snap["since_queued"],
+                ttft,
+                start_rate if self.queue_wait else np.nan,  # NaN: no queue term
+                tick,
             ),
             decoded=np.asarray(snap["decoded"], float),
             tool_elapsed=np.asarray(snap["tool_elapsed"], float),
