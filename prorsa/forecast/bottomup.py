@@ -251,6 +251,11 @@ def decode_waits(
     out = np.zeros(len(since))
     if not len(rows):
         return out
+    if np.ndim(start_rate) == 0 and not (np.isfinite(start_rate) and start_rate > 0):
+        # No queue term (unknown rate, or the option off): no ranking to pay for.
+        ttft = np.broadcast_to(np.asarray(ttft_s, float), out.shape)[rows]
+        out[rows] = np.maximum(ttft - since[rows], 0.0)
+        return out
     back = -since[rows]  # longest waiting first; a stable sort keeps ties in row order
     if tick is None:
         order = np.argsort(back, kind="stable")
