@@ -251,10 +251,10 @@ def decode_waits(
     out = np.zeros(len(since))
     if not len(rows):
         return out
+    ttft = np.broadcast_to(np.asarray(ttft_s, float), out.shape)
     if np.ndim(start_rate) == 0 and not (np.isfinite(start_rate) and start_rate > 0):
         # No queue term (unknown rate, or the option off): no ranking to pay for.
-        ttft = np.broadcast_to(np.asarray(ttft_s, float), out.shape)[rows]
-        out[rows] = np.maximum(ttft - since[rows], 0.0)
+        out[rows] = np.maximum(ttft[rows] - since[rows], 0.0)
         return out
     back = -since[rows]  # longest waiting first; a stable sort keeps ties in row order
     if tick is None:
@@ -269,8 +269,7 @@ def decode_waits(
     rate = np.broadcast_to(np.asarray(start_rate, float), out.shape)[rows]
     known = np.isfinite(rate) & (rate > 0)
     queue = np.where(known, ahead / np.where(known, rate, 1.0), 0.0)
-    ttft = np.broadcast_to(np.asarray(ttft_s, float), out.shape)[rows]
-    out[rows] = np.maximum(np.maximum(ttft - since[rows], 0.0), queue)
+    out[rows] = np.maximum(np.maximum(ttft[rows] - since[rows], 0.0), queue)
     return out
 
 

@@ -185,7 +185,7 @@ class MPCPolicy(ModeChoosingPolicy):
         # first (1 s) interval, it cost little there (switching slots serve nothing that
         # soon) and vanished from later ones, so a queue of minutes never won a slot.
         backlog = load.prefill_backlog_tokens * lengths / lengths.sum()
-        per_slot = spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * sizing.prefill_target_util
+        per_slot = self._prefill_slot_tokens_per_s()
         # Forecasts count appended tokens; engines compute what caches miss of them.
         ratio = self.work_.ratio if work_ratio is None else work_ratio
         need_p = (arriving * ratio + backlog) / lengths / per_slot
@@ -218,11 +218,13 @@ class MPCPolicy(ModeChoosingPolicy):
     def backlog_slots(self, obs: ClusterObservation, horizon_s: float) -> float:
         """Prefill slots (at the target utilisation) that drain the queued backlog over
         ``horizon_s``: the share :meth:`requirements` adds to every interval's need."""
-        spec = self.cluster_
-        per_slot = (
-            spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * self.sizing_.prefill_target_util
-        )
+        per_slot = self._prefill_slot_tokens_per_s()
         return current_load(obs).prefill_backlog_tokens / max(horizon_s, 1e-9) / per_slot
+
+    def _prefill_slot_tokens_per_s(self) -> float:
+        """Prefill tokens/s of one slot at the sizing's target utilisation."""
+        spec = self.cluster_
+        return spec.prefill_tokens_per_s_per_gpu * spec.slot_gpus * self.sizing_.prefill_target_util
 
     def plan(
         self,
