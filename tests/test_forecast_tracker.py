@@ -249,3 +249,33 @@ def test_turn_start_rate_counts_only_time_with_a_queue():
     # 25 s idle, then the second burst: its first second reads 2/s, not 2/26.
     assert seen[31.0] == pytest.approx(2.0)
     assert seen[34.0] == pytest.approx(2.0)
+
+
+def test_turn_start_rate_leaves_out_the_interval_a_queue_formed_in():
+    """A burst queued half-way between two ticks: the interval it arrived in had no
+    queue when it began, so neither its time nor the turns started in it count; the
+    next tick reads the true rate (4 turns/s), not that interval's starts over the
+    following second's time (6/s)."""
+    from prorsa.telemetry.schema import LifecycleEvent
+
+    events = []
+    for k in range(20):
+        name, at = f"t{k}", 0.5 + 0.25 * (k + 1)
+
+        def e(t, kind, ctx=100, new=100, out=0, name=name):
+            return LifecycleEvent(t, "r", name, "g", "swe", 0, kind, 0, ctx, new, 0, out)
+
+        events += [e(0.5, "traj_start"), e(0.5, "prefill_queued"), e(at, "prefill_start"),
+                   e(at, "prefill_end"), e(at, "decode_start"),
+                   e(at + 0.1, "decode_end", out=5), e(at + 0.1, "traj_end")]  # fmt: skip
+    rows = _rows(sorted(events, key=lambda e: e.time))
+    tr = LifecycleTracker(["swe"])
+    seen, before = {}, -1.0
+    for t in (0.0, 1.0, 2.0, 3.0):
+        tr.update([r for r in rows if before < r[0] <= t])
+        tr.tick(t)
+        before = t
+        seen[t] = tr.turn_start_rate
+    assert np.isnan(seen[1.0])  # the queue formed inside the only interval so far
+    assert seen[2.0] == pytest.approx(4.0)
+    assert seen[3.0] == pytest.approx(4.0)

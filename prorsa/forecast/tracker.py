@@ -770,9 +770,15 @@ class LifecycleTracker:
         if len(times) < 2:
             return _NAN
         i = max(bisect.bisect_left(times, times[-1] - START_RATE_WINDOW_S), 0)
-        busy = sum(times[k] - times[k - 1] for k in range(i + 1, len(times)) if waiting[k - 1] > 0)
-        # Turns that arrived, less the growth of those still waiting, have started.
-        started = (turns[-1] - turns[i]) - (waiting[-1] - waiting[i])
+        busy = started = 0.0
+        for k in range(i + 1, len(times)):
+            # An interval counts, time and starts together, when it began with a queue:
+            # the launch interval of a sync step (queue formed part-way through it) would
+            # add its starts without the part of its time that had a queue.
+            if waiting[k - 1] > 0:
+                busy += times[k] - times[k - 1]
+                # Turns that arrived, less the growth of those still waiting, started.
+                started += (turns[k] - turns[k - 1]) - (waiting[k] - waiting[k - 1])
         return started / busy if busy > 1e-9 and started > 0 else _NAN
 
     def live_count(self) -> int:
