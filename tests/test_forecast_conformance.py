@@ -162,6 +162,29 @@ def test_learned_points_are_chosen_on_held_out_runs(data):
         assert {c for v in model.points_.values() for c in v} <= allowed
 
 
+def test_a_median_point_is_the_p50_the_forecast_reports(data):
+    # Found by review: the point chosen as "median" was the P50 before the quantiles were
+    # put in order, so where the P10 crossed above it the point sat below the reported P50.
+    train, events = data
+    for name in ("lightgbm-aggregate", "lightgbm-trajectory"):
+        model = make_forecaster(name, horizons=HORIZONS, seed=7, **FAST.get(name, {}))
+        model.set_drift_check(False).fit(train)
+        model.points_ = {t: ["median"] * len(HORIZONS) for t in TARGETS}
+        for t in TARGETS:  # lift the P10 far above the P50: they cross everywhere
+            model.conformal_.setdefault("0.1", {})[t] = [25.0] * len(HORIZONS)
+        fc = _stream(model, events, ticks=6)[-1]
+        assert any((fc.quantiles[0.1][t] > 0).any() for t in TARGETS)
+        for t in TARGETS:
+            np.testing.assert_allclose(fc.point[t], fc.quantiles[0.5][t], err_msg=f"{name} {t}")
+
+
+def test_ordered_median_is_lifted_to_the_quantiles_below_it():
+    from prorsa.forecast.aggregate import ordered_median
+
+    by_level = {0.1: np.array([5.0, 1.0]), 0.5: np.array([3.0, 2.0]), 0.9: np.array([0.0, 9.0])}
+    np.testing.assert_array_equal(ordered_median(by_level), [5.0, 2.0])
+
+
 def test_an_uncalibrated_trajectory_model_forecasts_its_bottom_up_sum(data, tmp_path):
     # Found in use: with calibrate=False there are no quantiles to take the point from.
     train, events = data

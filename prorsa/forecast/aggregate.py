@@ -99,6 +99,7 @@ def fit_target_models(
     for i, target in enumerate(TARGETS):
         offset = init[:, i] if init is not None else None
         held: dict[str, np.ndarray] = {}  # each candidate point on the held-out rows
+        lower: dict[float, np.ndarray] = {}  # the quantiles up to the median, held-out rows
         for key, objective, alpha in LOSSES:
             booster = train(
                 xs[fit_rows],
@@ -123,10 +124,11 @@ def fit_target_models(
                 at = np.isclose(horizon_of_row[is_cal], h)
                 per_h[j] = conformal_offset(ys[is_cal, i][at], pred[at], alpha)
             shifts.setdefault(f"{alpha:g}", {})[target] = per_h
-            if alpha == POINT_LEVEL:
-                held["median"] = (
+            if alpha <= POINT_LEVEL:
+                lower[alpha] = (
                     pred + np.array(per_h)[_horizon_index(horizon_of_row[is_cal], horizons)]
                 )
+                held["median"] = ordered_median(lower)
         if offset is not None and is_cal.any():
             held["offset"] = offset[is_cal]
         points[target] = choose_points(ys[is_cal, i], held, horizon_of_row[is_cal], horizons)
@@ -179,6 +181,13 @@ def read_points(state: dict, source: str, n_horizons: int) -> dict[str, list[str
                 field=f"state.point.{target}",
             )
     return {t: list(points[t]) for t in TARGETS}
+
+
+def ordered_median(by_level: dict[float, np.ndarray]) -> np.ndarray:
+    """The median as :meth:`~prorsa.forecast.base.Forecaster.predict` reports it: no
+    lower than any quantile below it (crossing quantiles are lifted to the one below),
+    so the point chosen as "median" is the P50 the forecast hands out."""
+    return np.maximum.reduce([by_level[q] for q in sorted(by_level) if q <= POINT_LEVEL])
 
 
 def pick_point(
@@ -307,7 +316,8 @@ class LightGBMAggregateForecaster(Forecaster):
                     point[target] = values
                 else:
                     quantiles[alpha][target] = values
-            candidates = {"mean": point[target], "median": quantiles[POINT_LEVEL][target]}
+            median = ordered_median({q: quantiles[q][target] for q in QUANTILES})
+            candidates = {"mean": point[target], "median": median}
             point[target] = pick_point(self.points_, target, self.horizons_, horizons, candidates)
         return point, quantiles
 

@@ -35,10 +35,10 @@ from prorsa.forecast import bottomup, lgbm
 from prorsa.forecast.aggregate import (
     CONFORMAL_FRACTION,
     LOSSES,
-    POINT_LEVEL,
     conformal_rows,
     conformal_shift,
     fit_target_models,
+    ordered_median,
     pick_point,
     read_conformal,
     read_points,
@@ -595,7 +595,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
                     quantiles[alpha][target] = tokens(raw, target)
             candidates = {
                 "mean": point[target],
-                "median": quantiles[POINT_LEVEL][target],
+                "median": ordered_median({q: quantiles[q][target] for q in QUANTILES}),
                 "offset": tokens(offset[:, i], target),
             }
             point[target] = pick_point(self.points_, target, self.horizons_, horizons, candidates)
