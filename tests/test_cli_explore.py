@@ -48,10 +48,16 @@ def test_explore_quick_writes_the_map_and_resumes(tmp_path):
 def test_explore_plan_by_is_checked_and_recorded(tmp_path):
     bad = runner.invoke(app, [*QUICK, "--plan-by", "guess", "--out", str(tmp_path / "x")])
     assert bad.exit_code == 1 and "unknown plan_by 'guess'" in bad.output
+    scored = runner.invoke(app, [*QUICK, "--confirm-seeds", "1,9", "--out", str(tmp_path / "y")])
+    assert scored.exit_code == 1 and "both choose the plans and score them" in scored.output
     out = tmp_path / "analytic"
-    result = runner.invoke(app, [*QUICK, "--plan-by", "analytic", "--out", str(out)])
+    result = runner.invoke(
+        app, [*QUICK, "--plan-by", "analytic", "--confirm-seeds", "none", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
-    (summary,) = json.loads((out / "results.json").read_text())["regimes"]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["confirm_seeds"] == []
+    (summary,) = saved["regimes"]
     assert summary["run_plan"]["by"] == "analytic"
     assert summary["run_plan"]["layouts"] == summary["planned_layouts"]
 

@@ -111,7 +111,8 @@ def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
     selection = summary["selection"]
     assert selection["seed"] == 0
     chosen = selection["colocate_best_layout"]
-    assert chosen == min(selection["colocate"], key=selection["colocate"].get)
+    chosen_from = _chosen_from(summary)
+    assert chosen == min(chosen_from, key=chosen_from.get)
     run_plan = summary["run_plan"]
     chosen_split = summary["best_static"]
     assert run_plan["by"] == "simulation"
@@ -120,7 +121,7 @@ def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
         "decode": chosen_split["decode_layout"],
         "colocated": chosen,
     }
-    split_won = chosen_split["objective"] < selection["colocate"][chosen]
+    split_won = chosen_from["best-static"] < chosen_from[chosen]
     assert run_plan["start"] == ("split" if split_won else "colocated")
     assert set(summary["planned_layouts"].values()) <= {"tp1", "tp2"}
     lines = (tmp_path / "cells.jsonl").read_text().splitlines()
@@ -148,6 +149,84 @@ def test_map_speedups_are_against_the_best_colocated_layout(tmp_path):
         ran += [p["objective_by_seed"][seed] for p in summary["policies"].values()]
         assert min(ran) >= bound["bound"]
         assert all(r[seed] <= bound["ceiling"] for r in summary["speedup_by_seed"].values())
+
+
+def _chosen_from(summary: dict) -> dict[str, float]:
+    """Each option's objective the plan was chosen by: the selection seed's, or its
+    geometric mean with the confirmation seeds' where it was confirmed."""
+    selection = summary["selection"]
+    own = {**selection["colocate"], "best-static": summary["best_static"]["objective"]}
+    out = {}
+    for option, value in own.items():
+        extra = list(selection["confirmed"].get(option, {}).values())
+        out[option] = float(np.exp(np.mean(np.log([value, *extra])))) if extra else value
+    return out
+
+
+def test_a_close_choice_of_plan_is_confirmed_on_more_seeds(tmp_path):
+    # Everything counts as close: every layout and the best split also run on seeds 1, 2
+    # and the plan follows the geometric mean over seeds 0-2.
+    (summary,) = run_map(toy_config(tmp_path, confirm_within=1.0))["regimes"]
+    confirmed = summary["selection"]["confirmed"]
+    assert set(confirmed) == {"tp1", "tp2", "best-static"}
+    assert all(set(by_seed) == {"1", "2"} for by_seed in confirmed.values())
+    chosen_from = _chosen_from(summary)
+    chosen = min(("tp1", "tp2"), key=chosen_from.get)
+    assert summary["selection"]["colocate_best_layout"] == chosen
+    split_won = chosen_from["best-static"] < chosen_from[chosen]
+    assert summary["run_plan"]["start"] == ("split" if split_won else "colocated")
+    cells = [
+        Cell.from_dict(json.loads(line)["result"]["cell"])
+        for line in (tmp_path / "cells.jsonl").read_text().splitlines()
+    ]
+    for seed in (1, 2):  # each option once per confirmation seed, nothing else
+        on_seed = [c for c in cells if c.work.seed == seed]
+        assert sorted(c.policy for c in on_seed) == ["colocate", "colocate", "static"]
+    # The confirmation seeds' draws differ from the selection seed's.
+    assert confirmed["tp1"]["1"] != summary["selection"]["colocate"]["tp1"]
+    # Nothing is close when no margin is allowed and no seed confirms without seeds.
+    for kw in ({"confirm_within": 0.0}, {"confirm_seeds": ()}):
+        (plain,) = run_map(toy_config(tmp_path / str(kw), **kw))["regimes"]
+        assert plain["selection"]["confirmed"] == {}
+        own = plain["selection"]["colocate"]
+        assert plain["selection"]["colocate_best_layout"] == min(own, key=own.get)
+
+
+def test_confirmation_seeds_can_overturn_the_selection_seeds_choice():
+    from prorsa.experiments.regimes import _run_plan
+
+    cfg = toy_config()
+    plan = plan_regime(Regime("toy-7b", "swe", "async", 8), cfg)
+
+    def run(objective):
+        return {"objective": objective, "metrics": {}}
+
+    static = {"prefill_layout": "tp1", "decode_layout": "tp2", "prefill_slots": 1,
+              "prefill_gpus": 2, "objective": 99.0}  # fmt: skip
+    runs = {"colocate": {"tp1": run(100.0), "tp2": run(101.0)}, "static": [static]}
+    alone = _run_plan(cfg, plan, runs)
+    assert alone.start == "split" and alone.layouts["colocated"] == "tp1"
+    # seeds 1 and 2 find the split and TP1 slower: the plan stays colocated at TP2
+    runs["confirmed"] = {"tp1": {1: 120.0, 2: 120.0}, "tp2": {1: 100.0, 2: 100.0},
+                         "best-static": {1: 130.0, 2: 130.0}}  # fmt: skip
+    confirmed = _run_plan(cfg, plan, runs)
+    assert confirmed.start == "colocated" and confirmed.layouts["colocated"] == "tp2"
+    runs["confirmed"]["tp2"] = {1: 200.0, 2: 200.0}
+    assert _run_plan(cfg, plan, runs).layouts["colocated"] == "tp1"
+    # a confirmed option that failed on a confirmation seed is not chosen
+    runs["confirmed"]["tp1"] = {1: float("inf"), 2: 90.0}
+    assert _run_plan(cfg, plan, runs).layouts["colocated"] == "tp2"
+
+
+def test_confirm_seeds_neither_score_nor_choose_already():
+    with pytest.raises(ConfigError, match="both choose the plans and score"):
+        toy_config(confirm_seeds=(1, 9)).validate()
+    with pytest.raises(ConfigError, match="regimes' own seeds"):
+        toy_config(confirm_seeds=(0, 1)).validate()
+    with pytest.raises(ConfigError, match="distinct"):
+        toy_config(confirm_seeds=(1, 1)).validate()
+    with pytest.raises(ConfigError, match="confirm_within"):
+        toy_config(confirm_within=-0.1).validate()
 
 
 def test_eval_seeds_never_include_the_seed_that_chose_the_plans_or_trained_the_models():

@@ -95,6 +95,11 @@ def explore_cmd(
         help="seeds every plan is scored on, two or more (default 9,10,11: each regime's "
         "plans are chosen on seed 0, the shipped forecasters trained on 0-8)",
     ),
+    confirm_seeds: str = typer.Option(
+        "",
+        help="seeds that confirm a close choice of plan beside seed 0 (default 1,2; "
+        "'none': seed 0 alone decides)",
+    ),
     plan_by: str = typer.Option(
         "simulation",
         help="dynamic policies' layouts and start: simulation (from colocation's and "
@@ -123,7 +128,8 @@ def explore_cmd(
             "--grid": grid != "quick", "--quick": quick, "--models": models,
             "--workloads": workloads, "--modes": modes, "--loads": loads,
             "--workers": workers != 0, "--address": address, "--fresh": not resume,
-            "--eval-seeds": eval_seeds, "--plan-by": plan_by != "simulation",
+            "--eval-seeds": eval_seeds, "--confirm-seeds": confirm_seeds,
+            "--plan-by": plan_by != "simulation",
         }  # fmt: skip
         ignored = [name for name, value in given.items() if value]
         if ignored:
@@ -153,6 +159,9 @@ def explore_cmd(
     )
     if eval_seeds:
         cfg.eval_seeds = tuple(_ints(eval_seeds, "--eval-seeds"))
+    if confirm_seeds:
+        none = confirm_seeds.strip().lower() == "none"
+        cfg.confirm_seeds = () if none else tuple(_ints(confirm_seeds, "--confirm-seeds"))
     cfg.validate()  # before anything is printed or planned
     if not as_json:
         console.print(f"[bold]prorsa explore[/]: {len(regimes)} regimes")

@@ -26,6 +26,15 @@ the trajectories it was chosen on. On the selection seed the map runs:
   (:mod:`prorsa.policy.layout_plan`), which needs no simulation but can pick a colocated
   layout slower than the best (its regret is reported either way).
 
+A decision one seed cannot make is confirmed on more (``MapConfig.confirm_seeds``):
+where colocation at other layouts or the best static split come within
+``confirm_within`` of the fastest of them on the selection seed, those contenders run on
+the confirmation seeds too and the plan takes the least geometric mean over all the
+selection seeds. Neighbouring plans differ by a few percent from one draw of the
+workload to the next, so a plan picked on one draw by a fraction of a percent is a coin
+toss that the held-out seeds then score. Best-static's own split stays the selection
+seed's.
+
 On each held-out seed it runs colocation at every layout again, best-static's chosen
 pair and split, and the dynamic policies with their plan. The baseline is colocation at
 the layout fastest *on the held-out seeds* (least geometric-mean time: chosen in sample,
@@ -72,6 +81,12 @@ DYNAMIC_POLICIES = ("predictive", "mpc", "oracle")
 #: Seeds the map scores plans on: not 0 (each regime's own, which chooses them) nor 0-8
 #: (the shipped forecasters' training seeds).
 DEFAULT_EVAL_SEEDS = (9, 10, 11)
+#: Seeds a close decision is confirmed on beside a regime's own (they only choose plans,
+#: so they may be training seeds: no forecaster runs in the cells that choose).
+DEFAULT_CONFIRM_SEEDS = (1, 2)
+#: How close (relative objective) a plan must come to the selection seed's fastest to be
+#: confirmed: seed-to-seed spread of a plan's objective is a few percent (docs/regime_map.md).
+DEFAULT_CONFIRM_WITHIN = 0.05
 PLAN_BY = ("simulation", "analytic")
 #: Replayed real traces (datasets/traces) the map can use, by short name.
 REPLAYS = {
@@ -165,6 +180,10 @@ class MapConfig:
     # Seeds every plan is scored on: never a regime's own seed (which chooses the plans)
     # nor one the shipped forecasters trained on (0-8).
     eval_seeds: tuple[int, ...] = DEFAULT_EVAL_SEEDS
+    # Seeds that confirm a close choice of plan (empty: the selection seed alone), and
+    # how close is close (relative to the fastest plan on the selection seed).
+    confirm_seeds: tuple[int, ...] = DEFAULT_CONFIRM_SEEDS
+    confirm_within: float = DEFAULT_CONFIRM_WITHIN
 
     def family(self, regime: Regime) -> ModelFamily:
         return self.families.get(regime.model) or regime.family
@@ -185,6 +204,7 @@ class MapConfig:
         if self.plan_by not in PLAN_BY:
             raise ConfigError(f"unknown plan_by '{self.plan_by}'", hint=f"one of {PLAN_BY}")
         self._validate_eval_seeds()
+        self._validate_confirm_seeds()
         unknown = set(self.dynamic_policies) - set(DYNAMIC_POLICIES)
         if unknown:
             raise ConfigError(
@@ -213,6 +233,25 @@ class MapConfig:
                 "predictive and mpc would be scored on their own training trajectories",
                 hint=f"give eval_seeds outside {sorted(TRAINING_SEEDS)}",
             )
+
+    def _validate_confirm_seeds(self) -> None:
+        seeds = tuple(self.confirm_seeds)
+        if len(set(seeds)) != len(seeds) or (seeds and min(seeds) < 0):
+            raise ConfigError(f"confirm_seeds must be distinct seeds >= 0, got {seeds}")
+        scored_on = sorted(set(seeds) & set(self.eval_seeds))
+        if scored_on:
+            raise ConfigError(
+                f"seed(s) {scored_on} would both choose the plans and score them",
+                hint="give confirm_seeds outside eval_seeds",
+            )
+        own = sorted({r.seed for r in self.regimes} & set(seeds))
+        if own:
+            raise ConfigError(
+                f"seed(s) {own} are regimes' own seeds, which choose their plans already",
+                hint="give confirm_seeds that no regime uses as its seed",
+            )
+        if not 0 <= self.confirm_within <= 1:
+            raise ConfigError(f"confirm_within must be in [0, 1], got {self.confirm_within}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -468,8 +507,9 @@ def _static_cell(
 def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run every regime of ``cfg``; returns ``{"regimes": [summary, ...], "cells": {...}}``.
 
-    Three batches through one sweep, on each regime's own seed: colocation at every
-    layout and the coarse static grids; the grids' refinements; then, on every held-out
+    Four batches through one sweep, on each regime's own seed: colocation at every
+    layout and the coarse static grids; the grids' refinements; the close contenders
+    among them on the confirmation seeds (:func:`_contenders`); then, on every held-out
     seed, colocation at every layout, best-static's choice and the dynamic policies,
     planned from what the first two found (``plan_by="simulation"``) or by the cost model
     alone (``"analytic"``).
@@ -516,12 +556,23 @@ def run_map(cfg: MapConfig, *, progress: Callable[[int, int], None] | None = Non
             seen[key][x] = run["objective"]
         searches = {key: _best_split(plans[key[0]], key[1], seen[key]) for key in grids}
         by_plan: dict[int, dict] = {
-            i: {"colocate": {}, "static": [], "held_out": {}} for i in range(len(plans))
+            i: {"colocate": {}, "static": [], "confirmed": {}, "held_out": {}}
+            for i in range(len(plans))
         }
         for (i, name, _), run in zip(colocate_cells, colocate_runs, strict=True):
             by_plan[i]["colocate"][name] = run
         for (i, _pair), found in searches.items():
             by_plan[i]["static"].append(found)
+        confirm = [
+            (i, option, seed, make(seed))
+            for i, plan in enumerate(plans)
+            for option, make in _contenders(cfg, plan, by_plan[i]).items()
+            for seed in cfg.confirm_seeds
+        ]
+        for (i, option, seed, _), run in zip(
+            confirm, counter.map(sweep, [c for *_, c in confirm]), strict=True
+        ):
+            by_plan[i]["confirmed"].setdefault(option, {})[seed] = run_metrics(run)["objective"]
         run_plans = [_run_plan(cfg, plan, by_plan[i]) for i, plan in enumerate(plans)]
         held_out = [
             (i, seed, name, cell)
@@ -617,11 +668,65 @@ def regime_ceiling_of(
 def _run_plan(cfg: MapConfig, plan: RegimePlan, runs: dict) -> RunPlan:
     if cfg.plan_by == "analytic":
         return analytic_run_plan(plan)
-    colocate = {name: run["objective"] for name, run in runs["colocate"].items()}
-    static = best_static_search(runs["static"])
+    colocate, static = selection_objectives(runs)
     if static is not None and static["objective"] == float("inf"):
         static = None
     return simulated_run_plan(plan, colocate, static)
+
+
+#: The name of best-static's search result among the confirmed options.
+STATIC_OPTION = "best-static"
+
+
+def _contenders(cfg: MapConfig, plan: RegimePlan, runs: dict) -> dict[str, Callable[[int], Cell]]:
+    """The plans to confirm on ``cfg.confirm_seeds``, each with the cell it runs on a
+    seed: colocation at a layout (named by the layout) and best-static's search result
+    (:data:`STATIC_OPTION`) whose selection-seed objective is within ``confirm_within``
+    of the fastest of them, where two or more are (none for ``plan_by="analytic"``,
+    which does not read the searches)."""
+    if cfg.plan_by != "simulation" or not cfg.confirm_seeds:
+        return {}
+    options: dict[str, tuple[float, Callable[[int], Cell]]] = {
+        name: (run["objective"], _colocate_cell_on(cfg, plan, name))
+        for name, run in runs["colocate"].items()
+    }
+    static = best_static_search(runs["static"])
+    if static is not None:
+        pair, x = (static["prefill_layout"], static["decode_layout"]), static["prefill_slots"]
+        options[STATIC_OPTION] = (
+            static["objective"],
+            lambda seed: _static_cell(cfg, plan, pair, x, seed),
+        )
+    finite = {k: v for k, v in options.items() if math.isfinite(v[0])}
+    if not finite:
+        return {}
+    fastest = min(v for v, _ in finite.values())
+    close = {k: make for k, (v, make) in finite.items() if v <= fastest * (1 + cfg.confirm_within)}
+    return close if len(close) > 1 else {}
+
+
+def _colocate_cell_on(cfg: MapConfig, plan: RegimePlan, layout: str) -> Callable[[int], Cell]:
+    return lambda seed: _cell(cfg, plan, "colocate", _same(layout), seed=seed)
+
+
+def selection_objectives(runs: dict) -> tuple[dict[str, float], dict | None]:
+    """What the plan is chosen from: colocation's objective per layout and best-static's
+    search result, each the selection seed's, or for a confirmed option the geometric
+    mean over the selection and confirmation seeds (infinite if it failed on any)."""
+    from prorsa.experiments.held_out import geometric_mean
+
+    def confirmed(option: str, own: float) -> float:
+        extra = list(runs.get("confirmed", {}).get(option, {}).values())
+        return geometric_mean([own, *extra]) if extra else own
+
+    colocate = {
+        name: confirmed(name, run_metrics(run)["objective"])
+        for name, run in runs["colocate"].items()
+    }
+    static = best_static_search(runs["static"])
+    if static is not None:
+        static = {**static, "objective": confirmed(STATIC_OPTION, static["objective"])}
+    return colocate, static
 
 
 def best_static_search(searches: list[dict]) -> dict | None:
@@ -753,6 +858,7 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
         for name, p in policies.items()
     }
     selection = {n: run_metrics(run)["objective"] for n, run in runs["colocate"].items()}
+    chosen_from, _ = selection_objectives(runs)
     planned_colocated = plan.planned.colocated
     return {
         # No colocation layout finished: no baseline, so no speedup here means anything
@@ -768,7 +874,12 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
         "selection": {
             "seed": plan.regime.seed,
             "colocate": selection,
-            "colocate_best_layout": min(selection, key=lambda n: (selection[n], n)),
+            # confirmed options: objective per confirmation seed
+            "confirmed": {
+                option: {str(seed): v for seed, v in by_seed.items()}
+                for option, by_seed in runs.get("confirmed", {}).items()
+            },
+            "colocate_best_layout": min(chosen_from, key=lambda n: (chosen_from[n], n)),
         },
         # the cost-model planner's choice, and what the dynamic policies ran with
         "planned_layouts": plan.planned.as_layouts(),
