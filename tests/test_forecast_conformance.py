@@ -178,6 +178,33 @@ def test_a_median_point_is_the_p50_the_forecast_reports(data):
             np.testing.assert_allclose(fc.point[t], fc.quantiles[0.5][t], err_msg=f"{name} {t}")
 
 
+def test_the_median_candidate_at_training_is_the_ordered_p50(monkeypatch):
+    # The point choice on the held-out runs scores the P50 as the forecast will report
+    # it: here the P10 model sits above the P50 model everywhere, so the median is the P10.
+    from prorsa.forecast import aggregate
+
+    rng = np.random.default_rng(0)
+    rows = 400
+    xs = rng.random((rows, 2))
+    ys = rng.random((rows, len(TARGETS))) * 10
+    lift = {None: 1.0, 0.1: 7.0, 0.5: 3.0, 0.9: 9.0}  # booster = the level's constant
+    seen = {}
+    monkeypatch.setattr(aggregate.lgbm, "predict", lambda booster, x: np.full(len(x), booster))
+    monkeypatch.setattr(aggregate, "conformal_offset", lambda y, pred, alpha: 0.0)
+
+    def spy(y, candidates, horizon_of_row, horizons):
+        seen.update(candidates)
+        return ["mean"] * len(horizons)
+
+    monkeypatch.setattr(aggregate, "choose_points", spy)
+    aggregate.fit_target_models(
+        xs, ys, np.array([f"run-{i % 10}" for i in range(rows)]), np.full(rows, 5.0), (5.0,),
+        lambda x, y, objective, alpha, init: lift[alpha], seed=0,
+    )  # fmt: skip
+    assert seen["median"].size and np.all(seen["median"] == 7.0)
+    assert np.all(seen["mean"] == 1.0)
+
+
 def test_ordered_median_is_lifted_to_the_quantiles_below_it():
     from prorsa.forecast.aggregate import ordered_median
 
@@ -213,6 +240,20 @@ def test_choose_points_takes_the_least_wape_per_horizon():
     }
     assert choose_points(y, candidates, at, (5.0, 30.0)) == ["mean", "median"]
     assert choose_points(y, {}, at, (5.0, 30.0)) == ["mean", "mean"]
+
+
+def test_queue_wait_refuses_a_dataset_with_rates_counted_the_old_way(data):
+    import copy
+
+    from prorsa.errors import InputError
+
+    train, _ = data
+    old = copy.copy(train)
+    old.meta = {k: v for k, v in train.meta.items() if k != "turn_start_rate_version"}
+    settings = {"horizons": HORIZONS, "seed": 7, **FAST["lightgbm-trajectory"]}
+    with pytest.raises(InputError, match="counted by version 1"):
+        make_forecaster("lightgbm-trajectory", queue_wait=True, **settings).fit(old)
+    make_forecaster("lightgbm-trajectory", **settings).fit(old)  # off: the column unused
 
 
 def test_queue_wait_is_an_option_of_the_bottom_up_sum(data, monkeypatch):

@@ -85,9 +85,10 @@ def _tests(summaries: list[dict], policy: str) -> list[tuple[dict, float]]:
 
 def layout_choice(summary: dict, policy: str = "predictive") -> dict | None:
     """``policy``'s speedup over colocation@best as two paired factors, per held-out seed
-    and so for their geometric means: colocation at the layout the selection seed chose
-    over colocation@best (``colocate_chosen_vs_best``, at most 1: the best layout is
-    picked on the held-out seeds themselves), times ``policy`` over colocation at that
+    and so for their geometric means: colocation at the layout the plan chose (on the
+    selection seed, confirmed on more where close) over colocation@best
+    (``colocate_chosen_vs_best``, at most 1: the best layout is picked on the held-out
+    seeds themselves), times ``policy`` over colocation at that
     chosen layout (``vs_colocate_chosen``: the policy against colocation chosen the way
     its own plan was). None where either run is missing, or where colocation at the
     chosen layout failed on a seed (the factors are then 0 and inf, whose product says
@@ -151,8 +152,9 @@ def colocate_misses_markdown(
     lines = [
         f"Where {policy} is below {goal:g}x colocation@best: colocation's best layout is the "
         "fastest on the held-out seeds themselves, while every plan of the policy "
-        "(colocated layout included) is chosen on the selection seed. The speedup is the "
-        "product of colocation at the layout the selection seed chose over colocation@best "
+        "(colocated layout included) is chosen on the selection seed, confirmed on two more "
+        "where options were close. The speedup is the product of colocation at the layout "
+        "the plan chose over colocation@best "
         f"and {policy} over colocation at that layout; the cause names the factor below "
         f"{goal:g}x.",
         "",
@@ -482,9 +484,10 @@ def write_map_report(
         "Speedup = colocation at its best layout / policy (sync makespan; async seconds "
         "per trajectory) on the same trajectories, scored on held-out seeds: every plan "
         "(best-static's split, the dynamic policies' layouts and start) is chosen on the "
-        "regime's own seed, each speedup is the geometric mean of the per-seed ratios with "
-        "a 95% interval, and the baseline's layout is the fastest on the held-out seeds "
-        "themselves (which can only favour colocation). A 95% interval is wrong one time in "
+        "regime's own seed (a close choice confirmed on two more), each speedup is the "
+        "geometric mean of the per-seed ratios with a 95% interval, and the baseline's "
+        "layout is the fastest on the held-out seeds themselves (which can only favour "
+        "colocation). A 95% interval is wrong one time in "
         "twenty: over many regimes a few 'pays' and a few misses can be chance. Ceiling = "
         "the largest speedup any allocation could reach (prorsa/experiments/ceiling.py).",
         "",

@@ -3,9 +3,10 @@
 A *regime* is one workload on one model's cluster: model (and so layout family and GPU
 budget), workload (a scenario or a replayed real trace), sync or async, load in
 trajectories per GPU, and the workload knobs (tool latency, context growth) and KV reuse
-mode. Every choice is made on the regime's own seed (the *selection* seed) and every
-speedup is scored on other seeds (``MapConfig.eval_seeds``), so no plan is scored on
-the trajectories it was chosen on. On the selection seed the map runs:
+mode. Every choice is made on the regime's own seed (the *selection* seed; a close one
+confirmed on more, below) and every speedup is scored on other seeds
+(``MapConfig.eval_seeds``), so no plan is scored on the trajectories it was chosen on.
+On the selection seed the map runs:
 
 * **colocation at every layout of the family**; the fastest is *colocation at its best
   layout*, the baseline of every speedup. Colocation at TP1 (or the smallest TP that fits
@@ -29,11 +30,13 @@ the trajectories it was chosen on. On the selection seed the map runs:
 A decision one seed cannot make is confirmed on more (``MapConfig.confirm_seeds``):
 where colocation at other layouts or the best static split come within
 ``confirm_within`` of the fastest of them on the selection seed, those contenders run on
-the confirmation seeds too and the plan takes the least geometric mean over all the
-selection seeds. Neighbouring plans differ by a few percent from one draw of the
-workload to the next, so a plan picked on one draw by a fraction of a percent is a coin
-toss that the held-out seeds then score. Best-static's own split stays the selection
-seed's.
+the confirmation seeds too and the plan takes the contender of least geometric mean over
+them and the selection seed (the options left out were more than ``confirm_within``
+behind on it, and a single-seed objective is not comparable with a mean over other
+draws, so they rank after the contenders). Neighbouring plans differ by a few percent
+from one draw of the workload to the next, so a plan picked on one draw by a fraction of
+a percent is a coin toss that the held-out seeds then score. Best-static's own split
+stays the selection seed's.
 
 On each held-out seed it runs colocation at every layout again, best-static's chosen
 pair and split, and the dynamic policies with their plan. The baseline is colocation at
@@ -416,7 +419,10 @@ def analytic_run_plan(plan: RegimePlan) -> RunPlan:
 
 
 def simulated_run_plan(
-    plan: RegimePlan, colocate: dict[str, float], static: dict | None
+    plan: RegimePlan,
+    colocate: dict[str, float],
+    static: dict | None,
+    confirmed: frozenset[str] = frozenset(),
 ) -> RunPlan:
     """Layouts and start from the simulated searches: the colocated role at colocation's
     fastest layout; prefill and decode at the fastest static split's pair (the planner's
@@ -429,8 +435,16 @@ def simulated_run_plan(
     run would start from a split the search never measured.
 
     ``colocate`` maps layout -> objective; ``static`` is the best static search result.
+    ``confirmed`` names the options (layouts, and :data:`STATIC_OPTION`) whose objective
+    is a mean over the confirmation seeds too: where any are, they rank before the rest,
+    whose single-seed objectives are not comparable with theirs (another draw can be
+    harder or easier as a whole) and were more than ``confirm_within`` behind anyway.
     """
-    colocated = min(colocate, key=lambda n: (colocate[n], n))
+
+    def rank(name: str) -> tuple[bool, float, str]:
+        return (bool(confirmed) and name not in confirmed, colocate[name], name)
+
+    colocated = min(colocate, key=rank)
     if static is None:
         layouts = {**plan.planned.as_layouts(), "colocated": colocated}
         return RunPlan(layouts, "colocated", plan.start.prefill_fraction, "simulation")
@@ -440,7 +454,8 @@ def simulated_run_plan(
         "colocated": colocated,
     }
     fraction = static["prefill_gpus"] / plan.family.gpus
-    start = "split" if static["objective"] < colocate[colocated] else "colocated"
+    comparable = not confirmed or STATIC_OPTION in confirmed
+    start = "split" if comparable and static["objective"] < colocate[colocated] else "colocated"
     if start == "split":
 
         def exact(layout: str) -> bool:
@@ -449,7 +464,7 @@ def simulated_run_plan(
 
         fits = [n for n in colocate if exact(n)]
         if not exact(colocated) and fits:
-            layouts["colocated"] = min(fits, key=lambda n: (colocate[n], n))
+            layouts["colocated"] = min(fits, key=rank)
     return RunPlan(layouts, start, fraction, "simulation")
 
 
@@ -669,9 +684,11 @@ def _run_plan(cfg: MapConfig, plan: RegimePlan, runs: dict) -> RunPlan:
     if cfg.plan_by == "analytic":
         return analytic_run_plan(plan)
     colocate, static = selection_objectives(runs)
-    if static is not None and static["objective"] == float("inf"):
-        static = None
-    return simulated_run_plan(plan, colocate, static)
+    searched = best_static_search(runs["static"])
+    if searched is None or not math.isfinite(searched["objective"]):
+        static = None  # no split finished on the selection seed: the planner's pair
+    # A split that failed on a confirmation seed keeps its layouts and starts colocated.
+    return simulated_run_plan(plan, colocate, static, frozenset(runs.get("confirmed", {})))
 
 
 #: The name of best-static's search result among the confirmed options.
@@ -712,7 +729,8 @@ def _colocate_cell_on(cfg: MapConfig, plan: RegimePlan, layout: str) -> Callable
 def selection_objectives(runs: dict) -> tuple[dict[str, float], dict | None]:
     """What the plan is chosen from: colocation's objective per layout and best-static's
     search result, each the selection seed's, or for a confirmed option the geometric
-    mean over the selection and confirmation seeds (infinite if it failed on any)."""
+    mean over the selection and confirmation seeds (infinite if it failed on any). Rank
+    confirmed options before the others (:func:`simulated_run_plan`)."""
     from prorsa.experiments.held_out import geometric_mean
 
     def confirmed(option: str, own: float) -> float:
@@ -827,7 +845,8 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
     """Speedups of best-static and the dynamic policies over colocation at its best layout
     (and, labelled, over colocation at the family's TP1 or smallest TP), scored on the
     held-out seeds; ``run_plan`` is what the dynamic policies ran with, chosen on the
-    selection seed like best-static's split (``selection``)."""
+    selection seed (and the confirmation seeds where close) like best-static's split
+    (``selection``)."""
     from prorsa.experiments.held_out import mean_run, paired_speedup
 
     held_out = runs["held_out"]
@@ -859,6 +878,7 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
     }
     selection = {n: run_metrics(run)["objective"] for n, run in runs["colocate"].items()}
     chosen_from, _ = selection_objectives(runs)
+    confirmed = runs.get("confirmed", {})
     planned_colocated = plan.planned.colocated
     return {
         # No colocation layout finished: no baseline, so no speedup here means anything
@@ -870,16 +890,20 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
         "gpus": plan.family.gpus,
         "shape": {**asdict(plan.shape), "prefill_share": plan.shape.prefill_share},
         "eval_seeds": seeds,
-        # what the plans were chosen from, on the regime's own seed
+        # what the plans were chosen from: the regime's own seed, and the confirmation
+        # seeds where options were close
         "selection": {
             "seed": plan.regime.seed,
             "colocate": selection,
             # confirmed options: objective per confirmation seed
             "confirmed": {
                 option: {str(seed): v for seed, v in by_seed.items()}
-                for option, by_seed in runs.get("confirmed", {}).items()
+                for option, by_seed in confirmed.items()
             },
-            "colocate_best_layout": min(chosen_from, key=lambda n: (chosen_from[n], n)),
+            "colocate_best_layout": min(
+                chosen_from,
+                key=lambda n: (bool(confirmed) and n not in confirmed, chosen_from[n], n),
+            ),
         },
         # the cost-model planner's choice, and what the dynamic policies ran with
         "planned_layouts": plan.planned.as_layouts(),
@@ -908,6 +932,12 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
         "failed_cells": [f"colocate@{n}" for n, c in colocate.items() if "error" in c]
         + [f"selection colocate@{n}" for n, v in selection.items() if v == float("inf")]
         + [n for n, p in policies.items() if "error" in p]
+        + [
+            f"confirmation {option} seed {seed}"
+            for option, by_seed in confirmed.items()
+            for seed, v in by_seed.items()
+            if v == float("inf")
+        ]
         + [
             f"selection static {s['prefill_layout']}/{s['decode_layout']} x{x}"
             for s in runs["static"]

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from prorsa.errors import ConfigError, InputError
 from prorsa.forecast.features import LifecycleFeatures, replay
 from prorsa.forecast.targets import event_frame, run_targets, tick_times, trajectory_events
-from prorsa.forecast.tracker import EVENT_FEATURES
+from prorsa.forecast.tracker import EVENT_FEATURES, START_RATE_VERSION
 from prorsa.forecast.types import DEFAULT_HORIZONS, TARGETS, check_horizons, target_column
 from prorsa.io import atomic_path
 from prorsa.telemetry.schema import EventKind
@@ -311,6 +311,7 @@ def build_dataset(
         raise InputError(f"telemetry is shorter than one tick ({tick_s} s)")
     meta = {
         "version": 1,
+        "turn_start_rate_version": START_RATE_VERSION,
         "horizons": list(horizons),
         "tick_s": tick_s,
         "snapshot_every": snapshot_every,

@@ -816,6 +816,10 @@ _HISTORY = (
 #: a few dozen decode starts at a light load, short enough to follow a sync step's
 #: launch burst as it drains.
 START_RATE_WINDOW_S = 5.0
+#: How :attr:`LifecycleTracker.turn_start_rate` is counted, recorded in datasets that
+#: store it: 2 counts an interval's starts only with its time (intervals begun with a
+#: queue); 1 (unrecorded) added the starts of the interval a queue formed in.
+START_RATE_VERSION = 2
 #: Per-group statistics of the GRPO siblings (one array each, indexed by group).
 GROUP_ARRAYS = (
     "g_members",

@@ -58,7 +58,7 @@ from prorsa.forecast.features import PER_GPU_FEATURES, aggregate_feature_names
 from prorsa.forecast.model_folder import MANIFEST, model_file, state_field
 from prorsa.forecast.sources import Fold, source_folds
 from prorsa.forecast.threads import forecast_threads, scoring_pool
-from prorsa.forecast.tracker import EVENT_FEATURES
+from prorsa.forecast.tracker import EVENT_FEATURES, START_RATE_VERSION
 from prorsa.forecast.types import DEFAULT_HORIZONS, QUANTILES, TARGETS
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,17 @@ class LightGBMTrajectoryForecaster(Forecaster):
             from prorsa.errors import InputError
 
             raise InputError("dataset has no turn rows: lightgbm-trajectory needs trajectories")
+        made_with = data.meta.get("turn_start_rate_version", 1)
+        if self.queue_wait and self.calibrate and made_with != START_RATE_VERSION:
+            from prorsa.errors import InputError
+
+            raise InputError(
+                f"the dataset's turn_start_rate was counted by version {made_with}, this "
+                f"one counts by version {START_RATE_VERSION}: queue_wait would calibrate "
+                "on rates it never sees live",
+                field="turn_start_rate",
+                hint="rebuild it (`prorsa forecast dataset`)",
+            )
         x = turns[list(EVENT_FEATURES)].to_numpy(float)
         task = np.nan_to_num(turns["task"].to_numpy(float), nan=len(self.tasks_)).astype(int)
         run_of_row = turns["run_id"].to_numpy()
