@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -223,38 +223,35 @@ class MapConfig:
                 f"eval_seeds must be at least two distinct seeds >= 0, got {seeds}",
                 hint="a speedup's interval needs two held-out seeds or more",
             )
-        chosen_on = sorted({r.seed for r in self.regimes} & set(seeds))
-        if chosen_on:
-            raise ConfigError(
-                f"seed(s) {chosen_on} choose the regimes' plans and cannot also score them",
-                hint="give eval_seeds that no regime uses as its seed",
-            )
-        trained_on = sorted(TRAINING_SEEDS & set(seeds))
-        if trained_on:
-            raise ConfigError(
-                f"seed(s) {trained_on} are the shipped forecasters' training seeds: "
-                "predictive and mpc would be scored on their own training trajectories",
-                hint=f"give eval_seeds outside {sorted(TRAINING_SEEDS)}",
-            )
+        own = {r.seed for r in self.regimes}
+        _disjoint(seeds, own, "choose the regimes' plans and cannot also score them",
+                  "give eval_seeds that no regime uses as its seed")  # fmt: skip
+        _disjoint(
+            seeds,
+            TRAINING_SEEDS,
+            "are the shipped forecasters' training seeds: predictive and mpc would be "
+            "scored on their own training trajectories",
+            f"give eval_seeds outside {sorted(TRAINING_SEEDS)}",
+        )
 
     def _validate_confirm_seeds(self) -> None:
         seeds = tuple(self.confirm_seeds)
         if len(set(seeds)) != len(seeds) or (seeds and min(seeds) < 0):
             raise ConfigError(f"confirm_seeds must be distinct seeds >= 0, got {seeds}")
-        scored_on = sorted(set(seeds) & set(self.eval_seeds))
-        if scored_on:
-            raise ConfigError(
-                f"seed(s) {scored_on} would both choose the plans and score them",
-                hint="give confirm_seeds outside eval_seeds",
-            )
-        own = sorted({r.seed for r in self.regimes} & set(seeds))
-        if own:
-            raise ConfigError(
-                f"seed(s) {own} are regimes' own seeds, which choose their plans already",
-                hint="give confirm_seeds that no regime uses as its seed",
-            )
+        _disjoint(seeds, self.eval_seeds, "would both choose the plans and score them",
+                  "give confirm_seeds outside eval_seeds")  # fmt: skip
+        _disjoint(seeds, {r.seed for r in self.regimes},
+                  "are regimes' own seeds, which choose their plans already",
+                  "give confirm_seeds that no regime uses as its seed")  # fmt: skip
         if not 0 <= self.confirm_within <= 1:
             raise ConfigError(f"confirm_within must be in [0, 1], got {self.confirm_within}")
+
+
+def _disjoint(seeds: Sequence[int], taken: Iterable[int], why: str, hint: str) -> None:
+    """A ConfigError naming the ``seeds`` also in ``taken`` (``why`` says what they are)."""
+    both = sorted(set(seeds) & set(taken))
+    if both:
+        raise ConfigError(f"seed(s) {both} {why}", hint=hint)
 
 
 # ---------------------------------------------------------------------------------------
