@@ -30,11 +30,12 @@ def main(argv: list[str] | None = None) -> str:
         "# AReaL (environment of the trainer process)",
         *(f"export {k}={v}" for k, v in areal_environment(args.url).items()),
         "",
-        "# verl (overrides)",
+        "# verl (overrides; its default V1 trainer in sync mode. Under trainer.use_v1=false:",
+        "# prorsa.integrations.verl.ProrsaAgentLoopManager)",
         "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
-        "prorsa.integrations.verl.ProrsaAgentLoopManager \\",
+        "prorsa.integrations.verl.ProrsaAgentLoopManagerTQ \\",
         f"+actor_rollout_ref.rollout.custom.prorsa_url={args.url} \\",
-        "trainer.use_v1=false \\",
+        "trainer.v1.trainer_mode=sync \\",
         "trainer.save_freq=1 \\",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     ]

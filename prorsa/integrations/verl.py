@@ -4,18 +4,21 @@ verl's agent loops call ``llm_client.generate(request_id, prompt_ids=..., sampli
 ...) -> TokenOutput`` (``request_id`` is stable per trajectory: verl's sticky session).
 :class:`ProrsaLLMClient` implements that call against ``prorsa serve``'s
 ``/inference/v1/generate``, with the request id as ``X-Session-ID``, so every turn goes
-through prorsa's router and its prefill/decode engines. Set::
+through prorsa's router and its prefill/decode engines. Under verl 0.9's default V1
+trainer (``trainer.use_v1=true``, its ``sync`` mode) set::
 
-    +actor_rollout_ref.rollout.agent.agent_loop_manager_class=prorsa.integrations.verl.ProrsaAgentLoopManager
+    +actor_rollout_ref.rollout.agent.agent_loop_manager_class=prorsa.integrations.verl.ProrsaAgentLoopManagerTQ
     +actor_rollout_ref.rollout.custom.prorsa_url=http://HOST:PORT
-    trainer.use_v1=false
 
-(``+``: neither key is in verl's config files, only in its dataclasses, and Hydra refuses
-an override of a key it does not have. ``use_v1=false``: verl 0.9's default V1 trainer
-streams batches through TransferQueue and drives a different manager.)
+and under its PPO trainer (``trainer.use_v1=false``) the same with
+``prorsa.integrations.verl.ProrsaAgentLoopManager``. (``+``: neither key is in verl's
+config files, only in its dataclasses, and Hydra refuses an override of a key it does
+not have.)
 
-``ProrsaAgentLoopManager`` is verl's own ``AgentLoopManager`` with the client swapped
-(built on first use, so this module imports without verl). verl keeps its own weight sync:
+``ProrsaAgentLoopManager`` is verl's own ``AgentLoopManager`` with the client swapped,
+``ProrsaAgentLoopManagerTQ`` verl's ``AgentLoopManagerTQ`` likewise: its workers still
+write every turn's output to TransferQueue, only the server they ask is prorsa (both
+built on first use, so this module imports without verl). verl keeps its own weight sync:
 its checkpoint engine updates the replicas it manages, in memory, and tells no manager.
 What verl does write is its checkpoint: with ``trainer.save_freq=1`` and ``hf_model`` in
 ``actor_rollout_ref.actor.checkpoint.save_contents``, each step's weights land in
@@ -23,7 +26,7 @@ What verl does write is its checkpoint: with ``trainer.save_freq=1`` and ``hf_mo
 from Megatron) before the next step generates. The manager's :class:`CheckpointFollower`
 loads the newest such folder into prorsa's engines (``POST /update_weights``, version N)
 at the start of each ``generate_sequences``, which verl calls with the step in
-``meta_info["global_steps"]``.
+``meta_info["global_steps"]`` (the V1 trainer: in the batch's ``global_steps``).
 """
 
 from __future__ import annotations
@@ -332,19 +335,39 @@ def prorsa_url(config: Any) -> str:
     return url
 
 
-class ProrsaManagerMixin:
-    """What prorsa adds to verl's ``AgentLoopManager`` (kept apart so it is testable
-    without verl): prorsa as the LLM client, and verl's saved weights loaded into prorsa's
-    engines before each step generates."""
+def _check_trainer(config: Any, v1: bool) -> None:
+    """The manager class must match verl's trainer: the PPO trainer's manager returns the
+    batch, the V1 trainer's writes it to TransferQueue; the V1 trainer's async modes give
+    their manager a client of their own (partial rollouts resumed across weight updates)
+    that prorsa's would replace."""
+    runs_v1 = bool(config.trainer.get("use_v1", False))
+    if runs_v1 != v1:
+        other = "ProrsaAgentLoopManagerTQ" if runs_v1 else "ProrsaAgentLoopManager"
+        trainer = "V1 trainer (trainer.use_v1=true)" if runs_v1 else "PPO trainer (use_v1=false)"
+        raise ConfigError(
+            f"this config runs verl's {trainer}, whose agent loop manager is {other}",
+            hint=f"set agent_loop_manager_class=prorsa.integrations.verl.{other}",
+        )
+    mode = (config.trainer.get("v1") or {}).get("trainer_mode", "sync") if v1 else "sync"
+    if mode != "sync":
+        raise ConfigError(
+            f"prorsa's verl V1 manager runs in trainer.v1.trainer_mode=sync, not {mode!r}: "
+            "the async modes hand their manager a client that resumes partial rollouts "
+            "across weight updates, which prorsa's client would replace",
+            hint="set trainer.v1.trainer_mode=sync",
+        )
+
+
+class _ProrsaClientMixin:
+    """What prorsa adds to both of verl's agent loop managers (kept apart so it is
+    testable without verl): prorsa as the LLM client, and the follower that loads verl's
+    saved weights into prorsa's engines (``prorsa_weights``)."""
+
+    #: Whether this manager runs under verl's V1 trainer (TransferQueue).
+    v1 = False
 
     def __init__(self, config: Any, llm_client: Any = None, *args: Any, **kwargs: Any):
-        if config.trainer.get("use_v1", False):
-            raise ConfigError(
-                "prorsa's verl manager runs under verl's PPO trainer, not the V1 trainer "
-                "(trainer.use_v1=true streams batches through TransferQueue to its own "
-                "AgentLoopManagerTQ)",
-                hint="set trainer.use_v1=false",
-            )
+        _check_trainer(config, self.v1)
         rollout = config.actor_rollout_ref.rollout
         if rollout.get("full_determinism", False):
             # verl then names every request det-{priority}, the same ids each step: one
@@ -364,6 +387,11 @@ class ProrsaManagerMixin:
         self.prorsa_weights = checkpoint_follower(config, url)
         super().__init__(config, client, *args, **kwargs)  # type: ignore[call-arg]
 
+
+class ProrsaManagerMixin(_ProrsaClientMixin):
+    """What prorsa adds to verl's ``AgentLoopManager``: the client, and before each step
+    generates, the weights it generates from."""
+
     async def generate_sequences(self, prompts: Any) -> Any:
         """verl's ``generate_sequences`` (a coroutine, as verl's own is), after prorsa's
         engines load the weights this step generates from."""
@@ -372,11 +400,38 @@ class ProrsaManagerMixin:
         # step S saved and with global_steps = S: it scores step S's weights.
         if self.prorsa_weights is not None:
             meta = prompts.meta_info
-            step = meta.get("global_steps")
-            if step is not None and meta.get("validate"):
-                step = int(step) + 1
+            step = _generating_from(meta.get("global_steps"), meta.get("validate"))
             await asyncio.to_thread(self.prorsa_weights.sync, step)
         return await super().generate_sequences(prompts)  # type: ignore[misc]
+
+
+def _generating_from(step: Any, validate: Any) -> int | None:
+    """The step whose weights verl's step ``step`` generates from, plus one (what
+    :meth:`CheckpointFollower.sync` takes). Validation runs after step S saved, with
+    ``global_steps`` S: it scores step S's weights."""
+    if step is None:
+        return None
+    return int(step) + 1 if validate else int(step)
+
+
+class ProrsaManagerTQMixin(_ProrsaClientMixin):
+    """What prorsa adds to verl's V1 ``AgentLoopManagerTQ``: the same client and weight
+    loads. Its ``generate_sequences`` is plain (verl's V1 trainer calls it from plain code
+    and ignores what it returns: the workers put each output into TransferQueue); the step
+    and the validation flag come as the batch's non-tensor fields ``global_steps`` and
+    ``validate``, read with verl's ``get_non_tensor_data``."""
+
+    v1 = True
+    #: verl's ``verl.utils.tensordict_utils.get_non_tensor_data`` (set by
+    #: :func:`manager_class_tq`).
+    _read_field: Any = None
+
+    def generate_sequences(self, prompts: Any) -> Any:
+        if self.prorsa_weights is not None:
+            step = self._read_field(prompts, "global_steps", None)
+            validate = self._read_field(prompts, "validate", False)
+            self.prorsa_weights.sync(_generating_from(step, validate))
+        return super().generate_sequences(prompts)  # type: ignore[misc]
 
 
 def manager_class(base: type, auto_await: Any) -> type:
@@ -392,6 +447,19 @@ def manager_class(base: type, auto_await: Any) -> type:
     return ProrsaAgentLoopManager
 
 
+def manager_class_tq(base: type, get_non_tensor_data: Any) -> type:
+    """``base`` (verl's V1 ``AgentLoopManagerTQ``) with :class:`ProrsaManagerTQMixin`,
+    reading the batch's fields with ``get_non_tensor_data`` (verl's, from
+    ``verl.utils.tensordict_utils``). verl builds it through the inherited ``create``."""
+
+    class ProrsaAgentLoopManagerTQ(ProrsaManagerTQMixin, base):  # type: ignore[misc, valid-type]
+        """verl's V1 (TransferQueue) agent loop manager with prorsa as the LLM client."""
+
+        _read_field = staticmethod(get_non_tensor_data)
+
+    return ProrsaAgentLoopManagerTQ
+
+
 def _manager_class() -> type:
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.utils.ray_utils import auto_await
@@ -399,9 +467,19 @@ def _manager_class() -> type:
     return manager_class(AgentLoopManager, auto_await)
 
 
+def _manager_class_tq() -> type:
+    # verl marks this path as moving once its V1 trainer is stable (agent_loop_tq.py).
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ
+    from verl.utils.tensordict_utils import get_non_tensor_data
+
+    return manager_class_tq(AgentLoopManagerTQ, get_non_tensor_data)
+
+
 def __getattr__(name: str) -> Any:
     # verl loads the class by its dotted name; build it on first use so this module
     # imports without verl.
     if name == "ProrsaAgentLoopManager":
         return _manager_class()
+    if name == "ProrsaAgentLoopManagerTQ":
+        return _manager_class_tq()
     raise AttributeError(name)

@@ -81,7 +81,8 @@ def test_trainer_configs_example_prints_every_trainer(capsys):
 
     text = main(["--url", "http://h:8000", "--model", "tiny"])
     for needle in ("external_proxy_url=http://h:8000", 'base_url = "http://h:8000/v1"',
-                   "AREAL_LLM_SERVER_ADDRS=h:8000", "custom.prorsa_url=http://h:8000"):  # fmt: skip
+                   "AREAL_LLM_SERVER_ADDRS=h:8000", "custom.prorsa_url=http://h:8000",
+                   "verl.ProrsaAgentLoopManagerTQ \\"):  # fmt: skip
         assert needle in text
 
 

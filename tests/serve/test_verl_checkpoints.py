@@ -208,10 +208,7 @@ def test_validation_scores_the_step_just_saved(tmp_path, monkeypatch):
     assert calls == [("sync", 4), ("generate", 3)]
 
 
-def test_verl_v1_trainer_and_repeated_request_ids_are_refused(tmp_path, monkeypatch):
-    # verl 0.9's default trainer drives a TransferQueue manager; this one would hang it.
-    with pytest.raises(ConfigError, match="use_v1"):
-        _manager(tmp_path, monkeypatch, [], trainer={"use_v1": True})
+def test_repeated_request_ids_are_refused(tmp_path, monkeypatch):
     # full_determinism names requests det-{priority}: every step's ids collide.
     config = _config()
     config.actor_rollout_ref.rollout.update(full_determinism=True)
@@ -232,3 +229,85 @@ def test_megatron_checkpoints_are_followed_and_a_missing_folder_is_named(tmp_pat
     with caplog.at_level(logging.WARNING, logger="prorsa.integrations.verl"):
         assert empty.sync(3) is None
     assert "no saved Hugging Face weights" in caplog.text
+
+
+class _NonTensor:
+    """What a TensorDict holds for a non-tensor field (verl's ``NonTensorData``)."""
+
+    def __init__(self, data):
+        self.data = data
+
+
+def _read_field(batch, key, default):
+    """verl 0.9.1's ``get_non_tensor_data`` (verl/utils/tensordict_utils.py) on a dict."""
+    return batch[key].data if key in batch else default
+
+
+def _manager_tq(tmp_path, monkeypatch, calls, **config_overrides):
+    # verl's V1 AgentLoopManagerTQ does not install here (TransferQueue and verl's pins):
+    # a stand-in with the parts the V1 trainer uses, built as verl builds it, through the
+    # inherited classmethod ``create`` with keywords (verl/trainer/main_ppo.py).
+    from prorsa.integrations.verl import manager_class_tq
+
+    class VerlManagerTQ:
+        def __init__(
+            self, config, llm_client, teacher_client=None, reward_loop_worker_handles=None
+        ):
+            self.llm_client, self.teacher_client = llm_client, teacher_client
+            self.reward_loop_worker_handles = reward_loop_worker_handles
+
+        @classmethod
+        def create(cls, config, llm_client, teacher_client=None, reward_loop_worker_handles=None):
+            return cls(
+                config=config,
+                llm_client=llm_client,
+                teacher_client=teacher_client,
+                reward_loop_worker_handles=reward_loop_worker_handles,
+            )
+
+        def generate_sequences(self, prompts):  # workers write to TransferQueue: no return
+            calls.append(("generate", _read_field(prompts, "global_steps", None)))
+
+    monkeypatch.setenv("PRORSA_URL", "http://prorsa:8000")
+    trainer = {"default_local_dir": str(tmp_path), "use_v1": True,
+               **config_overrides.pop("trainer", {})}  # fmt: skip
+    config = _config(trainer=trainer, **config_overrides)
+    config.actor_rollout_ref.rollout.update(response_length=64, prompt_length=32)
+    manager = manager_class_tq(VerlManagerTQ, _read_field).create(
+        config=config, llm_client="verl's own client", teacher_client="teacher",
+        reward_loop_worker_handles=["reward"],
+    )  # fmt: skip
+    monkeypatch.setattr(manager.prorsa_weights, "sync", lambda step: calls.append(("sync", step)))
+    return manager
+
+
+def test_the_v1_manager_loads_the_weights_before_its_step_generates(tmp_path, monkeypatch):
+    calls = []
+    manager = _manager_tq(tmp_path, monkeypatch, calls)
+    assert manager.llm_client.url == "http://prorsa:8000" and manager.llm_client.max_tokens == 64
+    assert manager.teacher_client == "teacher" and manager.reward_loop_worker_handles == ["reward"]
+    assert manager.generate_sequences({"global_steps": _NonTensor(3)}) is None
+    # validation after step 3 saved scores step 3's weights
+    manager.generate_sequences({"global_steps": _NonTensor(3), "validate": _NonTensor(True)})
+    assert calls == [("sync", 3), ("generate", 3), ("sync", 4), ("generate", 3)]
+
+
+def test_each_manager_refuses_the_other_trainer_and_v1_async_modes(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"runs verl's PPO trainer"):
+        _manager_tq(tmp_path, monkeypatch, [], trainer={"use_v1": False})
+    with pytest.raises(ConfigError, match=r"runs verl's V1 trainer.*ProrsaAgentLoopManagerTQ"):
+        _manager(tmp_path, monkeypatch, [], trainer={"use_v1": True})
+    # the async modes hand their manager a client that resumes partial rollouts
+    for mode in ("colocate_async", "separate_async"):
+        with pytest.raises(ConfigError, match="trainer_mode=sync"):
+            _manager_tq(tmp_path, monkeypatch, [], trainer={"v1": {"trainer_mode": mode}})
+    _manager_tq(tmp_path, monkeypatch, [], trainer={"v1": {"trainer_mode": "sync"}})
+
+
+def test_the_managers_are_built_on_first_use():
+    import prorsa.integrations.verl as module
+
+    with pytest.raises(ModuleNotFoundError, match="verl"):  # verl is not installed here
+        module.ProrsaAgentLoopManagerTQ  # noqa: B018
+    with pytest.raises(AttributeError):
+        module.ProrsaAgentLoopManagerV2  # noqa: B018
