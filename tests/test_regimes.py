@@ -223,6 +223,9 @@ def test_confirmation_seeds_can_overturn_the_selection_seeds_choice():
     # a confirmed option that failed on a confirmation seed is not chosen
     runs["confirmed"]["tp1"] = {1: float("inf"), 2: 90.0}
     assert _run_plan(cfg, plan, runs).layouts["colocated"] == "tp2"
+    # nor before an unconfirmed one that ran, when every confirmed layout failed
+    runs["confirmed"] = {"tp1": {1: float("inf")}, "best-static": {1: 90.0, 2: 90.0}}
+    assert _run_plan(cfg, plan, runs).layouts["colocated"] == "tp2"
     # A split that failed on a confirmation seed keeps its searched layouts (the planner's
     # would take over only when no split finished on seed 0) and starts colocated.
     runs["confirmed"] = {"tp1": {1: 100.0, 2: 100.0}, "best-static": {1: float("inf")}}

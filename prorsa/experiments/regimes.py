@@ -438,10 +438,10 @@ def simulated_run_plan(
     harder or easier as a whole) and were more than ``confirm_within`` behind anyway.
     """
 
-    def rank(name: str) -> tuple[bool, float, str]:
-        return (bool(confirmed) and name not in confirmed, colocate[name], name)
+    def rank(name: str) -> tuple[bool, bool, float, str]:
+        return _layout_rank(colocate, confirmed, name)
 
-    colocated = min(colocate, key=rank)
+    colocated = _chosen_layout(colocate, confirmed)
     if static is None:
         layouts = {**plan.planned.as_layouts(), "colocated": colocated}
         return RunPlan(layouts, "colocated", plan.start.prefill_fraction, "simulation")
@@ -463,6 +463,20 @@ def simulated_run_plan(
         if not exact(colocated) and fits:
             layouts["colocated"] = min(fits, key=rank)
     return RunPlan(layouts, start, fraction, "simulation")
+
+
+def _layout_rank(
+    colocate: dict[str, float], confirmed: frozenset[str], name: str
+) -> tuple[bool, bool, float, str]:
+    # A layout that failed on any seed it ran on comes last, confirmed or not; then the
+    # confirmed before the others (their objectives are means over other draws too).
+    unconfirmed = bool(confirmed) and name not in confirmed
+    return (not math.isfinite(colocate[name]), unconfirmed, colocate[name], name)
+
+
+def _chosen_layout(colocate: dict[str, float], confirmed: frozenset[str]) -> str:
+    """The colocated layout a plan takes (:func:`simulated_run_plan`)."""
+    return min(colocate, key=lambda name: _layout_rank(colocate, confirmed, name))
 
 
 def _dynamic_cell(
@@ -897,10 +911,7 @@ def summarise_regime(plan: RegimePlan, runs: dict, run_plan: RunPlan) -> dict:
                 option: {str(seed): v for seed, v in by_seed.items()}
                 for option, by_seed in confirmed.items()
             },
-            "colocate_best_layout": min(
-                chosen_from,
-                key=lambda n: (bool(confirmed) and n not in confirmed, chosen_from[n], n),
-            ),
+            "colocate_best_layout": _chosen_layout(chosen_from, frozenset(confirmed)),
         },
         # the cost-model planner's choice, and what the dynamic policies ran with
         "planned_layouts": plan.planned.as_layouts(),
