@@ -32,6 +32,7 @@ at the start of each ``generate_sequences``, which verl calls with the step in
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -460,6 +461,7 @@ def manager_class_tq(base: type, get_non_tensor_data: Any) -> type:
     return ProrsaAgentLoopManagerTQ
 
 
+@functools.cache
 def _manager_class() -> type:
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.utils.ray_utils import auto_await
@@ -467,6 +469,7 @@ def _manager_class() -> type:
     return manager_class(AgentLoopManager, auto_await)
 
 
+@functools.cache
 def _manager_class_tq() -> type:
     # verl marks this path as moving once its V1 trainer is stable (agent_loop_tq.py).
     from verl.trainer.ppo.v1 import AgentLoopManagerTQ
