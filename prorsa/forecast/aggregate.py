@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.forecast import lgbm
-from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, register
+from prorsa.forecast.base import (
+    Forecaster,
+    Point,
+    Quantiles,
+    denormalise,
+    ordered_levels,
+    register,
+)
 from prorsa.forecast.conformal import conformal_offset, held_out_runs
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import aggregate_feature_names
@@ -128,7 +135,8 @@ def fit_target_models(
                 lower[alpha] = (
                     pred + np.array(per_h)[_horizon_index(horizon_of_row[is_cal], horizons)]
                 )
-                held["median"] = ordered_median(lower)
+        if POINT_LEVEL in lower:
+            held["median"] = ordered_median(lower)
         if offset is not None and is_cal.any():
             held["offset"] = offset[is_cal]
         points[target] = choose_points(ys[is_cal, i], held, horizon_of_row[is_cal], horizons)
@@ -184,10 +192,10 @@ def read_points(state: dict, source: str, n_horizons: int) -> dict[str, list[str
 
 
 def ordered_median(by_level: dict[float, np.ndarray]) -> np.ndarray:
-    """The median as :meth:`~prorsa.forecast.base.Forecaster.predict` reports it: no
-    lower than any quantile below it (crossing quantiles are lifted to the one below),
-    so the point chosen as "median" is the P50 the forecast hands out."""
-    return np.maximum.reduce([by_level[q] for q in sorted(by_level) if q <= POINT_LEVEL])
+    """The median as :meth:`~prorsa.forecast.base.Forecaster.predict` reports it
+    (:func:`~prorsa.forecast.base.ordered_levels`), so the point chosen as "median" is
+    the P50 the forecast hands out."""
+    return ordered_levels(by_level)[POINT_LEVEL]
 
 
 def pick_point(

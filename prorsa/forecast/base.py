@@ -235,13 +235,10 @@ class Forecaster(ABC):
             )
             self._drift_logged = ()
         point, quantiles = self._predict(hs)
-        fixed: Quantiles = {}
-        below: dict[str, np.ndarray] | None = None
-        for level in sorted(quantiles):  # non-negative and non-decreasing in the level
-            values = {t: np.maximum(np.asarray(quantiles[level][t], float), 0.0) for t in TARGETS}
-            if below is not None:
-                values = {t: np.maximum(values[t], below[t]) for t in TARGETS}
-            fixed[level] = below = values
+        fixed: Quantiles = {level: {} for level in quantiles}
+        for t in TARGETS:
+            for level, values in ordered_levels({q: quantiles[q][t] for q in quantiles}).items():
+                fixed[level][t] = values
         point = {t: np.maximum(np.asarray(point[t], float), 0.0) for t in TARGETS}
         return Forecast(
             time_s=float(self.tracker_.time_s),
@@ -391,6 +388,18 @@ class Forecaster(ABC):
                 y = ticks[target_column(target, h)].to_numpy(float)
                 out[:, i, j] = normalise(y, target, h, scale)
         return out
+
+
+def ordered_levels(by_level: dict[float, np.ndarray]) -> dict[float, np.ndarray]:
+    """One target's quantiles as :meth:`Forecaster.predict` reports them: non-negative
+    and non-decreasing in the level (a level crossing below the one under it is lifted
+    to it)."""
+    out: dict[float, np.ndarray] = {}
+    below = None
+    for level in sorted(by_level):
+        values = np.maximum(np.asarray(by_level[level], float), 0.0)
+        out[level] = below = values if below is None else np.maximum(values, below)
+    return out
 
 
 def feature_ranges(ticks: pd.DataFrame) -> dict[str, tuple[float, float]]:

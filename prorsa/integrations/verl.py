@@ -349,7 +349,9 @@ def _check_trainer(config: Any, v1: bool) -> None:
             f"this config runs verl's {trainer}, whose agent loop manager is {other}",
             hint=f"set agent_loop_manager_class=prorsa.integrations.verl.{other}",
         )
-    mode = (config.trainer.get("v1") or {}).get("trainer_mode", "sync") if v1 else "sync"
+    if not v1:
+        return
+    mode = (config.trainer.get("v1") or {}).get("trainer_mode", "sync")
     if mode != "sync":
         raise ConfigError(
             f"prorsa's verl V1 manager runs in trainer.v1.trainer_mode=sync, not {mode!r}: "
