@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +14,15 @@ from prorsa.runtime.ray.control_group import CONTROL_GROUP, LoopBound, with_cont
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
 
-def _actor_class(max_concurrency: int, control_group: bool):
+def _actor_class(max_concurrency: int, control_group: bool, arrivals: Path):
     import ray
 
     class Frozen(LoopBound):
-        """Requests that wait until ``release``, like legs frozen by a ``keep`` pause."""
+        """Requests that wait until ``release``, like legs frozen by a ``keep`` pause.
+
+        Each request appends a line to ``arrivals`` once it holds a slot: Ray does not
+        order tasks on an async actor, so the test sends ``release`` only after both
+        requests are known to be running."""
 
         def __init__(self) -> None:
             self.gate: asyncio.Event | None = None
@@ -27,6 +33,8 @@ def _actor_class(max_concurrency: int, control_group: bool):
             return threading.get_ident()
 
         async def request(self) -> str:
+            with open(arrivals, "a") as log:
+                log.write("running\n")
             await self.gate.wait()
             return "served"
 
@@ -41,14 +49,20 @@ def _actor_class(max_concurrency: int, control_group: bool):
 
 @pytest.mark.parametrize("control_group", [True, False])
 def test_a_control_call_is_not_queued_behind_requests_filling_every_slot(
-    ray_session, control_group
+    ray_session, control_group, tmp_path
 ):
     import ray
 
-    actor = _actor_class(max_concurrency=2, control_group=control_group).remote()
+    arrivals = tmp_path / "arrivals"
+    arrivals.touch()
+    actor = _actor_class(2, control_group, arrivals).remote()
     try:
         main_thread = ray.get(actor.start.remote())
-        requests = [actor.request.remote() for _ in range(2)]  # both request slots held
+        requests = [actor.request.remote() for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while len(arrivals.read_text().splitlines()) < 2:  # both request slots held
+            assert time.monotonic() < deadline, "the requests never started"
+            time.sleep(0.05)
         released = actor.release.remote()
         ready, _ = ray.wait([released], timeout=10 if control_group else 2)
         if control_group:
