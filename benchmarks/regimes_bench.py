@@ -21,6 +21,16 @@ benchmarks/results/regimes/cells.jsonl, and writes:
 models checked out, into benchmarks/results/regimes-rerun.json (its cells in
 benchmarks/results/regimes/rerun-cells.jsonl): a check of one regime after a change,
 which leaves the map's own files as they are.
+
+``--rerun-policies predictive[,mpc]`` reruns only those policies' held-out cells of every
+regime in regimes.json, on the plans and seeds the map recorded, and scores them against
+the colocation@best and best-static the map recorded
+(:mod:`prorsa.experiments.policy_rerun`): a policy change judged on the whole map in a
+sixth of its cells. ``--policy-params '{"predictive": {...}}'`` runs them with other
+parameters. It writes benchmarks/results/regimes-policies.json (goals before and after,
+the regimes that moved) and leaves the map's files alone.
+
+    .venv/bin/python benchmarks/regimes_bench.py --rerun-policies predictive   # ~20 min
 """
 
 from __future__ import annotations
@@ -148,7 +158,31 @@ def main() -> None:
         help="rerun only this regime of the full grid (its label, e.g. 'qwen3-30b-a3b tau2 "
         "sync 64/GPU'; repeatable) into regimes-rerun.json, leaving the map's files alone",
     )
+    parser.add_argument(
+        "--rerun-policies",
+        default="",
+        metavar="P[,P]",
+        help="rerun only these dynamic policies on regimes.json's recorded plans into "
+        "regimes-policies.json",
+    )
+    parser.add_argument(
+        "--policy-params",
+        default="{}",
+        metavar="JSON",
+        help="with --rerun-policies: parameters per policy, e.g. "
+        '\'{"predictive": {"min_gain": 0.2}}\'',
+    )
     args = parser.parse_args()
+    if args.rerun_policies:
+        if args.quick or args.models or args.reanalyse or args.regime:
+            parser.error("--rerun-policies reruns regimes.json's regimes: it takes no grid")
+        try:
+            params = json.loads(args.policy_params)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--policy-params is not JSON: {exc}")
+        policies = [p.strip() for p in args.rerun_policies.split(",") if p.strip()]
+        rerun_policies_of_map(policies, params, args)
+        return
     if args.regime:
         if args.quick or args.models or args.reanalyse:
             parser.error("--regime takes regimes of the full grid by label, alone")
@@ -246,6 +280,75 @@ def rerun(labels: list[str], forecaster: str, workers: int, address: str | None,
         },
     )
     print(f"saved {path}")
+
+
+def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
+    """Rerun ``policies`` on the saved map's plans; print and save what moved."""
+    from prorsa.experiments.policy_rerun import rerun_policies
+
+    saved = json.loads((RESULTS / "regimes.json").read_text())
+    before = saved["regimes"]
+    started = time.perf_counter()
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] > 30 or done == total:
+            last[0] = now
+            print(f"{done}/{total} cells, {now - started:,.0f} s", flush=True)
+
+    after = rerun_policies(
+        before,
+        policies,
+        params=params,
+        forecaster=args.forecaster,
+        workers=args.workers,
+        address=args.address,
+        cells_path=OUT / "policy-cells.jsonl",
+        resume=not args.fresh,
+        progress=progress,
+    )
+    moved = [
+        {
+            "label": a["label"],
+            **{p: {"before": b["speedup"].get(p), "after": a["speedup"].get(p)} for p in policies},
+            "best-static": a["speedup"].get("best-static"),
+            "oracle": a["speedup"].get("oracle"),
+        }
+        for b, a in zip(before, after, strict=True)
+        if any(abs(a["speedup"].get(p, 0) - b["speedup"].get(p, 0)) > 1e-9 for p in policies)
+    ]
+    goals_before, goals_after = goals(before), goals(after)
+    path = save(
+        "regimes-policies",
+        {
+            "map_commit": saved.get("machine", {}).get("commit"),
+            "policies": policies,
+            "params": params,
+            "forecaster": args.forecaster,
+            "goals_before": goals_before,
+            "goals_after": goals_after,
+            "geomean_before": {p: _geomean(before, p) for p in policies},
+            "geomean_after": {p: _geomean(after, p) for p in policies},
+            "moved": moved,
+            "regimes": [compact(s) for s in after],
+            "wall_s": time.perf_counter() - started,
+        },
+    )
+    for row in moved:
+        print(row["label"], json.dumps({p: row[p] for p in policies}))
+    for name, g in (("before", goals_before), ("after", goals_after)):
+        print(name, json.dumps({k: len(v) for k, v in g["missed"].items()}))
+    print(f"saved {path}")
+
+
+def _geomean(summaries: list[dict], policy: str) -> float | None:
+    from prorsa.experiments.held_out import geometric_mean
+
+    values = [
+        s["speedup"][policy] for s in summaries if s.get("valid", True) and policy in s["speedup"]
+    ]
+    return geometric_mean(values) if values else None
 
 
 def copy_heatmaps() -> None:

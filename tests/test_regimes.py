@@ -595,3 +595,32 @@ def test_misses_against_colocation_split_into_its_layout_choice_and_the_policy()
     text = colocate_misses_markdown([layout, policy, fine])
     assert "| layout | layout | 0.962x | 0.962x (tp4 / tp8) | 1.000x |" in text
     assert colocate_misses_markdown([fine]).endswith("in every regime.")
+
+
+def test_a_policy_rerun_on_the_saved_plans_reproduces_the_map_and_records_new_params(tmp_path):
+    from prorsa.experiments.policy_rerun import rerun_policies
+
+    (summary,) = run_map(toy_config(tmp_path / "map"))["regimes"]
+    saved = json.loads(json.dumps(summary, default=float))  # as regimes.json holds it
+    kw = dict(forecaster="ewma", families={"toy-7b": TOY}, workers=1)
+    (same,) = rerun_policies([saved], ["predictive"], cells_path=tmp_path / "a.jsonl", **kw)
+    # the same cells on the recorded plan and seeds: the map's own result
+    assert same["speedup"]["predictive"] == pytest.approx(summary["speedup"]["predictive"])
+    assert same["speedup"]["mpc"] == saved["speedup"]["mpc"]  # not rerun: kept
+    assert same["rerun_from"]["predictive"]["speedup"] == saved["speedup"]["predictive"]
+    # other parameters: recorded, and the new run scored against the saved baseline
+    params = {"predictive": {"start": "colocated", "min_gain": 10.0}}
+    (held,) = rerun_policies(
+        [saved], ["predictive"], params=params, cells_path=tmp_path / "b.jsonl", **kw
+    )
+    assert held["rerun_params"] == params
+    assert held["policies"]["predictive"]["switches"] == 0  # no gain is ever 10x
+    baseline = saved["colocate_best"]["objective_by_seed"]
+    ran = held["policies"]["predictive"]["objective_by_seed"]
+    ratios = [baseline[str(s)] / ran[s] for s in (9, 10, 11)]
+    assert held["speedup"]["predictive"] == pytest.approx(np.exp(np.mean(np.log(ratios))))
+    assert goals([held])["cells"] == 1
+    with pytest.raises(ConfigError, match="among"):
+        rerun_policies([saved], ["colocate"], **kw)
+    with pytest.raises(ConfigError, match="not rerun"):
+        rerun_policies([saved], ["predictive"], params={"mpc": {}}, **kw)
