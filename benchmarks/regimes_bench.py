@@ -28,9 +28,12 @@ the colocation@best and best-static the map recorded
 (:mod:`prorsa.experiments.policy_rerun`): a policy change judged on the whole map in a
 sixth of its cells. ``--policy-params '{"predictive": {...}}'`` runs them with other
 parameters. It writes benchmarks/results/regimes-policies.json (goals before and after,
-the regimes that moved) and leaves the map's files alone.
+the regimes that moved) and leaves the map's files alone, unless ``--apply`` (default
+parameters only): then the rerun policies' results replace the map's in regimes.json
+(``policies_rerun`` records the commit) and report.md and the README are redone, as
+after a policy change that leaves the simulator as it was.
 
-    .venv/bin/python benchmarks/regimes_bench.py --rerun-policies predictive   # ~20 min
+    .venv/bin/python benchmarks/regimes_bench.py --rerun-policies predictive   # ~10 min
 """
 
 from __future__ import annotations
@@ -172,7 +175,14 @@ def main() -> None:
         help="with --rerun-policies: parameters per policy, e.g. "
         '\'{"predictive": {"min_gain": 0.2}}\'',
     )
+    parser.add_argument(
+        "--apply",
+        action="store_true",
+        help="with --rerun-policies and default parameters: write the results into the map",
+    )
     args = parser.parse_args()
+    if args.apply and not args.rerun_policies:
+        parser.error("--apply writes a rerun of the policies into the map: --rerun-policies")
     if args.rerun_policies:
         if args.quick or args.models or args.reanalyse or args.regime:
             parser.error("--rerun-policies reruns regimes.json's regimes: it takes no grid")
@@ -180,6 +190,8 @@ def main() -> None:
             params = json.loads(args.policy_params)
         except json.JSONDecodeError as exc:
             parser.error(f"--policy-params is not JSON: {exc}")
+        if args.apply and params:
+            parser.error("--apply writes the policies' defaults only: no --policy-params")
         policies = [p.strip() for p in args.rerun_policies.split(",") if p.strip()]
         rerun_policies_of_map(policies, params, args)
         return
@@ -340,6 +352,16 @@ def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
     for name, g in (("before", goals_before), ("after", goals_after)):
         print(name, json.dumps({k: len(v) for k, v in g["missed"].items()}))
     print(f"saved {path}")
+    if args.apply:
+        saved["regimes"] = [compact(s) for s in after]
+        runs = saved.setdefault("policies_rerun", [])
+        ran = {k: v for k, v in machine().items() if k in ("commit", "when")}
+        cells = len(policies) * sum(len(s["eval_seeds"]) for s in after)
+        runs.append({**ran, "policies": policies, "cells": cells})
+        atomic_write_text(
+            RESULTS / "regimes.json", json.dumps(saved, indent=2, default=float) + "\n"
+        )
+        reanalyse(readme=not args.no_readme)
 
 
 def _geomean(summaries: list[dict], policy: str) -> float | None:

@@ -1041,7 +1041,7 @@ def test_prefill_work_meter_keeps_a_ratio_per_mode():
 
 @pytest.mark.parametrize(
     ("name", "kwargs", "robust_by_default"),
-    [("predictive", {}, False), ("mpc", {"start": "split"}, True)],
+    [("predictive", {}, True), ("mpc", {"start": "split"}, True)],
 )
 def test_a_robust_policy_moves_only_where_both_ends_of_the_forecast_band_pay(
     name, kwargs, robust_by_default
@@ -1071,7 +1071,7 @@ def test_a_robust_policy_moves_only_where_both_ends_of_the_forecast_band_pay(
     assert moved["narrow band"] > 1
     if name == "mpc":
         assert moved["narrow band"] == moved["wide band, P90 only"]
-    # Predictive's band is off unless asked for, MPC's on (docs/decisions.md).
+    # Both judge a move at both ends of the band unless told not to (docs/decisions.md).
     assert make_policy(name).robust is robust_by_default
 
 
