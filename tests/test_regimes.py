@@ -608,6 +608,10 @@ def test_a_policy_rerun_on_the_saved_plans_reproduces_the_map_and_records_new_pa
     assert same["speedup"]["predictive"] == pytest.approx(summary["speedup"]["predictive"])
     assert same["speedup"]["mpc"] == saved["speedup"]["mpc"]  # not rerun: kept
     assert same["rerun_from"]["predictive"]["speedup"] == saved["speedup"]["predictive"]
+    assert same["policies"]["predictive"].keys() == summary["policies"]["predictive"].keys() & {
+        "objective", "objective_by_seed", "switches", "completion_s_p99", "busy_fraction",
+        "cache_hit_rate",
+    }  # fmt: skip
     # other parameters: recorded, and the new run scored against the saved baseline
     params = {"predictive": {"start": "colocated", "min_gain": 10.0}}
     (held,) = rerun_policies(

@@ -15,8 +15,9 @@ import subprocess
 from pathlib import Path
 
 #: Package paths whose code never runs in a simulated result: serving, the command line,
-#: trainer integrations, and the modules that only format results already computed
-#: (tables, plots), so mending a report does not make a map recompute its cells.
+#: trainer integrations, the modules that only format results already computed
+#: (tables, plots) or schedule and score cells the simulator runs (the policy rerun), so
+#: mending a report does not make a map recompute its cells.
 #: Everything else of the package counts (simulator, cluster model, controller, policies,
 #: workloads, forecasters and their features, telemetry, the experiments that turn a run
 #: into its objective, the forecaster recipe).
@@ -24,6 +25,7 @@ NOT_SIMULATOR_CODE = (
     "serve",
     "cli",
     "integrations",
+    "experiments/policy_rerun.py",
     "experiments/regime_report.py",
     "experiments/report.py",
 )
