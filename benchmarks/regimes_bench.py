@@ -44,6 +44,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,7 +62,7 @@ from prorsa.experiments.regime_report import (
     pays_at_fdr,
     write_map_report,
 )
-from prorsa.experiments.regimes import MapConfig, Regime, goals, run_map
+from prorsa.experiments.regimes import POLICY_NUMBERS, MapConfig, Regime, goals, run_map
 from prorsa.io import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,19 +107,7 @@ def compact(summary: dict) -> dict:
         for k, v in summary["colocate"].items()
     }
     out["policies"] = {
-        name: {
-            k: p.get(k)
-            for k in (
-                "objective",
-                "objective_by_seed",
-                "switches",
-                "completion_s_p99",
-                "busy_fraction",
-                "cache_hit_rate",
-                "error",
-            )
-            if k in p
-        }
+        name: {k: p.get(k) for k in POLICY_NUMBERS if k in p}
         for name, p in summary["policies"].items()
     }
     return out
@@ -217,13 +206,7 @@ def main() -> None:
         resume=not args.fresh,
     )
     started = time.perf_counter()
-    last = [0.0]
-
-    def progress(done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - last[0] > 30 or done == total:
-            last[0] = now
-            print(f"{done}/{total} cells, {now - started:,.0f} s", flush=True)
+    progress = progress_printer(started)
 
     result = run_map(cfg, progress=progress)
     map_s = time.perf_counter() - started
@@ -294,13 +277,9 @@ def rerun(labels: list[str], forecaster: str, workers: int, address: str | None,
     print(f"saved {path}")
 
 
-def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
-    """Rerun ``policies`` on the saved map's plans; print and save what moved."""
-    from prorsa.experiments.policy_rerun import rerun_policies
-
-    saved = json.loads((RESULTS / "regimes.json").read_text())
-    before = saved["regimes"]
-    started = time.perf_counter()
+def progress_printer(started: float) -> Callable[[int, int], None]:
+    """A sweep's progress callback: cells done and seconds since ``started``, at most
+    every 30 s and at the end."""
     last = [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -308,6 +287,18 @@ def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
         if now - last[0] > 30 or done == total:
             last[0] = now
             print(f"{done}/{total} cells, {now - started:,.0f} s", flush=True)
+
+    return progress
+
+
+def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
+    """Rerun ``policies`` on the saved map's plans; print and save what moved."""
+    from prorsa.experiments.policy_rerun import rerun_policies
+
+    saved = json.loads((RESULTS / "regimes.json").read_text())
+    before = saved["regimes"]
+    started = time.perf_counter()
+    progress = progress_printer(started)
 
     after = rerun_policies(
         before,

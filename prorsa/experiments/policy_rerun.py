@@ -25,6 +25,7 @@ from prorsa.experiments.families import ModelFamily
 from prorsa.experiments.held_out import mean_run, paired_speedup
 from prorsa.experiments.regimes import (
     DYNAMIC_POLICIES,
+    POLICY_NUMBERS,
     MapConfig,
     Regime,
     RunPlan,
@@ -110,18 +111,6 @@ def rerun_policies(
     return out
 
 
-#: A rerun policy's numbers a summary keeps (those a saved map keeps of every policy).
-_KEPT = (
-    "objective",
-    "objective_by_seed",
-    "switches",
-    "completion_s_p99",
-    "busy_fraction",
-    "cache_hit_rate",
-    "error",
-)
-
-
 def _rescored(summary: dict, runs: dict[str, dict[int, dict]], params: Mapping) -> dict:
     """``summary`` with the rerun policies' objectives and speedups."""
     new = copy.deepcopy(summary)
@@ -137,7 +126,7 @@ def _rescored(summary: dict, runs: dict[str, dict[int, dict]], params: Mapping) 
     labelled = summary.get("colocate", {}).get(summary["colocate_baseline"]["layout"])
     for policy, by_seed in runs.items():
         run = mean_run(by_seed)
-        new.setdefault("policies", {})[policy] = {k: run[k] for k in _KEPT if k in run}
+        new.setdefault("policies", {})[policy] = {k: run[k] for k in POLICY_NUMBERS if k in run}
         paired = paired_speedup(baseline, run["objective_by_seed"])
         new["speedup"][policy] = paired["speedup"]
         new["speedup_ci95"][policy] = paired["ci95"]
