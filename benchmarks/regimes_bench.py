@@ -25,15 +25,17 @@ which leaves the map's own files as they are.
 ``--rerun-policies predictive[,mpc]`` reruns only those policies' held-out cells of every
 regime in regimes.json, on the plans and seeds the map recorded, and scores them against
 the colocation@best and best-static the map recorded
-(:mod:`prorsa.experiments.policy_rerun`): a policy change judged on the whole map in a
-sixth of its cells. ``--policy-params '{"predictive": {...}}'`` runs them with other
+(:mod:`prorsa.experiments.policy_rerun`): a policy change judged on the whole map in
+405 of its 6,066 cells. ``--policy-params '{"predictive": {...}}'`` runs them with other
 parameters. It writes benchmarks/results/regimes-policies.json (goals before and after,
 the regimes that moved) and leaves the map's files alone, unless ``--apply`` (default
-parameters only): then the rerun policies' results replace the map's in regimes.json
-(``policies_rerun`` records the commit) and report.md and the README are redone, as
-after a policy change that leaves the simulator as it was.
+parameters only): then the rerun policies' results replace the map's in regimes.json and
+regimes/results.json (``policies_rerun`` records the commit) and report.md and the README
+are redone, as after a policy change that leaves the simulator as it was. It warns when
+simulator code outside the policies changed since the map's commit (then the rerun is
+not exact).
 
-    .venv/bin/python benchmarks/regimes_bench.py --rerun-policies predictive   # ~10 min
+    .venv/bin/python benchmarks/regimes_bench.py --rerun-policies predictive   # ~18 min
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from prorsa.experiments import DEFAULT_FORECASTER, mechanisms
 from prorsa.experiments.grids import get_grid, select
 from prorsa.experiments.regime_report import (
     FDR,
+    POLICY_NUMBERS,
     chance_pays,
     colocate_misses_by_cause,
     headline,
@@ -62,7 +65,7 @@ from prorsa.experiments.regime_report import (
     pays_at_fdr,
     write_map_report,
 )
-from prorsa.experiments.regimes import POLICY_NUMBERS, MapConfig, Regime, goals, run_map
+from prorsa.experiments.regimes import MapConfig, Regime, goals, run_map
 from prorsa.io import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +134,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the quick grid (minutes)")
     parser.add_argument("--models", default="", help="only these models, comma-separated")
-    parser.add_argument("--forecaster", default=DEFAULT_FORECASTER)
+    parser.add_argument(
+        "--forecaster",
+        default=None,
+        help=f"of predictive and mpc (default {DEFAULT_FORECASTER}; a policy rerun: the map's)",
+    )
     parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
     parser.add_argument("--address", default=None, help="Ray cluster to run cells on")
     parser.add_argument("--fresh", action="store_true", help="ignore finished cells")
@@ -172,6 +179,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.apply and not args.rerun_policies:
         parser.error("--apply writes a rerun of the policies into the map: --rerun-policies")
+    if not args.rerun_policies:
+        args.forecaster = args.forecaster or DEFAULT_FORECASTER
     if args.rerun_policies:
         if args.quick or args.models or args.reanalyse or args.regime:
             parser.error("--rerun-policies reruns regimes.json's regimes: it takes no grid")
@@ -292,43 +301,62 @@ def progress_printer(started: float) -> Callable[[int, int], None]:
 
 
 def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
-    """Rerun ``policies`` on the saved map's plans; print and save what moved."""
+    """Rerun ``policies`` on the saved map's plans; print and save what moved (and with
+    ``--apply`` write it into the map)."""
+    from prorsa.errors import ConfigError
     from prorsa.experiments.policy_rerun import rerun_policies
 
     saved = json.loads((RESULTS / "regimes.json").read_text())
-    before = saved["regimes"]
+    forecaster = args.forecaster or saved.get("forecaster") or DEFAULT_FORECASTER
+    if args.apply and forecaster != saved.get("forecaster", forecaster):
+        sys.exit(f"--apply: the map ran {saved['forecaster']}, not {forecaster}")
+    # The full summaries (every metric of every run) where the map's results.json has
+    # them for the same regimes; regimes.json's compact ones otherwise.
+    full_path = OUT / "results.json"
+    full = json.loads(full_path.read_text()) if full_path.exists() else None
+    labels = [s["label"] for s in saved["regimes"]]
+    same = full is not None and [s["label"] for s in full.get("regimes", [])] == labels
+    before = full["regimes"] if same else saved["regimes"]
+    changed = simulator_changes_since(saved.get("machine", {}).get("commit"))
+    if changed:
+        print(f"warning: simulator code changed since the map outside the policies: {changed}")
     started = time.perf_counter()
-    progress = progress_printer(started)
-
-    after = rerun_policies(
-        before,
-        policies,
-        params=params,
-        forecaster=args.forecaster,
-        workers=args.workers,
-        address=args.address,
-        cells_path=OUT / "policy-cells.jsonl",
-        resume=not args.fresh,
-        progress=progress,
-    )
+    try:
+        after = rerun_policies(
+            before,
+            policies,
+            params=params,
+            forecaster=forecaster,
+            workers=args.workers,
+            address=args.address,
+            cells_path=OUT / "policy-cells.jsonl",
+            resume=not args.fresh,
+            progress=progress_printer(started),
+        )
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
+    others = [n for n in ("best-static", "predictive", "mpc", "oracle") if n not in policies]
     moved = [
         {
             "label": a["label"],
-            **{p: {"before": b["speedup"].get(p), "after": a["speedup"].get(p)} for p in policies},
-            "best-static": a["speedup"].get("best-static"),
-            "oracle": a["speedup"].get("oracle"),
+            "before": {p: b["speedup"].get(p) for p in policies},
+            "after": {p: a["speedup"].get(p) for p in policies},
+            "others": {n: a["speedup"].get(n) for n in others},
         }
         for b, a in zip(before, after, strict=True)
         if any(abs(a["speedup"].get(p, 0) - b["speedup"].get(p, 0)) > 1e-9 for p in policies)
     ]
     goals_before, goals_after = goals(before), goals(after)
+    rerun_cells = len(policies) * sum(len(s["eval_seeds"]) for s in after if "rerun_from" in s)
     path = save(
         "regimes-policies",
         {
             "map_commit": saved.get("machine", {}).get("commit"),
+            "simulator_changed_since_map": changed,
             "policies": policies,
             "params": params,
-            "forecaster": args.forecaster,
+            "forecaster": forecaster,
+            "cells": rerun_cells,
             "goals_before": goals_before,
             "goals_after": goals_after,
             "geomean_before": {p: _geomean(before, p) for p in policies},
@@ -339,20 +367,62 @@ def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
         },
     )
     for row in moved:
-        print(row["label"], json.dumps({p: row[p] for p in policies}))
+        print(row["label"], json.dumps({"before": row["before"], "after": row["after"]}))
     for name, g in (("before", goals_before), ("after", goals_after)):
         print(name, json.dumps({k: len(v) for k, v in g["missed"].items()}))
     print(f"saved {path}")
     if args.apply:
-        saved["regimes"] = [compact(s) for s in after]
-        runs = saved.setdefault("policies_rerun", [])
         ran = {k: v for k, v in machine().items() if k in ("commit", "when")}
-        cells = len(policies) * sum(len(s["eval_seeds"]) for s in after)
-        runs.append({**ran, "policies": policies, "cells": cells})
+        record = {
+            **ran,
+            "policies": policies,
+            "cells": rerun_cells,
+            "simulator_changed_since_map": changed,
+            # the mechanism experiments are the map's run (mechanism (c) reads predictive)
+            "mechanisms_rerun": False,
+        }
+        saved.setdefault("policies_rerun", []).append(record)
+        saved["regimes"] = [compact(s) for s in after]
+        saved.update(derived(saved["regimes"]))
         atomic_write_text(
             RESULTS / "regimes.json", json.dumps(saved, indent=2, default=float) + "\n"
         )
+        if same:
+            full.update(regimes=after, headline=headline(after), goals=goals_after)
+            full.setdefault("policies_rerun", []).append(record)
+            atomic_write_text(full_path, json.dumps(full, indent=1, default=str) + "\n")
         reanalyse(readme=not args.no_readme)
+
+
+def simulator_changes_since(commit: str | None) -> list[str]:
+    """Simulator code (as the cell keys count it) changed between ``commit`` and the
+    working tree, outside ``prorsa/policy/``: where any is, a policy rerun is not exact
+    (the other cells would move too). Empty when git cannot tell."""
+    import subprocess
+
+    from prorsa.runtime.sim.version import _is_simulator_code
+
+    if not commit:
+        return []
+    try:
+        names = subprocess.run(
+            ["git", "diff", "--name-only", commit, "--", "prorsa", "datasets"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [
+        name
+        for name in names
+        if not name.startswith("prorsa/policy/")
+        and (
+            name.startswith("datasets/")
+            or (name.endswith(".py") and _is_simulator_code(Path(name).relative_to("prorsa")))
+        )
+    ]
 
 
 def _geomean(summaries: list[dict], policy: str) -> float | None:

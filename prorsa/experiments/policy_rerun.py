@@ -4,13 +4,15 @@ A change to a policy moves only that policy's cells: colocation's and best-stati
 read its code, and neither do the plans (layouts and start) the map chose from them. So a
 policy can be judged on the whole map by rerunning its held-out cells only, on each
 regime's recorded ``run_plan`` and scoring seeds, and scoring them against the
-colocation@best and best-static objectives the map recorded for the same seeds: about a
-sixth of the map's cells (predictive: 405 of 6,066, ~20 min on two cores against ~2 h).
+colocation@best and best-static objectives the map recorded for the same seeds
+(predictive: 405 of 6,066 cells, ~18 min on two cores against ~2 h for the map).
 
-The summaries this returns are the saved ones with the rerun policies' objectives and
-speedups replaced (``rerun_from`` keeps what the map had), so the map's goals and
-headline read them unchanged. Keep in mind what it does not redo: when the simulator
-itself changes, every cell moves and only a full map is a result.
+The summaries this returns are the saved ones with the rerun policies' numbers, speedups
+and failed cells replaced (``rerun_from`` keeps the speedups and switches the map had,
+``rerun_params`` the parameters), so the map's goals and headline read them unchanged.
+What it does not redo: when the simulator itself changes, every cell moves and only a
+full map is a result; and code the policies share (``prorsa/policy/demand.py``) moves
+every policy that reads it, so rerun all of those.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from prorsa.experiments.families import ModelFamily
 from prorsa.experiments.held_out import mean_run, paired_speedup
 from prorsa.experiments.regimes import (
     DYNAMIC_POLICIES,
-    POLICY_NUMBERS,
     MapConfig,
     Regime,
     RunPlan,
@@ -59,15 +60,23 @@ def rerun_policies(
     are the map's (its :class:`MapConfig`'s). Regimes without a valid baseline are
     returned unchanged.
     """
+    from prorsa.policy.params import check_policy_param_groups
+
     unknown = sorted(set(policies) - set(DYNAMIC_POLICIES))
-    if unknown or not policies:
+    if unknown or not policies or len(set(policies)) != len(policies):
         raise ConfigError(
-            f"rerun policies must be among {', '.join(DYNAMIC_POLICIES)}; got {list(policies)}"
+            f"rerun policies must be distinct and among {', '.join(DYNAMIC_POLICIES)}; "
+            f"got {list(policies)}"
         )
-    params = dict(params or {})
-    stray = sorted(set(params) - set(policies))
+    if not isinstance(params or {}, Mapping) or not all(
+        isinstance(p, Mapping) for p in (params or {}).values()
+    ):
+        raise ConfigError(f"policy parameters must map a policy to its parameters: {params!r}")
+    stray = sorted(set(params or {}) - set(policies))
     if stray:
         raise ConfigError(f"parameters given for policies not rerun: {stray}")
+    # Known keys and values, numbers as the map's cells hold them (before any cell runs).
+    params = check_policy_param_groups(params or {}, policies=policies)
     jobs: list[tuple[int, str, int, Cell]] = []
     for i, summary in enumerate(summaries):
         if not summary.get("valid", True):
@@ -112,7 +121,8 @@ def rerun_policies(
 
 
 def _rescored(summary: dict, runs: dict[str, dict[int, dict]], params: Mapping) -> dict:
-    """``summary`` with the rerun policies' objectives and speedups."""
+    """``summary`` with the rerun policies' numbers (every one :func:`mean_run` gives:
+    a compact summary keeps fewer when saved), speedups and failed cells."""
     new = copy.deepcopy(summary)
     baseline = {int(s): v for s, v in summary["colocate_best"]["objective_by_seed"].items()}
     new["rerun_from"] = {
@@ -126,7 +136,7 @@ def _rescored(summary: dict, runs: dict[str, dict[int, dict]], params: Mapping) 
     labelled = summary.get("colocate", {}).get(summary["colocate_baseline"]["layout"])
     for policy, by_seed in runs.items():
         run = mean_run(by_seed)
-        new.setdefault("policies", {})[policy] = {k: run[k] for k in POLICY_NUMBERS if k in run}
+        new.setdefault("policies", {})[policy] = run
         paired = paired_speedup(baseline, run["objective_by_seed"])
         new["speedup"][policy] = paired["speedup"]
         new["speedup_ci95"][policy] = paired["ci95"]
@@ -135,4 +145,7 @@ def _rescored(summary: dict, runs: dict[str, dict[int, dict]], params: Mapping) 
             by_seed = {int(s): v for s, v in labelled["objective_by_seed"].items()}
             vs = paired_speedup(by_seed, run["objective_by_seed"])["speedup"]
             new["speedup_vs_baseline"][policy] = vs
+        # A policy's entry in failed_cells is its name (summarise_regime).
+        failed = [f for f in new.get("failed_cells", []) if f != policy]
+        new["failed_cells"] = failed + ([policy] if "error" in run else [])
     return new

@@ -17,6 +17,18 @@ HEADLINE_POLICIES = ("best-static", "predictive", "mpc", "oracle")
 FDR = 0.05  # the false discovery rate at which "pays" is read over a whole map
 
 
+#: A policy's numbers over the scoring seeds that a saved map keeps per regime.
+POLICY_NUMBERS = (
+    "objective",
+    "objective_by_seed",
+    "switches",
+    "completion_s_p99",
+    "busy_fraction",
+    "cache_hit_rate",
+    "error",
+)
+
+
 def pays(summary: dict, policy: str = "predictive") -> bool:
     """``policy`` beats colocation at its best layout by more than 2% (geometric mean over
     the held-out seeds) and its 95% interval lies above 1 (when it has one); never in a

@@ -828,18 +828,6 @@ def _best_split(plan: RegimePlan, pair: tuple[str, str], seen: dict[int, float])
 # Summaries
 
 
-#: A policy's numbers over the scoring seeds that a saved map keeps per regime.
-POLICY_NUMBERS = (
-    "objective",
-    "objective_by_seed",
-    "switches",
-    "completion_s_p99",
-    "busy_fraction",
-    "cache_hit_rate",
-    "error",
-)
-
-
 def run_metrics(run: dict) -> dict:
     """The few numbers of a run the map keeps (``error`` for a cell that failed)."""
     m = run["metrics"]

@@ -73,8 +73,8 @@ class MPCPolicy(ModeChoosingPolicy):
             forecaster gives them) and move only where both plans move the same way, by
             the smaller of their moves; the mode choice likewise (as
             :class:`PredictivePolicy`'s ``robust``). On by default: on the regime map it
-            ends MPC's losses to a burst only the P90 saw, and unlike predictive's it
-            holds the backlog-bound cells (docs/decisions.md).
+            ends MPC's losses to a burst only the P90 saw, and holds the backlog-bound
+            cells (docs/decisions.md).
         start: ``"auto"``, ``"colocated"`` or ``"split"`` before the first forecast (as in
             :class:`PredictivePolicy`); colocation stays in
             the action space either way (see :func:`prorsa.policy.demand.choose_mode`,

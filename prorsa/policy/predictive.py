@@ -74,8 +74,8 @@ class PredictivePolicy(ModeChoosingPolicy):
         robust: a switch must pay back at both ends of the forecast's P10-P90 band, not
             only at the sizing quantile (forecasters without quantiles: the point). On by
             default, as MPC's: on the held-out regime map it keeps splits that sizing at
-            the P90 alone left on a sync step's opening burst (five regimes, up to +9%)
-            and costs at most 0.4% in any other (docs/decisions.md).
+            the P90 alone left on a sync step's opening burst (six regimes up, by up to
+            9%; two down, by at most 0.4%; docs/decisions.md).
     """
 
     needs_forecast = True
@@ -260,8 +260,9 @@ class PredictivePolicy(ModeChoosingPolicy):
         P10 and P90 differ 2.4x (Qwen3-235B-A22B search sync 64/GPU at 9 s), sizing at the
         P90 alone resized a 4-slot split back and forth four times (0.98x against the
         1.19x of holding it). The band cuts both ways: under a backlog of hours (235B swe
-        sync 64/GPU) it also held back the one move back to prefill that the run needed
-        (1.15x -> 0.78x)."""
+        sync 64/GPU) it once held back the one move back to prefill that the run needed
+        (1.15x -> 0.78x, when the forecaster's P10 of prefill there was 0); on the
+        held-out map it costs that regime 0.2%."""
         ends = []
         levels = band_levels(forecast, self.quantile, self.robust)
         # Colocation is priced at the work ratio measured colocated (the same one unless a
