@@ -618,12 +618,17 @@ def test_a_policy_rerun_on_the_saved_plans_reproduces_the_map_and_records_new_pa
     )
     assert split["rerun_params"] == params
     ran = split["policies"]["predictive"]["objective_by_seed"]
-    assert ran != summary["policies"]["predictive"]["objective_by_seed"]
+    assert ran != saved["policies"]["predictive"]["objective_by_seed"]
+    assert set(ran) == set(saved["colocate_best"]["objective_by_seed"])  # keyed as saved
+    from prorsa.experiments.regime_report import colocate_misses_by_cause, layout_choice
+
+    assert layout_choice(split, "predictive") is not None  # pairs new runs with saved ones
+    colocate_misses_by_cause([split])
     for baseline, speedup in (
         (saved["colocate_best"]["objective_by_seed"], split["speedup"]["predictive"]),
         (saved["colocate"]["tp1"]["objective_by_seed"], split["speedup_vs_baseline"]["predictive"]),
     ):
-        ratios = [baseline[str(s)] / ran[s] for s in (9, 10, 11)]
+        ratios = [baseline[s] / ran[s] for s in ("9", "10", "11")]
         assert speedup == pytest.approx(np.exp(np.mean(np.log(ratios))))
     assert goals([split])["cells"] == 1 and "predictive" not in split["failed_cells"]
     with pytest.raises(ConfigError, match="among"):

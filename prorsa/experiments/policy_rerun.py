@@ -134,16 +134,21 @@ def _rescored(summary: dict, runs: dict[str, dict[int, dict]], params: Mapping) 
     }
     new["rerun_params"] = {policy: dict(params.get(policy, {})) for policy in runs}
     labelled = summary.get("colocate", {}).get(summary["colocate_baseline"]["layout"])
+    # Seeds keyed as the summary keys them (strings once saved as JSON), so that the
+    # report code pairs the new runs with the saved ones.
+    saved_key = type(next(iter(summary["colocate_best"]["objective_by_seed"])))
     for policy, by_seed in runs.items():
         run = mean_run(by_seed)
-        new.setdefault("policies", {})[policy] = run
         paired = paired_speedup(baseline, run["objective_by_seed"])
+        run["objective_by_seed"] = {saved_key(s): v for s, v in run["objective_by_seed"].items()}
+        new.setdefault("policies", {})[policy] = run
         new["speedup"][policy] = paired["speedup"]
         new["speedup_ci95"][policy] = paired["ci95"]
-        new["speedup_by_seed"][policy] = paired["by_seed"]
+        new["speedup_by_seed"][policy] = {saved_key(s): v for s, v in paired["by_seed"].items()}
         if labelled is not None and new.get("speedup_vs_baseline"):
             by_seed = {int(s): v for s, v in labelled["objective_by_seed"].items()}
-            vs = paired_speedup(by_seed, run["objective_by_seed"])["speedup"]
+            ran = {int(s): v for s, v in run["objective_by_seed"].items()}
+            vs = paired_speedup(by_seed, ran)["speedup"]
             new["speedup_vs_baseline"][policy] = vs
         # A policy's entry in failed_cells is its name (summarise_regime).
         failed = [f for f in new.get("failed_cells", []) if f != policy]
