@@ -38,13 +38,16 @@ LOSSES = (
 
 
 #: What a learned forecaster's point forecast may be, chosen per target and horizon on
-#: the held-out conformal runs (:func:`choose_points`): the squared-error model, the
-#: median model, or the offset the trees correct (lightgbm-trajectory's bottom-up sum).
-#: Demand is heavy-tailed (a sync launch queues every prompt at once): a squared-error
-#: model fitted with those bursts put burst-sized leaves under ordinary states of a
-#: cluster it had not seen (prefill WAPE 6-13 on the held-out 235B cell, where its median
-#: scored 0.6-0.9), while for decode it was the better of the two.
-POINT_CHOICES = ("mean", "median", "offset")
+#: held-out runs (:func:`choose_points`): the squared-error model, the median model, the
+#: offset the trees correct, or (lightgbm-trajectory) the raw bottom-up sum, skipping the
+#: calibration. Demand is heavy-tailed (a sync launch queues every prompt at once): a
+#: squared-error model fitted with those bursts put burst-sized leaves under ordinary
+#: states of a cluster it had not seen (prefill WAPE 6-13 on the held-out 235B cell, where
+#: its median scored 0.6-0.9), while for decode it was the better of the two; and on cells
+#: the training never saw the raw sum beat every calibrated decode point
+#: (docs/results.md, "Forecasting"). Which wins is a question of transfer, so the shipped
+#: recipe answers it on cells of their own (:mod:`prorsa.forecast.point_selection`).
+POINT_CHOICES = ("mean", "median", "offset", "bottom-up")
 #: The quantile level of the ``median`` point.
 POINT_LEVEL = 0.5
 
@@ -306,6 +309,9 @@ class LightGBMAggregateForecaster(Forecaster):
             xs[keep], ys[keep], runs[keep], xs[keep, -1], self.horizons_, train, self.seed
         )
 
+    def point_choices(self) -> tuple[str, ...]:
+        return ("mean", "median")
+
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
         x = stack_horizons(self.current_features()[None, :], horizons)
         scale = float(max(self.tracker_.peak_live, 1))
@@ -326,6 +332,7 @@ class LightGBMAggregateForecaster(Forecaster):
                     quantiles[alpha][target] = values
             median = ordered_median({q: quantiles[q][target] for q in QUANTILES})
             candidates = {"mean": point[target], "median": median}
+            self._candidates[target] = candidates
             point[target] = pick_point(self.points_, target, self.horizons_, horizons, candidates)
         return point, quantiles
 

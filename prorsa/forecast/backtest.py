@@ -34,13 +34,17 @@ def backtest(
     tick_s: float | None = None,
     model: str | None = None,
     every: int = 1,
+    candidates: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> pd.DataFrame:
     """Forecast at every tick of every run in ``telemetry``; a tidy frame of the results.
 
     ``every``: forecast (and score) only every n-th tick; the forecaster is still fed
-    every tick, exactly as online. The frame's ``attrs["predict_s"]`` holds every predict
-    call's duration (seconds).
+    every tick, exactly as online. ``candidates``: add a ``forecast:CHOICE`` column for
+    each point the forecaster could have handed out
+    (:meth:`~prorsa.forecast.base.Forecaster.point_candidates`; NaN where it offered
+    none). The frame's ``attrs["predict_s"]`` holds every predict call's duration
+    (seconds).
     """
     if every < 1:
         raise ConfigError(f"every must be >= 1, got {every}")
@@ -69,6 +73,7 @@ def backtest(
         point = np.empty(shape)
         bands = {q: np.full(shape, np.nan) for q in QUANTILES}
         fallback = np.zeros(shape[0], bool)
+        offered: dict[str, np.ndarray] = {}  # each candidate point, as ``point``
         start, i = 0, -1
         for t, end, score_it in zip(ticks, ends, scored, strict=True):
             events = rows[start:end] if rows is not None else slice_batch(batch, start, end)
@@ -86,10 +91,17 @@ def backtest(
                 for q, table in fc.quantiles.items():
                     if q in bands:
                         bands[q][i, k] = table[target]
+            if candidates:
+                for k, target in enumerate(TARGETS):
+                    for choice, values in forecaster.point_candidates().get(target, {}).items():
+                        offered.setdefault(choice, np.full(shape, np.nan))[i, k] = values
         truth = np.stack(
             [np.column_stack([actual[target_column(t, h)] for h in hs]) for t in TARGETS], axis=1
         )
-        frames.append(_tidy(str(run_id), ticks[scored], hs, truth, point, bands, fallback))
+        frame = _tidy(str(run_id), ticks[scored], hs, truth, point, bands, fallback)
+        for choice, values in offered.items():
+            frame[f"forecast:{choice}"] = values.reshape(-1)
+        frames.append(frame)
         if progress is not None:
             progress(done, len(runs))
     out = (

@@ -224,6 +224,7 @@ class Forecaster(ABC):
                 f"horizon(s) {unknown} not fitted; '{self.name}' was fitted for "
                 f"{list(self.horizons_)}"
             )
+        self._candidates = {}
         drift = self.drifting_features()
         if drift:
             return self._fallback(hs, drift)
@@ -247,6 +248,19 @@ class Forecaster(ABC):
             quantiles=fixed,
             fallback_ticks=self._fallback_ticks,
         )
+
+    def point_choices(self) -> tuple[str, ...]:
+        """The candidate points this fitted model offers
+        (:data:`~prorsa.forecast.aggregate.POINT_CHOICES`); () for a single point."""
+        return ()
+
+    def point_candidates(self) -> dict[str, dict[str, np.ndarray]]:
+        """The points the last :meth:`predict` could have handed out, in tokens per
+        horizon: ``{target: {choice: values}}`` (choices of
+        :data:`~prorsa.forecast.aggregate.POINT_CHOICES`, before the floor at 0); empty
+        for forecasters with one point and for a tick the drift fallback forecast. What
+        :mod:`~prorsa.forecast.point_selection` chooses from."""
+        return getattr(self, "_candidates", {})
 
     # ----------------------------------------------------------------- drift
     # Whether ``predict`` falls back to a baseline when the live features leave the

@@ -153,15 +153,20 @@ def train_model(
     horizons: Sequence[float] | None = None,
     params: dict | None = None,
     validate: Sequence[pa.Table] = (),
+    select_on: pa.Table | None = None,
     mlflow: str | None = None,
     extra_manifest: dict | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` on a saved dataset, backtest it on held-out telemetry if given, save
-    it to ``out`` and log to MLflow when a tracking URI is given; a summary."""
+    """Train ``model`` on a saved dataset, choose its point forecast on ``select_on``
+    telemetry if given (models with a choice of points:
+    :func:`~prorsa.forecast.point_selection.select_points`), backtest it on held-out
+    telemetry if given, save it to ``out`` and log to MLflow when a tracking URI is given;
+    a summary (``point_selection``: what was chosen, or None)."""
     from prorsa.forecast import make_forecaster
     from prorsa.forecast.backtest import backtest, score
     from prorsa.forecast.dataset import ForecastDataset
+    from prorsa.forecast.point_selection import select_points
     from prorsa.forecast.tracking import log_run, tracking_uri
     from prorsa.forecast.types import check_horizons
 
@@ -172,12 +177,20 @@ def train_model(
     forecaster = make_forecaster(model, **kwargs)
     forecaster.fit(data)
     metrics = dict(forecaster.metrics_)
+    selection = None
+    extra = dict(extra_manifest or {})
+    if select_on is not None and forecaster.point_choices():
+        selection = select_points(forecaster, select_on)
+        extra["point_selection"] = selection.to_dict()
+        for target, per_h in selection.chosen_wape().items():
+            for h, w in zip(selection.horizons_s, per_h, strict=True):
+                metrics[f"validation_wape_{target}_h{h:g}"] = w
     if validate:
         table = concat_tables(list(validate))
         results = backtest(forecaster, table, progress=progress)
         for r in score(results).itertuples(index=False):
             metrics[f"heldout_wape_{r.target}_h{r.horizon_s:g}"] = r.wape
-    path = forecaster.save(out, metrics=metrics, extra=extra_manifest)
+    path = forecaster.save(out, metrics=metrics, extra=extra or None)
     uri = tracking_uri(mlflow)
     if uri:
         log_run(
@@ -193,6 +206,7 @@ def train_model(
         "out": str(path),
         "data_hash": forecaster.data_hash_ or "",
         "metrics": metrics,
+        "point_selection": None if selection is None else selection.to_dict(),
     }
 
 
@@ -220,7 +234,7 @@ SHIP_MODES = ["sync", "async"]
 #: Parameters the recipe sets (recorded in each manifest's params).
 SHIP_PARAMS: dict[str, dict] = {
     "gru": {"epochs": 15},
-    "lightgbm-trajectory": {"decode_offset": "blend"},
+    "lightgbm-trajectory": {"decode_offset": "blend", "queue_wait": True},
 }
 
 
@@ -293,10 +307,21 @@ HELDOUT_CELLS = (
 )
 
 
-#: Seeds the shipped forecasters trained on: a simulated result scored on one of them
-#: would score the forecaster on its own training trajectories (the regime map refuses
-#: them as held-out seeds).
-TRAINING_SEEDS = frozenset(c.seed for c in TRAIN_CELLS)
+#: Validation cells, apart from both lists above: the learned models' point forecast is
+#: chosen on them (:mod:`prorsa.forecast.point_selection`), so it is chosen for transfer
+#: to cells the training never saw without touching the held-out cells it is scored on.
+#: Traces replay their training half here (the held-out half stays unseen).
+VALIDATION_CELLS = (
+    Cell(8, 32, 200),
+    Cell(4, 128, 201, reuse_mode="kv-store"),
+    Cell(4, 32, 202, profile=_MOE_235B, layout="tp1-dp8-ep8"),
+)
+
+
+#: Seeds the shipped forecasters trained or chose their point on: a simulated result
+#: scored on one of them would score the forecaster on trajectories it has seen (the
+#: regime map refuses them as held-out seeds).
+TRAINING_SEEDS = frozenset(c.seed for c in (*TRAIN_CELLS, *VALIDATION_CELLS))
 
 
 def split_trace(path: Path, out_dir: Path) -> tuple[Path, Path]:
@@ -335,6 +360,7 @@ def ship_recipe(data) -> dict[str, Any]:
         ],
         "modes": SHIP_MODES,
         "train_cells": [asdict(c) for c in TRAIN_CELLS],
+        "validation_cells": [asdict(c) for c in VALIDATION_CELLS],
         "heldout_cells": [asdict(c) for c in HELDOUT_CELLS],
         "runs": len(data.runs),
         "ticks": len(data.ticks),
@@ -388,8 +414,9 @@ def ship(
         work = Path(keep_data) if keep_data else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         data_path, heldout_path = work / "train.parquet", work / "heldout-telemetry.parquet"
+        validation_path = work / "validation-telemetry.parquet"
         data = None
-        if data_path.exists() and heldout_path.exists():
+        if data_path.exists() and heldout_path.exists() and validation_path.exists():
             data = ForecastDataset.load(data_path)
             made_by = data.meta.get("simulator", {}).get("source_sha256")
             if made_by != version["source_sha256"]:
@@ -398,16 +425,24 @@ def ship(
         if data is None:
             traces_dir = datasets_dir() / "traces"
             tables: dict[str, list[pa.Table]] = {}
-            for part, cells in (("train", TRAIN_CELLS), ("heldout", HELDOUT_CELLS)):
-                runs = recipe_runs(traces_dir, work, cells, part)
+            # Validation cells replay the traces' training half (see VALIDATION_CELLS).
+            parts = (
+                ("train", TRAIN_CELLS, "train"),
+                ("validation", VALIDATION_CELLS, "train"),
+                ("heldout", HELDOUT_CELLS, "heldout"),
+            )
+            for part, cells, half in parts:
+                runs = recipe_runs(traces_dir, work, cells, half)
                 tables[part] = simulate_runs(runs, _stage(progress, f"simulating ({part})"))
             data = build_dataset(tables["train"], progress=_stage(progress, "replaying"))
             data.meta["simulator"] = version
             data.save(data_path)
+            write_parquet(concat_tables(tables["validation"]), validation_path)
             write_parquet(concat_tables(tables["heldout"]), heldout_path)
         made_by = data.meta.get("simulator", version)  # a kept set may predate this commit
         heldout = _read_table(heldout_path)
         validate = [_every_nth_run(heldout, validate_every)] if validate_every > 0 else []
+        validation = _read_table(validation_path)
         results = {}
         for name in models:
             logger.info("training %s", name)
@@ -417,6 +452,7 @@ def ship(
                 out / name,
                 params=SHIP_PARAMS.get(name),
                 validate=validate,
+                select_on=validation,
                 extra_manifest={"recipe": ship_recipe(data), "simulator": made_by},
                 progress=_stage(progress, f"backtesting {name}"),
             )
@@ -524,6 +560,7 @@ def write_data_card(
             for t in ("prefill_tokens", "decode_tokens", "decode_sequences", "decode_kv_tokens")
         ]
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {size / 1e6:.2f} MB |")
+    lines += _point_selection_card(results)
     lines += [
         "",
         "See `benchmarks/results/forecast.json` for the comparison with the baselines.",
@@ -531,3 +568,45 @@ def write_data_card(
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _point_selection_card(results: dict) -> list[str]:
+    """The data card's section on the point chosen per target on the validation cells."""
+    from prorsa.forecast.aggregate import POINT_CHOICES
+
+    chosen = {n: r["point_selection"] for n, r in results.items() if r.get("point_selection")}
+    if not chosen:
+        return []
+    lines = [
+        "",
+        "## Point forecast, chosen on validation cells",
+        "",
+        "Each learned model's point (its squared-error model, its median, the offset its",
+        "trees correct or the raw bottom-up sum) is chosen per target and horizon as the one",
+        "of least WAPE on runs of cells apart from both the training and the held-out ones",
+        "(the traces' training half):",
+        "",
+        "| slots | trajectories per GPU | KV reuse | profile | seed |",
+        "|---|---|---|---|---|",
+    ]
+    for c in VALIDATION_CELLS:
+        lines.append(f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | {c.model} | {c.seed} |")
+    lines += [
+        "",
+        "At 5 s (validation WAPE of each candidate; the chosen one in bold):",
+        "",
+        "| model | target | " + " | ".join(POINT_CHOICES) + " |",
+        "|---|---|" + "---|" * len(POINT_CHOICES),
+    ]
+    for name, sel in chosen.items():
+        at = sel["horizons_s"].index(5.0) if 5.0 in sel["horizons_s"] else 0
+        for target, by_choice in sel["wape"].items():
+            cells = []
+            for choice in POINT_CHOICES:
+                if choice not in by_choice:
+                    cells.append("")
+                    continue
+                text = f"{by_choice[choice][at]:.3f}"
+                cells.append(f"**{text}**" if sel["points"][target][at] == choice else text)
+            lines.append(f"| `{name}` | {target} | " + " | ".join(cells) + " |")
+    return lines

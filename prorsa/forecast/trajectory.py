@@ -35,6 +35,7 @@ from prorsa.forecast import bottomup, lgbm
 from prorsa.forecast.aggregate import (
     CONFORMAL_FRACTION,
     LOSSES,
+    POINT_CHOICES,
     conformal_rows,
     conformal_shift,
     fit_target_models,
@@ -578,6 +579,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
             self._cal_index = (index, lags)
         return self._cal_index
 
+    def point_choices(self) -> tuple[str, ...]:
+        return POINT_CHOICES if self.calibrate else ()
+
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
         self._horizons_read = (self._ticks, tuple(float(h) for h in horizons))
         sums = self.bottom_up_now(horizons)
@@ -608,7 +612,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
                 "mean": point[target],
                 "median": ordered_median({q: quantiles[q][target] for q in QUANTILES}),
                 "offset": tokens(offset[:, i], target),
+                "bottom-up": sums[i],
             }
+            self._candidates[target] = candidates
             point[target] = pick_point(self.points_, target, self.horizons_, horizons, candidates)
         return point, quantiles
 

@@ -1,0 +1,123 @@
+"""Choosing a learned forecaster's point forecast on runs its training never saw.
+
+A calibrated forecaster can hand out several points per target and horizon
+(:data:`~prorsa.forecast.aggregate.POINT_CHOICES`: the squared-error model, the median,
+the offset the trees correct, lightgbm-trajectory's raw bottom-up sum). Fitting chooses
+among them on the conformal runs, which are drawn from the training cells; but which one
+transfers is a question about cells the training never saw: on those, the calibration
+trained in-distribution moved the bottom-up sum away from demand (docs/results.md,
+"Forecasting"). :func:`select_points` backtests the fitted model once on validation
+telemetry from cells of their own, scores every candidate, and keeps per target and
+horizon the one of least WAPE; the shipped recipe runs it on
+:data:`~prorsa.forecast.shipping.VALIDATION_CELLS`, apart from both the training cells and
+the held-out cells the benchmark scores on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from prorsa.errors import ConfigError
+from prorsa.forecast.aggregate import POINT_CHOICES, choose_points
+from prorsa.forecast.base import Forecaster
+from prorsa.forecast.types import TARGETS
+
+
+@dataclass(frozen=True)
+class PointSelection:
+    """What :func:`select_points` chose and why.
+
+    ``points``: ``{target: [choice per fitted horizon]}`` (the forecaster's ``points_``);
+    ``wape``: ``{target: {choice: [WAPE per horizon]}}`` of every candidate on the
+    validation runs; ``runs`` and ``ticks``: what was scored.
+    """
+
+    points: dict[str, list[str]]
+    wape: dict[str, dict[str, list[float]]]
+    horizons_s: tuple[float, ...]
+    runs: int
+    ticks: int
+
+    def chosen_wape(self) -> dict[str, list[float]]:
+        """``{target: [WAPE of the chosen point per horizon]}``."""
+        return {t: [self.wape[t][c][j] for j, c in enumerate(self.points[t])] for t in self.points}
+
+    def to_dict(self) -> dict:
+        """JSON form (what a shipped manifest records)."""
+        return {
+            "points": self.points,
+            "wape": self.wape,
+            "horizons_s": list(self.horizons_s),
+            "runs": self.runs,
+            "ticks": self.ticks,
+        }
+
+
+def select_points(
+    forecaster: Forecaster,
+    telemetry: pa.Table | pd.DataFrame,
+    *,
+    every: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> PointSelection:
+    """Backtest ``forecaster`` on ``telemetry`` (every ``every``-th tick), set its point
+    choice per target and horizon to the candidate of least WAPE there, and return the
+    selection. The drift fallback is off during the backtest (a tick it forecasts offers
+    no candidates) and restored after.
+
+    Raises :class:`~prorsa.errors.ConfigError` for a forecaster with a single point (gru,
+    an uncalibrated lightgbm-trajectory) or telemetry with no tick to score.
+    """
+    from prorsa.forecast.backtest import backtest
+
+    if not forecaster.point_choices():
+        raise ConfigError(
+            f"forecaster '{forecaster.name}' has a single point forecast: nothing to choose",
+            hint="select points only for lightgbm-aggregate or a calibrated lightgbm-trajectory",
+        )
+    checking = forecaster._check_drift
+    forecaster.set_drift_check(False)
+    try:
+        results = backtest(forecaster, telemetry, every=every, candidates=True, progress=progress)
+    finally:
+        forecaster.set_drift_check(checking)
+    offered = [c for c in POINT_CHOICES if f"forecast:{c}" in results.columns]
+    if not offered or results.empty:
+        raise ConfigError(
+            f"forecaster '{forecaster.name}' offered no point candidates on the validation "
+            "telemetry (an uncalibrated model has one point; or no tick was scored)"
+        )
+    horizons = tuple(forecaster.horizons_)
+    points: dict[str, list[str]] = {}
+    wape: dict[str, dict[str, list[float]]] = {}
+    for target in TARGETS:
+        rows = results[(results["target"] == target) & np.isfinite(results["actual"])]
+        values = {c: rows[f"forecast:{c}"].to_numpy(float) for c in offered}
+        complete = np.logical_and.reduce([np.isfinite(v) for v in values.values()])
+        y = rows["actual"].to_numpy(float)[complete]
+        at = rows["horizon_s"].to_numpy(float)[complete]
+        values = {c: v[complete] for c, v in values.items()}
+        points[target] = choose_points(y, values, at, horizons)
+        wape[target] = {c: [_wape(y, v, at, h) for h in horizons] for c, v in values.items()}
+    forecaster.points_ = points
+    return PointSelection(
+        points=points,
+        wape=wape,
+        horizons_s=horizons,
+        runs=int(results["run_id"].nunique()),
+        ticks=int(results.groupby("run_id")["cutoff"].nunique().sum()),
+    )
+
+
+def _wape(y: np.ndarray, forecast: np.ndarray, horizon_of_row: np.ndarray, h: float) -> float:
+    """WAPE at horizon ``h`` of the point floored at 0, as ``predict`` hands it out."""
+    at = np.isclose(horizon_of_row, h)
+    total = float(np.abs(y[at]).sum())
+    if total <= 0:
+        return float("nan")
+    return round(float(np.abs(y[at] - np.maximum(forecast[at], 0.0)).sum()) / total, 4)
