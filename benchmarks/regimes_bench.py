@@ -400,7 +400,7 @@ def simulator_changes_since(commit: str | None) -> list[str]:
     (the other cells would move too). Empty when git cannot tell."""
     import subprocess
 
-    from prorsa.runtime.sim.version import _is_simulator_code
+    from prorsa.runtime.sim.version import is_simulator_code
 
     if not commit:
         return []
@@ -420,7 +420,7 @@ def simulator_changes_since(commit: str | None) -> list[str]:
         if not name.startswith("prorsa/policy/")
         and (
             name.startswith("datasets/")
-            or (name.endswith(".py") and _is_simulator_code(Path(name).relative_to("prorsa")))
+            or (name.endswith(".py") and is_simulator_code(Path(name).relative_to("prorsa")))
         )
     ]
 

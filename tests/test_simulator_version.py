@@ -26,7 +26,7 @@ from prorsa.runtime.sim import version
     ],
 )
 def test_which_files_count_as_simulator_code(relative, counts):
-    assert version._is_simulator_code(Path(relative)) is counts
+    assert version.is_simulator_code(Path(relative)) is counts
 
 
 def test_a_simulated_result_never_imports_the_report_modules():

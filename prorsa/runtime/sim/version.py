@@ -31,7 +31,9 @@ NOT_SIMULATOR_CODE = (
 )
 
 
-def _is_simulator_code(relative: Path) -> bool:
+def is_simulator_code(relative: Path) -> bool:
+    """Whether the package file at ``relative`` (to the package root) counts in
+    :func:`simulator_hash`: everything but :data:`NOT_SIMULATOR_CODE`."""
     return not any(
         relative.parts[: len(Path(part).parts)] == Path(part).parts for part in NOT_SIMULATOR_CODE
     )
@@ -50,7 +52,7 @@ def simulator_version() -> dict[str, str]:
     root = Path(prorsa.__file__).resolve().parent
     data = datasets_dir().resolve()
     digest = hashlib.sha256()
-    code = [f for f in root.rglob("*.py") if _is_simulator_code(f.relative_to(root))]
+    code = [f for f in root.rglob("*.py") if is_simulator_code(f.relative_to(root))]
     for base, files in ((root, sorted(code)), (data, sorted(data.rglob("*")))):
         for file in files:
             if file.is_file() and "__pycache__" not in file.parts:
