@@ -60,14 +60,32 @@ STEADY_S = 30.0
 TUNE_CELL = Cell(8, 16, 50)
 
 
-def heldout_sets(work: Path, runs_every: int = 1) -> dict[str, object]:
+def heldout_sets(work: Path, runs_every: int = 1, kept: Path | None = None) -> dict[str, object]:
+    """The held-out runs' telemetry (simulated, or read from ``kept``: the held-out
+    telemetry ``prorsa forecast ship --keep-data`` saved, the same runs by the same
+    recipe), split into scenario runs and trace replays, and EWMA's and Kalman's tuning set."""
     traces = datasets_dir() / "traces"
     runs = recipe_runs(traces, work, HELDOUT_CELLS, "heldout")[::runs_every]
-    tables = simulate_runs(runs)
+    tables = simulate_runs(runs) if kept is None else _kept_runs(kept, runs)
     sims = [t for r, t in zip(runs, tables, strict=True) if r.scenario]
     replays = [t for r, t in zip(runs, tables, strict=True) if r.trace]
     tune = simulate_runs(recipe_runs(traces, work, [TUNE_CELL], "train"))
     return {"sim": concat_tables(sims), "replay": concat_tables(replays), "tune": tune}
+
+
+def _kept_runs(path: Path, runs) -> list:
+    """Each of ``runs``' telemetry from a kept held-out file (refused if one is missing)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    out = []
+    for run in runs:
+        part = table.filter(pc.equal(table.column("run_id"), run.run_id))
+        if part.num_rows == 0:
+            raise SystemExit(f"{path}: no telemetry of held-out run {run.run_id}")
+        out.append(part)
+    return out
 
 
 def forecasters(tune_tables) -> dict[str, object]:
@@ -150,11 +168,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs-every", type=int, default=1, help="every n-th held-out run")
     parser.add_argument("--score-every", type=int, default=2, help="score every n-th tick")
+    parser.add_argument(
+        "--heldout-telemetry",
+        type=Path,
+        help="read the held-out runs from this file (heldout-telemetry.parquet of "
+        "`prorsa forecast ship --keep-data`, made by the same simulator) instead of "
+        "simulating them",
+    )
     args = parser.parse_args()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        sets = heldout_sets(Path(tmp), args.runs_every)
-    print(f"held-out runs simulated ({time.perf_counter() - began:.0f} s)", flush=True)
+        sets = heldout_sets(Path(tmp), args.runs_every, args.heldout_telemetry)
+    print(f"held-out runs ready ({time.perf_counter() - began:.0f} s)", flush=True)
     models = forecasters(sets["tune"])
     results: dict[str, pd.DataFrame] = {}
     for key in ("sim", "replay"):
@@ -187,6 +212,7 @@ def main() -> None:
             "traces": SHIP_TRACES,
             "steady_from_s": STEADY_S,
             "heldout_runs_every": args.runs_every,
+            "heldout_telemetry": str(args.heldout_telemetry or "simulated"),
             "scored_every_nth_tick": args.score_every,
             "models": {n: str(models_dir() / n) for n in LEARNED},
             "model_simulator": load_forecaster(models_dir() / HEADLINE).manifest_.get(
