@@ -74,10 +74,22 @@ def heldout_sets(work: Path, runs_every: int = 1, kept: Path | None = None) -> d
 
 
 def _kept_runs(path: Path, runs) -> list:
-    """Each of ``runs``' telemetry from a kept held-out file (refused if one is missing)."""
+    """Each of ``runs``' telemetry from a kept held-out file (refused if one is missing,
+    or if the dataset kept beside it was made by another simulator than this code)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from prorsa.forecast.dataset import ForecastDataset
+    from prorsa.runtime.sim.version import simulator_version
+
+    beside = path.parent / "train.parquet"
+    meta = ForecastDataset.read_meta(beside) if beside.exists() else {}
+    made_by = meta.get("simulator", {}).get("source_sha256")
+    if made_by != simulator_version()["source_sha256"]:
+        raise SystemExit(
+            f"{path}: kept beside a dataset made by another simulator ({made_by}) than this "
+            "code; simulate the held-out runs instead (drop --heldout-telemetry)"
+        )
     table = pq.read_table(path)
     out = []
     for run in runs:

@@ -41,9 +41,9 @@ def _pooled_wape(frame, column: str, target: str, h: float) -> float:
 
 def test_the_chosen_point_is_the_candidate_of_least_validation_wape(fitted, tmp_path):
     model, validation = fitted
+    model.set_drift_check(False)
     selection = select_points(model, validation, every=1)
-    assert model._check_drift  # restored after the backtest
-    assert selection.runs == 2 and selection.ticks > 10
+    assert selection.runs == 2 and selection.ticks > 10 and selection.fallback_ticks == 0
     assert set(selection.points) == set(TARGETS)
     for target in TARGETS:
         scores = selection.wape[target]
@@ -52,7 +52,6 @@ def test_the_chosen_point_is_the_candidate_of_least_validation_wape(fitted, tmp_
             assert scores[choice][j] == min(s[j] for s in scores.values())
     assert model.points_ == selection.points
     # The choice is what the model now hands out, and what the candidates' columns say.
-    model.set_drift_check(False)
     frame = backtest(model, validation, candidates=True)
     for target in TARGETS:
         for j, h in enumerate(model.horizons_):
@@ -76,6 +75,62 @@ def test_the_chosen_point_is_the_candidate_of_least_validation_wape(fitted, tmp_
     # ... and it travels with the saved model.
     model.save(tmp_path / "m")
     assert load_forecaster(tmp_path / "m").points_ == selection.points
+    model.set_drift_check(True)
+
+
+def test_ticks_the_drift_fallback_forecasts_offer_no_candidates_and_are_left_out(fitted):
+    model, validation = fitted
+    heavy = _telemetry(2, 300, 30, "heavy")  # far more live per GPU than trained on
+    both = pa.concat_tables([validation, heavy])
+    frame = backtest(model, both, candidates=True)
+    fell_back = frame["fallback"].to_numpy(bool)
+    assert fell_back.any() and (~fell_back).any()
+    assert frame.loc[fell_back, "forecast:mean"].isna().all()
+    assert frame.loc[~fell_back, "forecast:mean"].notna().all()
+    before = {t: list(c) for t, c in model.points_.items()}
+    selection = select_points(model, both, every=1)
+    ticks = frame.drop_duplicates(["run_id", "cutoff"])
+    assert selection.fallback_ticks == int(ticks["fallback"].sum())
+    assert 0 < selection.fallback_ticks < selection.ticks == len(ticks)
+    model.points_ = before
+    with pytest.raises(ConfigError, match="drift fallback"):
+        select_points(model, heavy, every=1)  # it forecast every tick
+    model.points_ = before
+
+
+def test_ship_training_records_the_choice_in_manifest_metrics_and_card(tmp_path):
+    from prorsa.forecast.shipping import _point_selection_card, train_model
+
+    # Drift is on as shipped: validation runs like the training ones, so ticks are scored.
+    validation = pa.concat_tables([_telemetry(2, 60, s, f"v{s}") for s in (20, 21)])
+    data = build_dataset([_telemetry(2, 60, s, f"r{s}") for s in range(3)], horizons=[1, 5])
+    data.save(tmp_path / "d.parquet")
+    params = {"n_estimators": 5, "calibration_estimators": 5, "decode_offset": "blend"}
+    summary = train_model(
+        "lightgbm-trajectory", tmp_path / "d.parquet", tmp_path / "m", params=params,
+        select_on=validation,
+    )  # fmt: skip
+    chosen = summary["point_selection"]
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert manifest["point_selection"] == chosen
+    assert manifest["state"]["point"] == chosen["points"]
+    assert load_forecaster(tmp_path / "m").points_ == chosen["points"]
+    j = chosen["horizons_s"].index(5.0)
+    wape = chosen["wape"]["prefill_tokens"]
+    assert summary["metrics"]["validation_wape_prefill_tokens_h5"] == min(
+        w[j] for w in wape.values()
+    )
+    card = "\n".join(_point_selection_card({"lightgbm-trajectory": summary}))
+    bold = f"**{wape[chosen['points']['prefill_tokens'][j]][j]:.3f}**"
+    assert "At 5 s" in card and "| prefill_tokens |" in card and bold in card
+    with pytest.raises(InputError, match="empty"):
+        train_model(
+            "lightgbm-trajectory", tmp_path / "d.parquet", tmp_path / "m2", params=params,
+            select_on=validation.slice(0, 0),
+        )  # fmt: skip
+    gru = train_model("gru", tmp_path / "d.parquet", tmp_path / "g", params={"epochs": 1},
+                      select_on=validation)  # fmt: skip
+    assert gru["point_selection"] is None  # one point: nothing to choose
 
 
 def test_a_choice_outside_the_candidates_is_refused_on_load(fitted, tmp_path):
@@ -101,6 +156,18 @@ def test_single_point_forecasters_are_refused(fitted):
             select_points(single, validation)
     aggregate = make_forecaster("lightgbm-aggregate", horizons=[1, 5], n_estimators=5).fit(data)
     assert aggregate.point_choices() == ("mean", "median")
-    chosen = select_points(aggregate, validation, every=2)
+    chosen = select_points(aggregate.set_drift_check(False), validation, every=2)
     assert set(chosen.wape["prefill_tokens"]) == {"mean", "median"}
     assert all(c in ("mean", "median") for t in TARGETS for c in chosen.points[t])
+
+
+def test_a_saved_choice_the_model_does_not_offer_is_refused_on_load(tmp_path):
+    data = build_dataset([_telemetry(2, 30, 1, "r1")], horizons=[1, 5])
+    aggregate = make_forecaster("lightgbm-aggregate", horizons=[1, 5], n_estimators=5).fit(data)
+    aggregate.save(tmp_path / "a")
+    manifest = tmp_path / "a" / "manifest.json"
+    text = json.loads(manifest.read_text())
+    text["state"]["point"]["prefill_tokens"] = ["median", "bottom-up"]  # trajectory's only
+    manifest.write_text(json.dumps(text))
+    with pytest.raises(InputError, match=r"state\.point\.prefill_tokens"):
+        load_forecaster(tmp_path / "a")

@@ -75,3 +75,49 @@ def test_simulator_version_is_stable_and_names_the_sources(tmp_path, monkeypatch
     profile = next((data / "profiles").glob("*.json"))
     profile.write_text(profile.read_text() + " ")
     assert simulator_version()["source_sha256"] != copied
+
+
+def test_ship_end_to_end_on_a_tiny_recipe(tmp_path, monkeypatch):
+    """The whole recipe's wiring (simulate train, validation and held-out cells, train,
+    choose the point on validation, backtest held out, write the card) on a tiny plan."""
+    import json
+
+    from prorsa.forecast import load_forecaster, shipping
+
+    monkeypatch.setattr(shipping, "SHIP_SCENARIOS", ["math-tool"])
+    monkeypatch.setattr(shipping, "SHIP_TRACES", ["swe-agent"])
+    monkeypatch.setattr(shipping, "TRAIN_CELLS", (shipping.Cell(2, 4, 0), shipping.Cell(2, 6, 1)))
+    monkeypatch.setattr(shipping, "VALIDATION_CELLS", (shipping.Cell(2, 5, 200),))
+    monkeypatch.setattr(shipping, "HELDOUT_CELLS", (shipping.Cell(2, 4, 100),))
+    fast = {"n_estimators": 5, "calibration_estimators": 5}
+    monkeypatch.setitem(
+        shipping.SHIP_PARAMS, "lightgbm-trajectory",
+        {**shipping.SHIP_PARAMS["lightgbm-trajectory"], **fast},
+    )  # fmt: skip
+    report = shipping.ship(
+        tmp_path / "models", keep_data=tmp_path / "data", models=["lightgbm-trajectory"],
+        validate_every=1,
+    )  # fmt: skip
+    assert report.train_runs == 2 * 2 * 2  # cells x workloads x modes
+    assert report.heldout_runs == 2 * 2
+    validation = shipping._read_table(tmp_path / "data" / "validation-telemetry.parquet")
+    runs = set(validation.column("run_id").to_pylist())
+    assert len(runs) == 2 and all(r.startswith("math-tool-") for r in runs)  # no replay
+    manifest = json.loads(
+        (tmp_path / "models" / "lightgbm-trajectory" / "manifest.json").read_text()
+    )
+    chosen = manifest["point_selection"]
+    assert chosen["runs"] == 2 and manifest["state"]["point"] == chosen["points"]
+    assert manifest["params"]["queue_wait"] is True
+    assert manifest["recipe"]["validation_cells"][0]["seed"] == 200
+    card = (tmp_path / "models" / "README.md").read_text()
+    assert "## Point forecast, chosen on validation cells" in card
+    load_forecaster(tmp_path / "models" / "lightgbm-trajectory")
+
+
+def test_validation_seeds_count_as_seen_and_validation_cells_are_their_own():
+    from prorsa.forecast.shipping import TRAINING_SEEDS, VALIDATION_CELLS
+
+    assert {c.seed for c in VALIDATION_CELLS} <= TRAINING_SEEDS
+    others = {(c.engines, c.load_per_gpu, c.profile, c.layout) for c in TRAIN_CELLS + HELDOUT_CELLS}
+    assert not others & {(c.engines, c.load_per_gpu, c.profile, c.layout) for c in VALIDATION_CELLS}

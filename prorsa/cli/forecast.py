@@ -145,16 +145,23 @@ def train_cmd(
     validate: list[Path] = typer.Option(
         [], help="held-out telemetry to backtest after training (scores go in the manifest)"
     ),
+    select_on: list[Path] = typer.Option(
+        [],
+        "--select-on",
+        help="validation telemetry (neither trained on nor held out) to choose the point "
+        "forecast on, per target and horizon (lightgbm models)",
+    ),
     mlflow: str | None = typer.Option(None, "--mlflow", help="MLflow tracking URI to log to"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Fit a forecaster on a dataset and save it (manifest + model files)."""
-    from prorsa.forecast.shipping import train_model
+    from prorsa.forecast.shipping import concat_tables, train_model
     from prorsa.io import check_output
     from prorsa.telemetry.reader import read_telemetry
 
-    check_output(out, kind="dir", inputs=[data, *validate])
+    check_output(out, kind="dir", inputs=[data, *validate, *select_on])
     tables = [read_telemetry(p, validate=True)[0] for p in validate]
+    choose_on = [read_telemetry(p, validate=True)[0] for p in select_on]
     with progress_bar("training / validating", quiet=as_json) as bar:
         task = bar.add_task("train", total=None)
         summary = train_model(
@@ -165,6 +172,7 @@ def train_cmd(
             horizons=_horizons(horizons) if horizons else None,
             params=_params(param),
             validate=tables,
+            select_on=concat_tables(choose_on) if choose_on else None,
             mlflow=mlflow,
             progress=lambda i, n: bar.update(task, completed=i, total=n),
         )

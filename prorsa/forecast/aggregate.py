@@ -155,15 +155,17 @@ def choose_points(
     candidates: dict[str, np.ndarray],
     horizon_of_row: np.ndarray,
     horizons: Sequence[float],
+    default: Sequence[str] | None = None,
 ) -> list[str]:
     """Per horizon, the candidate point (:data:`POINT_CHOICES`) of least WAPE on the
-    held-out rows ``y`` (``"mean"`` where nothing is held out)."""
+    held-out rows ``y``; where they cannot tell (no rows, or no demand), ``default``'s
+    choice at that horizon (``"mean"`` if none)."""
     out = []
-    for h in horizons:
+    for j, h in enumerate(horizons):
         at = np.isclose(horizon_of_row, h)
         total = float(np.abs(y[at]).sum())
         if not candidates or total <= 0:
-            out.append("mean")
+            out.append(default[j] if default is not None else "mean")
             continue
         wape = {
             k: float(np.abs(y[at] - np.maximum(v[at], 0.0)).sum()) / total
@@ -173,21 +175,25 @@ def choose_points(
     return out
 
 
-def read_points(state: dict, source: str, n_horizons: int) -> dict[str, list[str]]:
-    """``state.point`` of a saved model, checked (absent or empty, as in older folders
-    and uncalibrated models: the mean)."""
+def read_points(
+    state: dict, source: str, n_horizons: int, offered: Sequence[str] = POINT_CHOICES
+) -> dict[str, list[str]]:
+    """``state.point`` of a saved model, checked against the choices the model
+    ``offered`` (absent or empty, as in older folders and uncalibrated models: the
+    mean)."""
     from prorsa.errors import InputError
 
+    offered = tuple(offered) or ("mean",)
     points = state.get("point") or {t: ["mean"] * n_horizons for t in TARGETS}
     for target in TARGETS:
         choice = points.get(target) if isinstance(points, dict) else None
         if (
             not isinstance(choice, list)
             or len(choice) != n_horizons
-            or any(c not in POINT_CHOICES for c in choice)
+            or any(c not in offered for c in choice)
         ):
             raise InputError(
-                f"must list one of {POINT_CHOICES} per horizon, got {choice!r}",
+                f"must list one of {offered} per horizon, got {choice!r}",
                 source=source,
                 field=f"state.point.{target}",
             )
@@ -350,7 +356,7 @@ class LightGBMAggregateForecaster(Forecaster):
             model_file(path, name, field="state.boosters"), required
         )
         self.conformal_ = read_conformal(state, path, len(self.horizons_))
-        self.points_ = read_points(state, str(path), len(self.horizons_))
+        self.points_ = read_points(state, str(path), len(self.horizons_), self.point_choices())
         width = len(aggregate_feature_names(self.lags_, self.tasks_)) + 1
         for booster in self.boosters_.values():
             lgbm.check_width(booster, width, source=str(path / state["boosters"]))

@@ -160,6 +160,22 @@ class ForecastDataset:
             pq.write_table(table.replace_schema_metadata(meta), tmp, compression="zstd")
         return path
 
+    @staticmethod
+    def read_meta(path: str | os.PathLike[str]) -> dict:
+        """A saved dataset's metadata (horizons, tasks, features, the simulator that made
+        it ...) without reading its tables."""
+        path = Path(path)
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"not a Parquet file: {exc}", source=str(path)) from None
+        raw = (schema.metadata or {}).get(_META_KEY)
+        if raw is None:
+            raise InputError(
+                "not a forecast dataset (no prorsa.forecast_dataset metadata)", source=str(path)
+            )
+        return _meta(raw, path)
+
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ForecastDataset:
         path = Path(path)

@@ -7,10 +7,11 @@ among them on the conformal runs, which are drawn from the training cells; but w
 transfers is a question about cells the training never saw: on those, the calibration
 trained in-distribution moved the bottom-up sum away from demand (docs/results.md,
 "Forecasting"). :func:`select_points` backtests the fitted model once on validation
-telemetry from cells of their own, scores every candidate, and keeps per target and
-horizon the one of least WAPE; the shipped recipe runs it on
-:data:`~prorsa.forecast.shipping.VALIDATION_CELLS`, apart from both the training cells and
-the held-out cells the benchmark scores on.
+telemetry, scores every candidate, and keeps per target and horizon the one of least
+WAPE; the shipped recipe runs it on the scenario runs of
+:data:`~prorsa.forecast.shipping.VALIDATION_CELLS`: other clusters, models and loads
+than both the training cells and the held-out cells the benchmark scores on, and no
+trace replay (a trace's trajectories are either trained on or held out).
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ class PointSelection:
 
     ``points``: ``{target: [choice per fitted horizon]}`` (the forecaster's ``points_``);
     ``wape``: ``{target: {choice: [WAPE per horizon]}}`` of every candidate on the
-    validation runs; ``runs`` and ``ticks``: what was scored.
+    validation runs (None where the horizon saw no demand); ``runs`` and ``ticks``: what
+    was scored; ``fallback_ticks``: those of them the drift fallback forecast, which
+    offer no candidates and are left out (whatever the choice, the fallback answers
+    there).
     """
 
     points: dict[str, list[str]]
-    wape: dict[str, dict[str, list[float]]]
+    wape: dict[str, dict[str, list[float | None]]]
     horizons_s: tuple[float, ...]
     runs: int
     ticks: int
+    fallback_ticks: int
 
-    def chosen_wape(self) -> dict[str, list[float]]:
+    def chosen_wape(self) -> dict[str, list[float | None]]:
         """``{target: [WAPE of the chosen point per horizon]}``."""
         return {t: [self.wape[t][c][j] for j, c in enumerate(self.points[t])] for t in self.points}
 
@@ -55,6 +60,7 @@ class PointSelection:
             "horizons_s": list(self.horizons_s),
             "runs": self.runs,
             "ticks": self.ticks,
+            "fallback_ticks": self.fallback_ticks,
         }
 
 
@@ -67,8 +73,9 @@ def select_points(
 ) -> PointSelection:
     """Backtest ``forecaster`` on ``telemetry`` (every ``every``-th tick), set its point
     choice per target and horizon to the candidate of least WAPE there, and return the
-    selection. The drift fallback is off during the backtest (a tick it forecasts offers
-    no candidates) and restored after.
+    selection. The drift check stays as set, as it runs when shipped: ticks the fallback
+    forecasts are left out. A horizon the validation cannot score keeps the choice the
+    model had.
 
     Raises :class:`~prorsa.errors.ConfigError` for a forecaster with a single point (gru,
     an uncalibrated lightgbm-trajectory) or telemetry with no tick to score.
@@ -80,17 +87,12 @@ def select_points(
             f"forecaster '{forecaster.name}' has a single point forecast: nothing to choose",
             hint="select points only for lightgbm-aggregate or a calibrated lightgbm-trajectory",
         )
-    checking = forecaster._check_drift
-    forecaster.set_drift_check(False)
-    try:
-        results = backtest(forecaster, telemetry, every=every, candidates=True, progress=progress)
-    finally:
-        forecaster.set_drift_check(checking)
+    results = backtest(forecaster, telemetry, every=every, candidates=True, progress=progress)
     offered = [c for c in POINT_CHOICES if f"forecast:{c}" in results.columns]
     if not offered or results.empty:
         raise ConfigError(
             f"forecaster '{forecaster.name}' offered no point candidates on the validation "
-            "telemetry (an uncalibrated model has one point; or no tick was scored)"
+            "telemetry: no tick was scored, or the drift fallback forecast every one"
         )
     horizons = tuple(forecaster.horizons_)
     points: dict[str, list[str]] = {}
@@ -102,22 +104,27 @@ def select_points(
         y = rows["actual"].to_numpy(float)[complete]
         at = rows["horizon_s"].to_numpy(float)[complete]
         values = {c: v[complete] for c, v in values.items()}
-        points[target] = choose_points(y, values, at, horizons)
+        points[target] = choose_points(y, values, at, horizons, forecaster.points_[target])
         wape[target] = {c: [_wape(y, v, at, h) for h in horizons] for c, v in values.items()}
     forecaster.points_ = points
+    ticks = results.drop_duplicates(["run_id", "cutoff"])
     return PointSelection(
         points=points,
         wape=wape,
         horizons_s=horizons,
-        runs=int(results["run_id"].nunique()),
-        ticks=int(results.groupby("run_id")["cutoff"].nunique().sum()),
+        runs=int(ticks["run_id"].nunique()),
+        ticks=len(ticks),
+        fallback_ticks=int(ticks["fallback"].sum()),
     )
 
 
-def _wape(y: np.ndarray, forecast: np.ndarray, horizon_of_row: np.ndarray, h: float) -> float:
-    """WAPE at horizon ``h`` of the point floored at 0, as ``predict`` hands it out."""
+def _wape(
+    y: np.ndarray, forecast: np.ndarray, horizon_of_row: np.ndarray, h: float
+) -> float | None:
+    """WAPE at horizon ``h`` of the point floored at 0, as ``predict`` hands it out (None
+    without demand: JSON has no NaN)."""
     at = np.isclose(horizon_of_row, h)
     total = float(np.abs(y[at]).sum())
     if total <= 0:
-        return float("nan")
+        return None
     return round(float(np.abs(y[at] - np.maximum(forecast[at], 0.0)).sum()) / total, 4)

@@ -170,6 +170,8 @@ def train_model(
     from prorsa.forecast.tracking import log_run, tracking_uri
     from prorsa.forecast.types import check_horizons
 
+    if select_on is not None and select_on.num_rows == 0:
+        raise InputError("the telemetry to choose the point forecast on is empty")
     data = ForecastDataset.load(data_path)
     kwargs = dict(params or {})
     kwargs["seed"] = seed
@@ -180,11 +182,12 @@ def train_model(
     selection = None
     extra = dict(extra_manifest or {})
     if select_on is not None and forecaster.point_choices():
-        selection = select_points(forecaster, select_on)
+        selection = select_points(forecaster, select_on, progress=progress)
         extra["point_selection"] = selection.to_dict()
         for target, per_h in selection.chosen_wape().items():
             for h, w in zip(selection.horizons_s, per_h, strict=True):
-                metrics[f"validation_wape_{target}_h{h:g}"] = w
+                if w is not None:
+                    metrics[f"validation_wape_{target}_h{h:g}"] = w
     if validate:
         table = concat_tables(list(validate))
         results = backtest(forecaster, table, progress=progress)
@@ -307,14 +310,16 @@ HELDOUT_CELLS = (
 )
 
 
-#: Validation cells, apart from both lists above: the learned models' point forecast is
-#: chosen on them (:mod:`prorsa.forecast.point_selection`), so it is chosen for transfer
-#: to cells the training never saw without touching the held-out cells it is scored on.
-#: Traces replay their training half here (the held-out half stays unseen).
+#: Validation cells: the learned models' point forecast is chosen on their scenario runs
+#: (:mod:`prorsa.forecast.point_selection`), so it is chosen for transfer to clusters the
+#: training never saw without touching the held-out cells it is scored on. Each differs
+#: from every training and held-out cell in model or cluster and load: the 32B on twice
+#: the slots, the 7B on 16 slots at 64 per GPU, the 30B MoE on 4-GPU engines at 64 per
+#: GPU. No trace replays: a trace's trajectories are either trained on or held out.
 VALIDATION_CELLS = (
-    Cell(8, 32, 200),
-    Cell(4, 128, 201, reuse_mode="kv-store"),
-    Cell(4, 32, 202, profile=_MOE_235B, layout="tp1-dp8-ep8"),
+    Cell(8, 32, 200, profile="h200-qwen2.5-32b-tp2"),
+    Cell(16, 64, 201, reuse_mode="kv-store"),
+    Cell(4, 64, 202, profile=_MOE_30B, layout="tp1-dp4-ep4"),
 )
 
 
@@ -349,6 +354,11 @@ def recipe_runs(traces_dir: Path, work: Path, cells: Sequence[Cell], part: str) 
         train, heldout = split_trace(traces_dir / f"{name}.parquet", work)
         traces.append(str(train if part == "train" else heldout))
     return [run for cell in cells for run in cell.plan(SHIP_SCENARIOS, traces).runs()]
+
+
+def validation_runs() -> list[SimRun]:
+    """Every scenario x mode in every validation cell (no trace replays)."""
+    return [run for cell in VALIDATION_CELLS for run in cell.plan(SHIP_SCENARIOS, []).runs()]
 
 
 def ship_recipe(data) -> dict[str, Any]:
@@ -397,9 +407,10 @@ def ship(
 ) -> ShipReport:
     """Regenerate the shipped models (and ``out/README.md``) from the fixed recipe.
 
-    ``keep_data``: keep the training dataset and the held-out telemetry there; a later
-    call with the same folder reuses them when they were made by the same simulator (same
-    sources hash), so retraining does not re-simulate. The data card's held-out scores
+    ``keep_data``: keep the training dataset, the validation telemetry (the point
+    forecast is chosen on it) and the held-out telemetry there; a later call with the
+    same folder reuses them when they were made by the same simulator (same sources
+    hash), so retraining does not re-simulate. The data card's held-out scores
     backtest every ``validate_every``-th held-out run (all cells and workloads take turns;
     0: none; ``benchmarks/forecast_bench.py`` scores all of them against the baselines).
     ``progress(stage, done, total)`` reports simulation, replay and backtest progress.
@@ -425,14 +436,12 @@ def ship(
         if data is None:
             traces_dir = datasets_dir() / "traces"
             tables: dict[str, list[pa.Table]] = {}
-            # Validation cells replay the traces' training half (see VALIDATION_CELLS).
-            parts = (
-                ("train", TRAIN_CELLS, "train"),
-                ("validation", VALIDATION_CELLS, "train"),
-                ("heldout", HELDOUT_CELLS, "heldout"),
-            )
-            for part, cells, half in parts:
-                runs = recipe_runs(traces_dir, work, cells, half)
+            parts = {
+                "train": recipe_runs(traces_dir, work, TRAIN_CELLS, "train"),
+                "validation": validation_runs(),
+                "heldout": recipe_runs(traces_dir, work, HELDOUT_CELLS, "heldout"),
+            }
+            for part, runs in parts.items():
                 tables[part] = simulate_runs(runs, _stage(progress, f"simulating ({part})"))
             data = build_dataset(tables["train"], progress=_stage(progress, "replaying"))
             data.meta["simulator"] = version
@@ -586,27 +595,35 @@ def _point_selection_card(results: dict) -> list[str]:
         "of least WAPE on runs of cells apart from both the training and the held-out ones",
         "(the traces' training half):",
         "",
-        "| slots | trajectories per GPU | KV reuse | profile | seed |",
-        "|---|---|---|---|---|",
+        "| slots | trajectories per GPU | KV reuse | profile | policy | seed |",
+        "|---|---|---|---|---|---|",
     ]
     for c in VALIDATION_CELLS:
-        lines.append(f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | {c.model} | {c.seed} |")
+        lines.append(
+            f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | {c.model} | "
+            f"`{c.policy}` | {c.seed} |"
+        )
+    first = next(iter(chosen.values()))
+    horizon = 5.0 if 5.0 in first["horizons_s"] else first["horizons_s"][0]
     lines += [
         "",
-        "At 5 s (validation WAPE of each candidate; the chosen one in bold):",
+        f"At {horizon:g} s (validation WAPE of each candidate; the chosen one in bold):",
         "",
         "| model | target | " + " | ".join(POINT_CHOICES) + " |",
         "|---|---|" + "---|" * len(POINT_CHOICES),
     ]
     for name, sel in chosen.items():
-        at = sel["horizons_s"].index(5.0) if 5.0 in sel["horizons_s"] else 0
+        if horizon not in sel["horizons_s"]:
+            continue
+        at = sel["horizons_s"].index(horizon)
         for target, by_choice in sel["wape"].items():
             cells = []
             for choice in POINT_CHOICES:
-                if choice not in by_choice:
+                value = by_choice.get(choice, [None] * (at + 1))[at]
+                if value is None:
                     cells.append("")
                     continue
-                text = f"{by_choice[choice][at]:.3f}"
+                text = f"{value:.3f}"
                 cells.append(f"**{text}**" if sel["points"][target][at] == choice else text)
             lines.append(f"| `{name}` | {target} | " + " | ".join(cells) + " |")
     return lines

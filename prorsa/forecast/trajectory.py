@@ -126,7 +126,8 @@ class LightGBMTrajectoryForecaster(Forecaster):
             decode_waits`); off, it waits the recent queue-to-decode time less what it has
             waited. On makes the raw bottom-up sum far closer to demand on held-out runs,
             but the calibration trained on it transferred worse (docs/results.md,
-            "Forecasting"); the shipped model has it off.
+            "Forecasting"); the shipped model has it on, with its point chosen on
+            validation cells (:mod:`~prorsa.forecast.point_selection`).
     """
 
     provides_quantiles = True
@@ -662,7 +663,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.default_ = {k: float(v) for k, v in default.items()}
         self.calibration_features_ = list(features)
         self.conformal_ = read_conformal(state, path, len(self.horizons_))
-        self.points_ = read_points(state, source, len(self.horizons_))
+        self.points_ = read_points(state, source, len(self.horizons_), self.point_choices())
         self.offset_weights_ = _offset_weights(state, source, len(self.horizons_))
         if not self.offset_weights_ and self.decode_offset != "bottom-up":
             raise InputError(
