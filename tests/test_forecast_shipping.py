@@ -113,6 +113,15 @@ def test_ship_end_to_end_on_a_tiny_recipe(tmp_path, monkeypatch):
     card = (tmp_path / "models" / "README.md").read_text()
     assert "## Point forecast, chosen on validation cells" in card
     load_forecaster(tmp_path / "models" / "lightgbm-trajectory")
+    # A partial ship lists the model it did not retrain with its own manifest's scores.
+    shipping.ship(tmp_path / "models", keep_data=tmp_path / "data", models=["lightgbm-aggregate"])
+    card = (tmp_path / "models" / "README.md").read_text()
+    metrics = manifest["metrics"]
+    row = next(
+        line for line in card.splitlines() if "`lightgbm-trajectory` (not retrained)" in line
+    )
+    assert f"{metrics['heldout_wape_prefill_tokens_h5']:.3f}" in row
+    assert "`lightgbm-aggregate` |" in card and "was not retrained" in card
 
 
 def test_validation_seeds_count_as_seen_and_validation_cells_are_their_own():

@@ -466,7 +466,9 @@ def ship(
                 progress=_stage(progress, f"backtesting {name}"),
             )
         heldout_runs = len(set(validate[0].column("run_id").to_pylist())) if validate else 0
-        write_data_card(out / "README.md", data, results, heldout_runs)
+        kept = {n: _shipped_summary(out / n) for n in SHIP_MODELS if n not in results}
+        kept = {n: s for n, s in kept.items() if s is not None}
+        write_data_card(out / "README.md", data, results, heldout_runs, kept=kept)
     return ShipReport(
         out=out,
         models=results,
@@ -475,6 +477,25 @@ def ship(
         data_hash=data.data_hash(),
         simulator=made_by,
     )
+
+
+def _shipped_summary(folder: Path) -> dict | None:
+    """A model already in ``folder`` (one a partial ``ship`` did not retrain), as the
+    card lists it: its manifest's metrics, data hash and simulator; None if absent."""
+    import json
+
+    from prorsa.forecast.model_folder import MANIFEST
+
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return {
+        "out": str(folder),
+        "metrics": manifest.get("metrics", {}),
+        "data_hash": manifest.get("data_hash", ""),
+        "simulator": manifest.get("simulator", {}),
+    }
 
 
 def _read_table(path: Path) -> pa.Table:
@@ -496,11 +517,19 @@ def _stage(progress: Callable[[str, int, int], None] | None, stage: str) -> Prog
 
 
 def write_data_card(
-    path: Path, data, results: dict, heldout_runs: int, *, scored_by: str | None = None
+    path: Path,
+    data,
+    results: dict,
+    heldout_runs: int,
+    *,
+    scored_by: str | None = None,
+    kept: dict | None = None,
 ) -> None:
     """models/README.md: what the shipped models were trained on and how they score.
 
     ``scored_by`` replaces the sentence that says which held-out runs were backtested.
+    ``kept``: models in the folder this run did not retrain (:func:`_shipped_summary`),
+    listed with the scores, data and simulator their own manifests record.
     """
     recipe = ship_recipe(data)
     sim = recipe["simulator"]
@@ -561,14 +590,24 @@ def write_data_card(
         "| model | prefill tokens | decode tokens | decode sequences | decode KV tokens | size |",
         "|---|---|---|---|---|---|",
     ]
-    for name, summary in results.items():
+    kept = kept or {}
+    for name, summary in {**results, **kept}.items():
         m = summary["metrics"]
         size = sum(f.stat().st_size for f in Path(summary["out"]).iterdir())
         cells = [
             f"{m.get(f'heldout_wape_{t}_h5', float('nan')):.3f}"
             for t in ("prefill_tokens", "decode_tokens", "decode_sequences", "decode_kv_tokens")
         ]
-        lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {size / 1e6:.2f} MB |")
+        label = f"`{name}`" + (" (not retrained)" if name in kept else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {size / 1e6:.2f} MB |")
+    for name, summary in kept.items():
+        made = summary["simulator"]
+        lines += [
+            "",
+            f"`{name}` was not retrained by the run that wrote this card: its row is the",
+            f"score its own manifest records, trained on data `{summary['data_hash'][:16]}…`",
+            f"by the simulator at commit `{made.get('commit', '?')}` (same recipe cells).",
+        ]
     lines += _point_selection_card(results)
     lines += [
         "",
@@ -592,8 +631,8 @@ def _point_selection_card(results: dict) -> list[str]:
         "",
         "Each learned model's point (its squared-error model, its median, the offset its",
         "trees correct or the raw bottom-up sum) is chosen per target and horizon as the one",
-        "of least WAPE on runs of cells apart from both the training and the held-out ones",
-        "(the traces' training half):",
+        "of least WAPE on the scenario runs of cells apart from both the training and the",
+        "held-out ones:",
         "",
         "| slots | trajectories per GPU | KV reuse | profile | policy | seed |",
         "|---|---|---|---|---|---|",
