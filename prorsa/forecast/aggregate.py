@@ -162,17 +162,24 @@ def choose_points(
     choice at that horizon (``"mean"`` if none)."""
     out = []
     for j, h in enumerate(horizons):
-        at = np.isclose(horizon_of_row, h)
-        total = float(np.abs(y[at]).sum())
-        if not candidates or total <= 0:
+        wape = {k: point_wape(y, v, horizon_of_row, h) for k, v in candidates.items()}
+        if not candidates or None in wape.values():
             out.append(default[j] if default is not None else "mean")
             continue
-        wape = {
-            k: float(np.abs(y[at] - np.maximum(v[at], 0.0)).sum()) / total
-            for k, v in candidates.items()
-        }
         out.append(min(POINT_CHOICES, key=lambda k: wape.get(k, np.inf)))
     return out
+
+
+def point_wape(
+    y: np.ndarray, forecast: np.ndarray, horizon_of_row: np.ndarray, h: float
+) -> float | None:
+    """WAPE at horizon ``h`` of a point floored at 0, as ``predict`` hands it out (None
+    where those rows hold no demand)."""
+    at = np.isclose(horizon_of_row, h)
+    total = float(np.abs(y[at]).sum())
+    if total <= 0:
+        return None
+    return float(np.abs(y[at] - np.maximum(forecast[at], 0.0)).sum()) / total
 
 
 def read_points(

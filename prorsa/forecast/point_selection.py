@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 
 from prorsa.errors import ConfigError
-from prorsa.forecast.aggregate import POINT_CHOICES, choose_points
+from prorsa.forecast.aggregate import POINT_CHOICES, choose_points, point_wape
 from prorsa.forecast.base import Forecaster
 from prorsa.forecast.types import TARGETS
 
@@ -105,7 +105,8 @@ def select_points(
         at = rows["horizon_s"].to_numpy(float)[complete]
         values = {c: v[complete] for c, v in values.items()}
         points[target] = choose_points(y, values, at, horizons, forecaster.points_[target])
-        wape[target] = {c: [_wape(y, v, at, h) for h in horizons] for c, v in values.items()}
+        wape[target] = {c: [_rounded(point_wape(y, v, at, h)) for h in horizons]
+                         for c, v in values.items()}  # fmt: skip
     forecaster.points_ = points
     ticks = results.drop_duplicates(["run_id", "cutoff"])
     return PointSelection(
@@ -118,13 +119,6 @@ def select_points(
     )
 
 
-def _wape(
-    y: np.ndarray, forecast: np.ndarray, horizon_of_row: np.ndarray, h: float
-) -> float | None:
-    """WAPE at horizon ``h`` of the point floored at 0, as ``predict`` hands it out (None
-    without demand: JSON has no NaN)."""
-    at = np.isclose(horizon_of_row, h)
-    total = float(np.abs(y[at]).sum())
-    if total <= 0:
-        return None
-    return round(float(np.abs(y[at] - np.maximum(forecast[at], 0.0)).sum()) / total, 4)
+def _rounded(wape: float | None) -> float | None:
+    """As recorded (None without demand: JSON has no NaN)."""
+    return None if wape is None else round(wape, 4)
