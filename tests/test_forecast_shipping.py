@@ -79,7 +79,8 @@ def test_simulator_version_is_stable_and_names_the_sources(tmp_path, monkeypatch
 
 def test_ship_end_to_end_on_a_tiny_recipe(tmp_path, monkeypatch):
     """The whole recipe's wiring (simulate train, validation and held-out cells, train,
-    choose the point on validation, backtest held out, write the card) on a tiny plan."""
+    recalibrate the quantiles and choose the point on validation, backtest
+    held out, write the card) on a tiny plan."""
     import json
 
     from prorsa.forecast import load_forecaster, shipping
@@ -106,12 +107,13 @@ def test_ship_end_to_end_on_a_tiny_recipe(tmp_path, monkeypatch):
     manifest = json.loads(
         (tmp_path / "models" / "lightgbm-trajectory" / "manifest.json").read_text()
     )
-    chosen = manifest["point_selection"]
-    assert chosen["runs"] == 2 and manifest["state"]["point"] == chosen["points"]
+    fit = manifest["validation_fit"]
+    assert fit["runs"] == 2 and manifest["state"]["point"] == fit["point"]["chosen"]
+    assert manifest["state"]["conformal"]["0.9"] and set(fit["quantiles"]) == {"0.1", "0.5", "0.9"}
     assert manifest["params"]["queue_wait"] is True
     assert manifest["recipe"]["validation_cells"][0]["seed"] == 200
     card = (tmp_path / "models" / "README.md").read_text()
-    assert "## Point forecast, chosen on validation cells" in card
+    assert "## Fitted on validation cells" in card and "Quantile coverage at 5 s" in card
     load_forecaster(tmp_path / "models" / "lightgbm-trajectory")
     # A partial ship lists the model it did not retrain with its own manifest's scores.
     shipping.ship(tmp_path / "models", keep_data=tmp_path / "data", models=["lightgbm-aggregate"])

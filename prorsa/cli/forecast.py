@@ -148,8 +148,8 @@ def train_cmd(
     select_on: list[Path] = typer.Option(
         [],
         "--select-on",
-        help="validation telemetry (neither trained on nor held out) to choose the point "
-        "forecast on, per target and horizon (lightgbm models)",
+        help="validation telemetry (neither trained on nor held out) to recalibrate the "
+        "quantiles and choose the point forecast on, per target and horizon (learned models)",
     ),
     mlflow: str | None = typer.Option(None, "--mlflow", help="MLflow tracking URI to log to"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),

@@ -327,7 +327,7 @@ class LightGBMAggregateForecaster(Forecaster):
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
         x = stack_horizons(self.current_features()[None, :], horizons)
-        scale = float(max(self.tracker_.peak_live, 1))
+        scale = self.live_scale()
         point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
         for target in TARGETS:

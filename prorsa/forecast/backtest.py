@@ -43,8 +43,11 @@ def backtest(
     every tick, exactly as online. ``candidates``: add a ``forecast:CHOICE`` column for
     each point the forecaster could have handed out
     (:meth:`~prorsa.forecast.base.Forecaster.point_candidates`; NaN where it offered
-    none). The frame's ``attrs["predict_s"]`` holds every predict call's duration
-    (seconds).
+    none), a ``raw:q{level}`` column per quantile the model made
+    (:meth:`~prorsa.forecast.base.Forecaster.raw_quantiles`) and a ``live_scale`` column
+    (:meth:`~prorsa.forecast.base.Forecaster.live_scale` at the tick: the unit quantile
+    shifts are measured in). The frame's
+    ``attrs["predict_s"]`` holds every predict call's duration (seconds).
     """
     if every < 1:
         raise ConfigError(f"every must be >= 1, got {every}")
@@ -74,6 +77,8 @@ def backtest(
         bands = {q: np.full(shape, np.nan) for q in QUANTILES}
         fallback = np.zeros(shape[0], bool)
         offered: dict[str, np.ndarray] = {}  # each candidate point, as ``point``
+        raw_bands = {q: np.full(shape, np.nan) for q in QUANTILES}
+        live_scale = np.full(shape[0], np.nan)
         start, i = 0, -1
         for t, end, score_it in zip(ticks, ends, scored, strict=True):
             events = rows[start:end] if rows is not None else slice_batch(batch, start, end)
@@ -92,6 +97,11 @@ def backtest(
                     if q in bands:
                         bands[q][i, k] = table[target]
             if candidates:
+                live_scale[i] = forecaster.live_scale()
+                for q, table in forecaster.raw_quantiles().items():
+                    if q in raw_bands:
+                        for k, target in enumerate(TARGETS):
+                            raw_bands[q][i, k] = table[target]
                 for k, target in enumerate(TARGETS):
                     for choice, values in forecaster.point_candidates().get(target, {}).items():
                         offered.setdefault(choice, np.full(shape, np.nan))[i, k] = values
@@ -101,6 +111,10 @@ def backtest(
         frame = _tidy(str(run_id), ticks[scored], hs, truth, point, bands, fallback)
         for choice, values in offered.items():
             frame[f"forecast:{choice}"] = values.reshape(-1)
+        if candidates:
+            for q, values in raw_bands.items():
+                frame[f"raw:q{q:g}"] = values.reshape(-1)
+            frame["live_scale"] = np.repeat(live_scale, len(TARGETS) * len(hs))
         frames.append(frame)
         if progress is not None:
             progress(done, len(runs))

@@ -208,6 +208,12 @@ class Forecaster(ABC):
             cached = self._features_at = (key, features)
         return cached[1]
 
+    def live_scale(self) -> float:
+        """The unit the learned models normalise by (:func:`normalise`): the peak number of
+        live trajectories so far, at least 1. Quantile shifts are stored per this unit,
+        so one shift serves clusters of any size."""
+        return float(max(self.tracker_.peak_live, 1))
+
     # --------------------------------------------------------------- predict
     def predict(self, horizons: Sequence[float] | None = None) -> Forecast:
         """Forecast every target at ``horizons`` (default: all fitted) from the last tick."""
@@ -225,6 +231,7 @@ class Forecaster(ABC):
                 f"{list(self.horizons_)}"
             )
         self._candidates = {}
+        self._raw_quantiles: Quantiles = {}
         drift = self.drifting_features()
         if drift:
             return self._fallback(hs, drift)
@@ -236,6 +243,7 @@ class Forecaster(ABC):
             )
             self._drift_logged = ()
         point, quantiles = self._predict(hs)
+        self._raw_quantiles = quantiles
         fixed: Quantiles = {level: {} for level in quantiles}
         for t in TARGETS:
             for level, values in ordered_levels({q: quantiles[q][t] for q in quantiles}).items():
@@ -259,8 +267,14 @@ class Forecaster(ABC):
         horizon: ``{target: {choice: values}}`` (choices of
         :data:`~prorsa.forecast.aggregate.POINT_CHOICES`, before the floor at 0); empty
         for forecasters with one point and for a tick the drift fallback forecast. What
-        :mod:`~prorsa.forecast.point_selection` chooses from."""
+        :mod:`~prorsa.forecast.validation_fit` chooses from."""
         return getattr(self, "_candidates", {})
+
+    def raw_quantiles(self) -> Quantiles:
+        """The last :meth:`predict`'s quantiles as the model made them, before the floor
+        at 0 and the ordering of levels (empty for a tick the drift fallback forecast):
+        what :func:`~prorsa.forecast.conformal.recalibrate_on_backtest` moves."""
+        return getattr(self, "_raw_quantiles", {})
 
     # ----------------------------------------------------------------- drift
     # Whether ``predict`` falls back to a baseline when the live features leave the

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from prorsa.errors import ConfigError
+from prorsa.forecast.aggregate import conformal_shift, read_conformal
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, register
 from prorsa.forecast.dataset import ForecastDataset
 from prorsa.forecast.features import aggregate_feature_names
@@ -98,6 +99,9 @@ class GRUForecaster(Forecaster):
     def _fit(self, data: ForecastDataset | None) -> None:
         if self.window < 1 or self.hidden < 1 or self.epochs < 0 or self.batch_size < 1:
             raise ConfigError("gru: window, hidden and batch_size must be >= 1, epochs >= 0")
+        # Its quantile heads are fitted in-sample; shifts come only from validation runs
+        # (:func:`~prorsa.forecast.point_selection.fit_on_validation`).
+        self.conformal_: dict = {}
         ticks = data.ticks
         x = ticks[data.feature_names].to_numpy(float)
         self.x_mean_ = np.nanmean(x, axis=0)
@@ -175,18 +179,18 @@ class GRUForecaster(Forecaster):
             out = net(torch.from_numpy(seq[None])).numpy()[0]  # heads x (targets * horizons)
         out = out * self.y_std_ + self.y_mean_
         out = out.reshape(_HEADS, len(TARGETS), len(self.horizons_))
-        scale = float(max(self.tracker_.peak_live, 1))
+        scale = self.live_scale()
         cols = [self.horizons_.index(h) for h in horizons]
+        shifts = getattr(self, "conformal_", {})
         tables = []
-        for k in range(_HEADS):
-            tables.append(
-                {
-                    t: np.array(
-                        [denormalise(out[k, i, c], t, self.horizons_[c], scale) for c in cols]
-                    )
-                    for i, t in enumerate(TARGETS)
-                }
-            )
+        for k, alpha in enumerate((None, *QUANTILES)):
+            table = {}
+            for i, t in enumerate(TARGETS):
+                raw = out[k, i, cols] + conformal_shift(shifts, alpha, t, self.horizons_, horizons)
+                table[t] = np.array(
+                    [denormalise(v, t, h, scale) for v, h in zip(raw, horizons, strict=True)]
+                )
+            tables.append(table)
         return tables[0], dict(zip(QUANTILES, tables[1:], strict=True))
 
     def _get_state(self, path: Path) -> dict:
@@ -195,7 +199,7 @@ class GRUForecaster(Forecaster):
             x_mean=self.x_mean_, x_std=self.x_std_, y_mean=self.y_mean_, y_std=self.y_std_
         )
         np.savez_compressed(path / "gru.npz", **arrays)
-        return {"weights": "gru.npz"}
+        return {"weights": "gru.npz", "conformal": getattr(self, "conformal_", {})}
 
     def _set_state(self, state: dict, path: Path) -> None:
         from prorsa.errors import InputError
@@ -207,6 +211,7 @@ class GRUForecaster(Forecaster):
         self.weights_ = {k[2:]: v for k, v in arrays.items() if k.startswith("w:")}
         self.x_mean_, self.x_std_ = arrays["x_mean"], arrays["x_std"]
         self.y_mean_, self.y_std_ = arrays["y_mean"], arrays["y_std"]
+        self.conformal_ = read_conformal(state, path, len(self.horizons_))
         self._net = None
         width = len(aggregate_feature_names(self.lags_, self.tasks_))
         outputs = len(TARGETS) * len(self.horizons_)

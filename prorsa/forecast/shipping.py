@@ -158,17 +158,17 @@ def train_model(
     extra_manifest: dict | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` on a saved dataset, choose its point forecast on ``select_on``
-    telemetry if given (models with a choice of points:
-    :func:`~prorsa.forecast.point_selection.select_points`), backtest it on held-out
+    """Train ``model`` on a saved dataset, recalibrate its quantiles and choose its point
+    forecast on ``select_on`` telemetry if given (learned models:
+    :func:`~prorsa.forecast.validation_fit.fit_on_validation`), backtest it on held-out
     telemetry if given, save it to ``out`` and log to MLflow when a tracking URI is given;
-    a summary (``point_selection``: what was chosen, or None)."""
+    a summary (``validation_fit``: what was fitted there, or None)."""
     from prorsa.forecast import make_forecaster
     from prorsa.forecast.backtest import backtest, score
     from prorsa.forecast.dataset import ForecastDataset
-    from prorsa.forecast.point_selection import select_points
     from prorsa.forecast.tracking import log_run, tracking_uri
     from prorsa.forecast.types import check_horizons
+    from prorsa.forecast.validation_fit import fit_on_validation
 
     if select_on is not None and select_on.num_rows == 0:
         raise InputError("the telemetry to choose the point forecast on is empty")
@@ -179,13 +179,14 @@ def train_model(
     forecaster = make_forecaster(model, **kwargs)
     forecaster.fit(data)
     metrics = dict(forecaster.metrics_)
-    selection = None
+    fitted = None
     extra = dict(extra_manifest or {})
-    if select_on is not None and forecaster.point_choices():
-        selection = select_points(forecaster, select_on, progress=progress)
-        extra["point_selection"] = selection.to_dict()
-        for target, per_h in selection.chosen_wape().items():
-            for h, w in zip(selection.horizons_s, per_h, strict=True):
+    if select_on is not None and (forecaster.point_choices() or forecaster.provides_quantiles):
+        fitted = fit_on_validation(forecaster, select_on, progress=progress)
+        extra["validation_fit"] = fitted.to_dict()
+        chosen = fitted.point.chosen_wape() if fitted.point is not None else {}
+        for target, per_h in chosen.items():
+            for h, w in zip(fitted.horizons_s, per_h, strict=True):
                 if w is not None:
                     metrics[f"validation_wape_{target}_h{h:g}"] = w
     if validate:
@@ -209,7 +210,7 @@ def train_model(
         "out": str(path),
         "data_hash": forecaster.data_hash_ or "",
         "metrics": metrics,
-        "point_selection": None if selection is None else selection.to_dict(),
+        "validation_fit": None if fitted is None else fitted.to_dict(),
     }
 
 
@@ -311,7 +312,7 @@ HELDOUT_CELLS = (
 
 
 #: Validation cells: the learned models' point forecast is chosen on their scenario runs
-#: (:mod:`prorsa.forecast.point_selection`), so it is chosen for transfer to clusters the
+#: (:mod:`prorsa.forecast.validation_fit`), so it is chosen for transfer to clusters the
 #: training never saw without touching the held-out cells it is scored on. Each differs
 #: from every training and held-out cell in model or cluster and load: the 32B on twice
 #: the slots, the 7B on 16 slots at 64 per GPU, the 30B MoE on 4-GPU engines at 64 per
@@ -608,7 +609,7 @@ def write_data_card(
             f"score its own manifest records, trained on data `{summary['data_hash'][:16]}…`",
             f"by the simulator at commit `{made.get('commit', '?')}` (same recipe cells).",
         ]
-    lines += _point_selection_card(results)
+    lines += _validation_fit_card(results)
     lines += [
         "",
         "See `benchmarks/results/forecast.json` for the comparison with the baselines.",
@@ -618,20 +619,25 @@ def write_data_card(
     path.write_text("\n".join(lines))
 
 
-def _point_selection_card(results: dict) -> list[str]:
-    """The data card's section on the point chosen per target on the validation cells."""
+def _validation_fit_card(results: dict) -> list[str]:
+    """The data card's section on what was fitted on the validation cells: the point
+    chosen per target, and the quantiles' coverage there before and after their shifts
+    moved."""
     from prorsa.forecast.aggregate import POINT_CHOICES
+    from prorsa.forecast.types import QUANTILES, TARGETS
 
-    chosen = {n: r["point_selection"] for n, r in results.items() if r.get("point_selection")}
-    if not chosen:
+    levels = [f"{q:g}" for q in QUANTILES]
+    fits = {n: r["validation_fit"] for n, r in results.items() if r.get("validation_fit")}
+    if not fits:
         return []
     lines = [
         "",
-        "## Point forecast, chosen on validation cells",
+        "## Fitted on validation cells",
         "",
-        "Each learned model's point (its squared-error model, its median, the offset its",
+        "Each learned model's quantile shifts are moved until each level covers its share",
+        "of the outcomes, and its point (its squared-error model, its median, the offset its",
         "trees correct or the raw bottom-up sum) is chosen per target and horizon as the one",
-        "of least WAPE on the scenario runs of cells apart from both the training and the",
+        "of least WAPE, on the scenario runs of cells apart from both the training and the",
         "held-out ones:",
         "",
         "| slots | trajectories per GPU | KV reuse | profile | policy | seed |",
@@ -642,20 +648,20 @@ def _point_selection_card(results: dict) -> list[str]:
             f"| {c.engines} | {c.load_per_gpu} | {c.reuse_mode} | {c.model} | "
             f"`{c.policy}` | {c.seed} |"
         )
-    first = next(iter(chosen.values()))
+    first = next(iter(fits.values()))
     horizon = 5.0 if 5.0 in first["horizons_s"] else first["horizons_s"][0]
-    lines += [
-        "",
-        f"At {horizon:g} s (validation WAPE of each candidate; the chosen one in bold):",
-        "",
-        "| model | target | " + " | ".join(POINT_CHOICES) + " |",
-        "|---|---|" + "---|" * len(POINT_CHOICES),
-    ]
-    for name, sel in chosen.items():
-        if horizon not in sel["horizons_s"]:
-            continue
-        at = sel["horizons_s"].index(horizon)
-        for target, by_choice in sel["wape"].items():
+    points = {n: f for n, f in fits.items() if f["point"] and horizon in f["horizons_s"]}
+    if points:
+        lines += [
+            "",
+            f"Point at {horizon:g} s (validation WAPE of each candidate; the chosen one in bold):",
+            "",
+            "| model | target | " + " | ".join(POINT_CHOICES) + " |",
+            "|---|---|" + "---|" * len(POINT_CHOICES),
+        ]
+    for name, fit in points.items():
+        at = fit["horizons_s"].index(horizon)
+        for target, by_choice in fit["point"]["wape"].items():
             cells = []
             for choice in POINT_CHOICES:
                 value = by_choice.get(choice, [None] * (at + 1))[at]
@@ -663,6 +669,27 @@ def _point_selection_card(results: dict) -> list[str]:
                     cells.append("")
                     continue
                 text = f"{value:.3f}"
-                cells.append(f"**{text}**" if sel["points"][target][at] == choice else text)
+                chosen = fit["point"]["chosen"][target][at] == choice
+                cells.append(f"**{text}**" if chosen else text)
+            lines.append(f"| `{name}` | {target} | " + " | ".join(cells) + " |")
+    quantiles = {n: f for n, f in fits.items() if f["quantiles"] and horizon in f["horizons_s"]}
+    if quantiles:
+        lines += [
+            "",
+            f"Quantile coverage at {horizon:g} s on the validation runs, before -> after "
+            "(the share of outcomes at or below each level):",
+            "",
+            "| model | target | " + " | ".join(f"P{float(q) * 100:g}" for q in levels) + " |",
+            "|---|---|" + "---|" * len(levels),
+        ]
+    for name, fit in quantiles.items():
+        at = fit["horizons_s"].index(horizon)
+        for target in TARGETS:
+            cells = []
+            for level in levels:
+                entry = fit["quantiles"].get(level, {})
+                before = entry.get("coverage_before", {}).get(target, [None] * (at + 1))[at]
+                after = entry.get("coverage_after", {}).get(target, [None] * (at + 1))[at]
+                cells.append("" if before is None else f"{before:.2f} -> {after:.2f}")
             lines.append(f"| `{name}` | {target} | " + " | ".join(cells) + " |")
     return lines

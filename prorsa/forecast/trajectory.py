@@ -588,7 +588,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         sums = self.bottom_up_now(horizons)
         if not self.calibrate:
             return {t: sums[i] for i, t in enumerate(TARGETS)}, {}
-        scale = float(max(self.tracker_.peak_live, 1))
+        scale = self.live_scale()
         x = self._calibration_rows(self.current_features()[None, :], sums[None], scale, horizons)
         point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}

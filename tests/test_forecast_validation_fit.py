@@ -1,4 +1,4 @@
-"""Choosing a learned forecaster's point forecast on validation runs."""
+"""Fitting a learned forecaster's quantiles and point forecast on validation runs."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from prorsa.errors import ConfigError, InputError
 from prorsa.forecast import build_dataset, load_forecaster, make_forecaster
 from prorsa.forecast.aggregate import POINT_CHOICES
 from prorsa.forecast.backtest import backtest
-from prorsa.forecast.point_selection import select_points
 from prorsa.forecast.types import TARGETS
+from prorsa.forecast.validation_fit import fit_on_validation
 from tests.sim_helpers import random_specs, run
 
 
@@ -42,20 +42,21 @@ def _pooled_wape(frame, column: str, target: str, h: float) -> float:
 def test_the_chosen_point_is_the_candidate_of_least_validation_wape(fitted, tmp_path):
     model, validation = fitted
     model.set_drift_check(False)
-    selection = select_points(model, validation, every=1)
-    assert selection.runs == 2 and selection.ticks > 10 and selection.fallback_ticks == 0
-    assert set(selection.points) == set(TARGETS)
+    fit = fit_on_validation(model, validation, every=1)
+    selection = fit.point
+    assert fit.runs == 2 and fit.ticks > 10 and fit.fallback_ticks == 0
+    assert set(selection.chosen) == set(TARGETS)
     for target in TARGETS:
         scores = selection.wape[target]
         assert set(scores) == set(POINT_CHOICES)  # all four offered by a calibrated model
-        for j, choice in enumerate(selection.points[target]):
+        for j, choice in enumerate(selection.chosen[target]):
             assert scores[choice][j] == min(s[j] for s in scores.values())
-    assert model.points_ == selection.points
+    assert model.points_ == selection.chosen
     # The choice is what the model now hands out, and what the candidates' columns say.
     frame = backtest(model, validation, candidates=True)
     for target in TARGETS:
         for j, h in enumerate(model.horizons_):
-            choice = selection.points[target][j]
+            choice = selection.chosen[target][j]
             at = (frame["target"] == target) & np.isclose(frame["horizon_s"], h)
             np.testing.assert_allclose(
                 frame.loc[at, "forecast"], np.maximum(frame.loc[at, f"forecast:{choice}"], 0.0)
@@ -74,7 +75,7 @@ def test_the_chosen_point_is_the_candidate_of_least_validation_wape(fitted, tmp_
     )
     # ... and it travels with the saved model.
     model.save(tmp_path / "m")
-    assert load_forecaster(tmp_path / "m").points_ == selection.points
+    assert load_forecaster(tmp_path / "m").points_ == selection.chosen
     model.set_drift_check(True)
 
 
@@ -88,18 +89,19 @@ def test_ticks_the_drift_fallback_forecasts_offer_no_candidates_and_are_left_out
     assert frame.loc[fell_back, "forecast:mean"].isna().all()
     assert frame.loc[~fell_back, "forecast:mean"].notna().all()
     before = {t: list(c) for t, c in model.points_.items()}
-    selection = select_points(model, both, every=1)
+    shifts = json.loads(json.dumps(model.conformal_))
+    fit = fit_on_validation(model, both, every=1)
     ticks = frame.drop_duplicates(["run_id", "cutoff"])
-    assert selection.fallback_ticks == int(ticks["fallback"].sum())
-    assert 0 < selection.fallback_ticks < selection.ticks == len(ticks)
-    model.points_ = before
+    assert fit.fallback_ticks == int(ticks["fallback"].sum())
+    assert 0 < fit.fallback_ticks < fit.ticks == len(ticks)
+    model.points_, model.conformal_ = before, shifts
     with pytest.raises(ConfigError, match="drift fallback"):
-        select_points(model, heavy, every=1)  # it forecast every tick
-    model.points_ = before
+        fit_on_validation(model, heavy, every=1)  # it forecast every tick
+    model.points_, model.conformal_ = before, shifts
 
 
 def test_ship_training_records_the_choice_in_manifest_metrics_and_card(tmp_path):
-    from prorsa.forecast.shipping import _point_selection_card, train_model
+    from prorsa.forecast.shipping import _validation_fit_card, train_model
 
     # Drift is on as shipped: validation runs like the training ones, so ticks are scored.
     validation = pa.concat_tables([_telemetry(2, 60, s, f"v{s}") for s in (20, 21)])
@@ -110,27 +112,33 @@ def test_ship_training_records_the_choice_in_manifest_metrics_and_card(tmp_path)
         "lightgbm-trajectory", tmp_path / "d.parquet", tmp_path / "m", params=params,
         select_on=validation,
     )  # fmt: skip
-    chosen = summary["point_selection"]
+    fit = summary["validation_fit"]
+    chosen = fit["point"]
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
-    assert manifest["point_selection"] == chosen
-    assert manifest["state"]["point"] == chosen["points"]
-    assert load_forecaster(tmp_path / "m").points_ == chosen["points"]
-    j = chosen["horizons_s"].index(5.0)
+    assert manifest["validation_fit"] == fit
+    assert manifest["state"]["point"] == chosen["chosen"]
+    assert load_forecaster(tmp_path / "m").points_ == chosen["chosen"]
+    j = fit["horizons_s"].index(5.0)
     wape = chosen["wape"]["prefill_tokens"]
     assert summary["metrics"]["validation_wape_prefill_tokens_h5"] == min(
         w[j] for w in wape.values()
     )
-    card = "\n".join(_point_selection_card({"lightgbm-trajectory": summary}))
-    bold = f"**{wape[chosen['points']['prefill_tokens'][j]][j]:.3f}**"
-    assert "At 5 s" in card and "| prefill_tokens |" in card and bold in card
+    gru = train_model("gru", tmp_path / "d.parquet", tmp_path / "g", params={"epochs": 1},
+                      select_on=validation)  # fmt: skip
+    assert gru["validation_fit"]["point"] is None  # one point: nothing to choose
+    assert gru["validation_fit"]["quantiles"]  # but its quantiles are recalibrated
+    card = "\n".join(_validation_fit_card({"lightgbm-trajectory": summary, "gru": gru}))
+    bold = f"**{wape[chosen['chosen']['prefill_tokens'][j]][j]:.3f}**"
+    assert "Point at 5 s" in card and "| prefill_tokens |" in card and bold in card
+    before = fit["quantiles"]["0.9"]["coverage_before"]["decode_tokens"][j]
+    after = fit["quantiles"]["0.9"]["coverage_after"]["decode_tokens"][j]
+    assert "| `gru` | decode_tokens |" in card
+    assert f"{before:.2f} -> {after:.2f}" in card
     with pytest.raises(InputError, match="empty"):
         train_model(
             "lightgbm-trajectory", tmp_path / "d.parquet", tmp_path / "m2", params=params,
             select_on=validation.slice(0, 0),
         )  # fmt: skip
-    gru = train_model("gru", tmp_path / "d.parquet", tmp_path / "g", params={"epochs": 1},
-                      select_on=validation)  # fmt: skip
-    assert gru["point_selection"] is None  # one point: nothing to choose
 
 
 def test_a_choice_outside_the_candidates_is_refused_on_load(fitted, tmp_path):
@@ -144,7 +152,7 @@ def test_a_choice_outside_the_candidates_is_refused_on_load(fitted, tmp_path):
         load_forecaster(tmp_path / "m")
 
 
-def test_single_point_forecasters_are_refused(fitted):
+def test_forecasters_with_nothing_to_fit_are_refused(fitted):
     _, validation = fitted
     data = build_dataset([_telemetry(2, 30, 1, "r1")], horizons=[1, 5])
     uncalibrated = make_forecaster(
@@ -152,13 +160,13 @@ def test_single_point_forecasters_are_refused(fitted):
     ).fit(data)
     for single in (uncalibrated, make_forecaster("last-value", horizons=[1, 5]).fit(None)):
         assert single.point_choices() == ()
-        with pytest.raises(ConfigError, match="single point"):
-            select_points(single, validation)
+        with pytest.raises(ConfigError, match="nothing to fit"):
+            fit_on_validation(single, validation)
     aggregate = make_forecaster("lightgbm-aggregate", horizons=[1, 5], n_estimators=5).fit(data)
     assert aggregate.point_choices() == ("mean", "median")
-    chosen = select_points(aggregate.set_drift_check(False), validation, every=2)
+    chosen = fit_on_validation(aggregate.set_drift_check(False), validation, every=2).point
     assert set(chosen.wape["prefill_tokens"]) == {"mean", "median"}
-    assert all(c in ("mean", "median") for t in TARGETS for c in chosen.points[t])
+    assert all(c in ("mean", "median") for t in TARGETS for c in chosen.chosen[t])
 
 
 def test_a_saved_choice_the_model_does_not_offer_is_refused_on_load(tmp_path):
@@ -171,3 +179,66 @@ def test_a_saved_choice_the_model_does_not_offer_is_refused_on_load(tmp_path):
     manifest.write_text(json.dumps(text))
     with pytest.raises(InputError, match=r"state\.point\.prefill_tokens"):
         load_forecaster(tmp_path / "a")
+
+
+def _coverage(frame, level: float, target: str, h: float) -> tuple[float, int]:
+    g = frame[(frame["target"] == target) & np.isclose(frame["horizon_s"], h)]
+    g = g[np.isfinite(g["actual"]) & ~g["fallback"].astype(bool)]
+    return float(np.mean(g["actual"] <= g[f"q{level:g}"])), len(g)
+
+
+def test_quantiles_recalibrated_on_validation_cover_their_levels_there(fitted, tmp_path):
+    model, validation = fitted
+    model.set_drift_check(False)
+    old = json.loads(json.dumps(model.conformal_))
+    fit = fit_on_validation(model, validation, every=1)
+    fresh = backtest(model, validation)  # the model as it now forecasts
+    for level in (0.1, 0.5, 0.9):
+        entry = fit.quantiles[f"{level:g}"]
+        for target in TARGETS:
+            for j, h in enumerate(model.horizons_):
+                moved = entry["moved_by"][target][j]
+                assert model.conformal_[f"{level:g}"][target][j] == pytest.approx(
+                    old[f"{level:g}"][target][j] + moved
+                )
+                now, n = _coverage(fresh, level, target, h)
+                # The shift puts the quantile on an outcome; rounding may tip that one tick.
+                assert entry["coverage_after"][target][j] == pytest.approx(now, abs=1.01 / n)
+                # The floor at 0 lifts a low level's coverage on ticks of no demand.
+                assert now >= level - 1.01 / n and (level < 0.5 or now <= level + 0.1)
+    # The shifts travel with the saved model.
+    model.save(tmp_path / "m")
+    assert load_forecaster(tmp_path / "m").conformal_ == model.conformal_
+    model.conformal_ = old
+    model.set_drift_check(True)
+
+
+def test_gru_quantile_shifts_move_its_quantiles_and_are_saved(tmp_path):
+    data = build_dataset([_telemetry(2, 30, 1, "r1")], horizons=[1, 5])
+    model = make_forecaster("gru", horizons=[1, 5], epochs=1).fit(data)
+    validation = _telemetry(2, 40, 9, "v9")
+    plain = backtest(model.set_drift_check(False), validation, candidates=True)
+    fit = fit_on_validation(model, validation, every=1)
+    assert fit.point is None and set(fit.quantiles) == {"0.1", "0.5", "0.9"}
+    moved = backtest(model, validation)
+    # Each quantile moves by its shift in tokens: shift x live trajectories (x h for sums).
+    for level in ("0.1", "0.9"):
+        for target in TARGETS:
+            for j, h in enumerate(model.horizons_):
+                at = (plain["target"] == target) & np.isclose(plain["horizon_s"], h)
+                per = h if target in ("prefill_tokens", "decode_tokens") else 1.0
+                expected = (
+                    plain.loc[at, f"raw:q{level}"]
+                    + model.conformal_[level][target][j] * plain.loc[at, "live_scale"] * per
+                )
+                lifted = np.maximum(expected.to_numpy(), 0.0)
+                if level == "0.1":
+                    np.testing.assert_allclose(moved.loc[at, "q0.1"], lifted, rtol=1e-9, atol=1e-6)
+                else:  # P90 is lifted to the P50 where they cross
+                    assert (moved.loc[at, "q0.9"].to_numpy() >= lifted - 1e-6).all()
+    model.save(tmp_path / "g")
+    again = load_forecaster(tmp_path / "g")
+    assert again.conformal_ == model.conformal_
+    np.testing.assert_allclose(
+        backtest(again.set_drift_check(False), validation)["q0.9"], moved["q0.9"]
+    )
