@@ -109,7 +109,9 @@ def test_ship_end_to_end_on_a_tiny_recipe(tmp_path, monkeypatch):
     )
     fit = manifest["validation_fit"]
     assert fit["runs"] == 2 and manifest["state"]["point"] == fit["point"]["chosen"]
-    assert manifest["state"]["conformal"]["0.9"] and set(fit["quantiles"]) == {"0.1", "0.5", "0.9"}
+    assert set(fit["quantiles"]) == {"0.1", "0.5", "0.9"}
+    moved = [abs(m) for e in fit["quantiles"].values() for v in e["moved_by"].values() for m in v]
+    assert max(moved) > 0  # the validation runs moved the training runs' shifts
     assert manifest["params"]["queue_wait"] is True
     assert manifest["recipe"]["validation_cells"][0]["seed"] == 200
     card = (tmp_path / "models" / "README.md").read_text()

@@ -46,7 +46,7 @@ LOSSES = (
 #: its median scored 0.6-0.9), while for decode it was the better of the two; and on cells
 #: the training never saw the raw sum beat every calibrated decode point
 #: (docs/results.md, "Forecasting"). Which wins is a question of transfer, so the shipped
-#: recipe answers it on cells of their own (:mod:`prorsa.forecast.point_selection`).
+#: recipe answers it on cells of their own (:mod:`prorsa.forecast.validation_fit`).
 POINT_CHOICES = ("mean", "median", "offset", "bottom-up")
 #: The quantile level of the ``median`` point.
 POINT_LEVEL = 0.5
@@ -248,19 +248,25 @@ def read_conformal(state: dict, path: Path, n_horizons: int) -> dict:
     from prorsa.forecast.model_folder import MANIFEST
 
     shifts = state.get("conformal", {})
+    levels = {f"{q:g}" for q in QUANTILES}
     ok = isinstance(shifts, dict) and all(
-        isinstance(per_target, dict)
+        level in levels
+        and isinstance(per_target, dict)
         and all(
-            isinstance(v, list)
+            target in TARGETS
+            and isinstance(v, list)
             and len(v) == n_horizons
-            and all(isinstance(x, int | float) and np.isfinite(x) for x in v)
-            for v in per_target.values()
+            and all(
+                isinstance(x, int | float) and not isinstance(x, bool) and np.isfinite(x) for x in v
+            )
+            for target, v in per_target.items()
         )
-        for per_target in shifts.values()
+        for level, per_target in shifts.items()
     )
     if not ok:
         raise InputError(
-            "must map quantile levels to per-target lists, one shift per horizon",
+            f"must map quantile levels {sorted(levels)} to lists per target of "
+            f"{list(TARGETS)}, one finite shift per horizon",
             source=str(path / MANIFEST),
             field="state.conformal",
         )

@@ -270,6 +270,13 @@ class Forecaster(ABC):
         :mod:`~prorsa.forecast.validation_fit` chooses from."""
         return getattr(self, "_candidates", {})
 
+    def quantile_shifts(self) -> dict | None:
+        """The conformal shifts of its quantiles (``{level: {target: [per fitted
+        horizon]}}``, per :meth:`live_scale`) that
+        :func:`~prorsa.forecast.validation_fit.fit_on_validation` moves, or None for a
+        model whose quantiles have none (baselines, an uncalibrated lightgbm-trajectory)."""
+        return getattr(self, "conformal_", None) if self.provides_quantiles else None
+
     def raw_quantiles(self) -> Quantiles:
         """The last :meth:`predict`'s quantiles as the model made them, before the floor
         at 0 and the ordering of levels (empty for a tick the drift fallback forecast):

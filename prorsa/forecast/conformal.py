@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from prorsa.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,21 +71,24 @@ def recalibrate_on_backtest(
     results: pd.DataFrame,
     horizons: Sequence[float],
 ) -> dict[str, dict[str, dict[str, list[float | None]]]]:
-    """Move a forecaster's quantile shifts so each level covers its share of the outcomes
-    in a backtest on runs it never saw; ``results`` then reads as the moved model would
-    have forecast.
+    """Move a forecaster's quantile shifts so each level, taken alone, covers its share of
+    the outcomes in a backtest on runs it never saw (putting the levels in order after can
+    only raise a level's coverage: a P90 below the moved P50 is lifted to it).
 
     ``shifts`` (``{level: {target: [per fitted horizon]}}``, per
     :meth:`~prorsa.forecast.base.Forecaster.live_scale` and per second for sums) is
-    updated in place; missing entries start at 0. ``results`` is a
+    updated in place; missing entries start at 0. ``horizons`` are the model's fitted
+    horizons, in order: the lists are indexed by position, and ``results`` must have been
+    forecast at all of them. ``results`` is a
     :func:`~prorsa.forecast.backtest.backtest` frame with candidates (its ``raw:q{level}``
     and ``live_scale`` columns): per level, target and horizon the score of a tick is how
     far the outcome lands above the model's quantile, in the model's units, and the shift
     moves by the split-conformal offset of those scores. Ticks the drift fallback
-    forecast are left out (the fallback's quantiles are not the model's). Its
-    ``q{level}`` columns and the ``forecast:median`` candidate are rewritten as
+    forecast are left out (the fallback's quantiles are not the model's). On the scored
+    rows its ``q{level}`` columns and the ``forecast:median`` candidate are rewritten as
     :meth:`~prorsa.forecast.base.Forecaster.predict` hands the moved quantiles out
-    (floored at 0, levels ordered). Returns ``{level: {"moved_by": {target: [...]},
+    (floored at 0, levels ordered); the ``forecast`` column (the point chosen before) is
+    not. Returns ``{level: {"moved_by": {target: [...]},
     "coverage_before": {...}, "coverage_after": {...}}}`` (None where a horizon has no
     scorable tick; coverage of the quantiles as handed out).
     """
@@ -93,6 +98,19 @@ def recalibrate_on_backtest(
     levels = [q for q in QUANTILES if np.isfinite(results.get(f"raw:q{q:g}", [])).any()]
     if not levels:
         return {}
+    stale = [
+        f"{level}/{target}"
+        for level, per_target in shifts.items()
+        for target, per_h in per_target.items()
+        if len(per_h) != len(horizons)
+    ]
+    forecast_at = set(np.unique(results["horizon_s"].to_numpy(float)).tolist())
+    if stale or not forecast_at <= {float(h) for h in horizons}:
+        raise ConfigError(
+            f"shifts {stale or ''} or the backtest's horizons {sorted(forecast_at)} do not "
+            f"match the fitted horizons {list(horizons)}",
+            hint="backtest at the model's fitted horizons and pass them in order",
+        )
     actual = results["actual"].to_numpy(float)
     usable = ~results["fallback"].to_numpy(bool) & np.isfinite(actual)
     target_of = results["target"].to_numpy()

@@ -100,7 +100,7 @@ class GRUForecaster(Forecaster):
         if self.window < 1 or self.hidden < 1 or self.epochs < 0 or self.batch_size < 1:
             raise ConfigError("gru: window, hidden and batch_size must be >= 1, epochs >= 0")
         # Its quantile heads are fitted in-sample; shifts come only from validation runs
-        # (:func:`~prorsa.forecast.point_selection.fit_on_validation`).
+        # (:func:`~prorsa.forecast.validation_fit.fit_on_validation`).
         self.conformal_: dict = {}
         ticks = data.ticks
         x = ticks[data.feature_names].to_numpy(float)

@@ -181,7 +181,9 @@ def train_model(
     metrics = dict(forecaster.metrics_)
     fitted = None
     extra = dict(extra_manifest or {})
-    if select_on is not None and (forecaster.point_choices() or forecaster.provides_quantiles):
+    if select_on is not None and (
+        forecaster.point_choices() or forecaster.quantile_shifts() is not None
+    ):
         fitted = fit_on_validation(forecaster, select_on, progress=progress)
         extra["validation_fit"] = fitted.to_dict()
         chosen = fitted.point.chosen_wape() if fitted.point is not None else {}
@@ -311,12 +313,13 @@ HELDOUT_CELLS = (
 )
 
 
-#: Validation cells: the learned models' point forecast is chosen on their scenario runs
-#: (:mod:`prorsa.forecast.validation_fit`), so it is chosen for transfer to clusters the
-#: training never saw without touching the held-out cells it is scored on. Each differs
-#: from every training and held-out cell in model or cluster and load: the 32B on twice
-#: the slots, the 7B on 16 slots at 64 per GPU, the 30B MoE on 4-GPU engines at 64 per
-#: GPU. No trace replays: a trace's trajectories are either trained on or held out.
+#: Validation cells: the learned models' quantile shifts are measured and their point
+#: forecast chosen on their scenario runs (:mod:`prorsa.forecast.validation_fit`), for
+#: transfer to clusters the training never saw without touching the held-out cells it is
+#: scored on. Each differs from every training and held-out cell in model or cluster and
+#: load: the 32B on twice the slots, the 7B on 16 slots at 64 per GPU, the 30B MoE on
+#: 4-GPU engines at 64 per GPU. No trace replays: a trace's trajectories are either
+#: trained on or held out.
 VALIDATION_CELLS = (
     Cell(8, 32, 200, profile="h200-qwen2.5-32b-tp2"),
     Cell(16, 64, 201, reuse_mode="kv-store"),
@@ -408,12 +411,13 @@ def ship(
 ) -> ShipReport:
     """Regenerate the shipped models (and ``out/README.md``) from the fixed recipe.
 
-    ``keep_data``: keep the training dataset, the validation telemetry (the point
-    forecast is chosen on it) and the held-out telemetry there; a later call with the
-    same folder reuses them when they were made by the same simulator (same sources
-    hash), so retraining does not re-simulate. The data card's held-out scores
-    backtest every ``validate_every``-th held-out run (all cells and workloads take turns;
-    0: none; ``benchmarks/forecast_bench.py`` scores all of them against the baselines).
+    ``keep_data``: keep the training dataset, the validation telemetry (the quantiles
+    are recalibrated and the point forecast chosen on it) and the held-out telemetry
+    there; a later call with the same folder reuses them when they were made by the same
+    simulator (same sources hash), so retraining does not re-simulate. The data card's
+    held-out scores backtest every ``validate_every``-th held-out run (all cells and
+    workloads take turns; 0: none; ``benchmarks/forecast_bench.py`` scores all of them
+    against the baselines).
     ``progress(stage, done, total)`` reports simulation, replay and backtest progress.
     """
     from prorsa.forecast.dataset import ForecastDataset, build_dataset

@@ -127,7 +127,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             waited. On makes the raw bottom-up sum far closer to demand on held-out runs,
             but the calibration trained on it transferred worse (docs/results.md,
             "Forecasting"); the shipped model has it on, with its point chosen on
-            validation cells (:mod:`~prorsa.forecast.point_selection`).
+            validation cells (:mod:`~prorsa.forecast.validation_fit`).
     """
 
     provides_quantiles = True
@@ -582,6 +582,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
 
     def point_choices(self) -> tuple[str, ...]:
         return POINT_CHOICES if self.calibrate else ()
+
+    def quantile_shifts(self) -> dict | None:
+        return super().quantile_shifts() if self.calibrate else None
 
     def _predict(self, horizons: tuple[float, ...]) -> tuple[Point, Quantiles]:
         self._horizons_read = (self._ticks, tuple(float(h) for h in horizons))

@@ -107,7 +107,7 @@ def fit_on_validation(
     """
     from prorsa.forecast.backtest import backtest
 
-    shifts = getattr(forecaster, "conformal_", None) if forecaster.provides_quantiles else None
+    shifts = forecaster.quantile_shifts()
     if not forecaster.point_choices() and shifts is None:
         raise _nothing_to_fit(forecaster)
     results = backtest(forecaster, telemetry, every=every, candidates=True, progress=progress)
