@@ -211,7 +211,6 @@ class GRUForecaster(Forecaster):
         self.weights_ = {k[2:]: v for k, v in arrays.items() if k.startswith("w:")}
         self.x_mean_, self.x_std_ = arrays["x_mean"], arrays["x_std"]
         self.y_mean_, self.y_std_ = arrays["y_mean"], arrays["y_std"]
-        self.conformal_ = read_conformal(state, path, len(self.horizons_))
         self._net = None
         width = len(aggregate_feature_names(self.lags_, self.tasks_))
         outputs = len(TARGETS) * len(self.horizons_)
@@ -229,6 +228,9 @@ class GRUForecaster(Forecaster):
                 source=str(file),
                 hint="retrain it (`prorsa forecast ship` regenerates the shipped models)",
             )
+        # After the outputs' check: a horizon list that does not fit the network says so
+        # there, rather than as a shift list of the wrong length.
+        self.conformal_ = read_conformal(state, path, len(self.horizons_))
         try:
             self._network()  # weights that do not fit the network fail here, not mid-run
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
