@@ -13,11 +13,12 @@ model is used on such cells:
   training cells, left the P10/P50/P90 covering 2%/89%/99% of held-out outcomes
   (docs/results.md): what holds in-distribution does not hold after the shift.
 
-:func:`fit_on_validation` backtests the fitted model once on validation telemetry,
-moves each quantile's shift until it covers its level there
-(:func:`~prorsa.forecast.conformal.recalibrate_on_backtest`), then scores every point
-candidate, the recalibrated median included, and keeps per target and horizon the one
-of least WAPE. The shipped recipe runs it on the scenario runs of
+:func:`fit_on_validation` backtests the fitted model once on validation telemetry and
+moves each quantile's shift until that level alone covers its share there
+(:func:`~prorsa.forecast.conformal.recalibrate_on_backtest`; putting the levels in order
+afterwards can only raise a level's coverage). It then scores every point candidate, the
+recalibrated median included, and keeps per target and horizon the one of least WAPE.
+The shipped recipe runs it on the scenario runs of
 :data:`~prorsa.forecast.shipping.VALIDATION_CELLS`: other clusters, models and loads
 than both the training cells and the held-out cells the benchmark scores on, and no
 trace replay (a trace's trajectories are either trained on or held out).
@@ -122,7 +123,7 @@ def fit_on_validation(
     if shifts is not None:
         quantiles = recalibrate_on_backtest(shifts, results, horizons) or None
     point = _choose_points(forecaster, results, horizons) if forecaster.point_choices() else None
-    if point is None and quantiles is None:  # e.g. an uncalibrated lightgbm-trajectory
+    if point is None and quantiles is None:  # its quantiles were NaN on every scored tick
         raise _nothing_to_fit(forecaster)
     return ValidationFit(
         point=point,
