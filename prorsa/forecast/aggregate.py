@@ -342,9 +342,7 @@ class LightGBMAggregateForecaster(Forecaster):
                 raw = raw + conformal_shift(
                     self.conformal_, alpha, target, self.horizons_, horizons
                 )
-                values = np.array(
-                    [denormalise(v, target, h, scale) for v, h in zip(raw, horizons, strict=True)]
-                )
+                values = denormalise(raw, target, horizons, scale)
                 if alpha is None:
                     point[target] = values
                 else:

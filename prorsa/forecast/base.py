@@ -456,8 +456,12 @@ def normalise(values: np.ndarray, target: str, h: float, scale: np.ndarray | flo
     return np.asarray(values, float) / (np.asarray(scale, float) * per)
 
 
-def denormalise(values: np.ndarray, target: str, h: float, scale: float) -> np.ndarray:
-    per = h if target in SUM_TARGETS else 1.0
+def denormalise(
+    values: np.ndarray, target: str, h: float | Sequence[float], scale: float
+) -> np.ndarray:
+    """Model units back to tokens (inverse of :func:`normalise`); ``h`` is one horizon or
+    one per value."""
+    per = np.asarray(h, float) if target in SUM_TARGETS else 1.0
     return np.asarray(values, float) * scale * per
 
 

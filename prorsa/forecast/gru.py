@@ -187,9 +187,7 @@ class GRUForecaster(Forecaster):
             table = {}
             for i, t in enumerate(TARGETS):
                 raw = out[k, i, cols] + conformal_shift(shifts, alpha, t, self.horizons_, horizons)
-                table[t] = np.array(
-                    [denormalise(v, t, h, scale) for v, h in zip(raw, horizons, strict=True)]
-                )
+                table[t] = denormalise(raw, t, horizons, scale)
             tables.append(table)
         return tables[0], dict(zip(QUANTILES, tables[1:], strict=True))
 

@@ -598,9 +598,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         offset = self._offsets(x)
 
         def tokens(values: np.ndarray, target: str) -> np.ndarray:
-            return np.array(
-                [denormalise(v, target, h, scale) for v, h in zip(values, horizons, strict=True)]
-            )
+            return denormalise(values, target, horizons, scale)
 
         for i, target in enumerate(TARGETS):
             for suffix, _, alpha in LOSSES:
