@@ -240,7 +240,11 @@ SHIP_MODES = ["sync", "async"]
 #: Parameters the recipe sets (recorded in each manifest's params).
 SHIP_PARAMS: dict[str, dict] = {
     "gru": {"epochs": 15},
-    "lightgbm-trajectory": {"decode_offset": "blend", "queue_wait": True},
+    "lightgbm-trajectory": {
+        "prefill_offset": "blend",
+        "decode_offset": "blend",
+        "queue_wait": True,
+    },
 }
 
 

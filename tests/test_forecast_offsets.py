@@ -1,4 +1,4 @@
-"""lightgbm-trajectory's decode offset: what the calibration trees correct for decode."""
+"""lightgbm-trajectory's offsets: what the calibration trees correct, for prefill and decode."""
 
 from __future__ import annotations
 
@@ -93,6 +93,54 @@ def test_blend_weights_are_fitted_saved_and_checked_on_load(tmp_path):
 def test_unknown_decode_offset_is_refused():
     with pytest.raises(ConfigError, match="decode_offset"):
         make_forecaster("lightgbm-trajectory", decode_offset="last")
+    with pytest.raises(ConfigError, match="prefill_offset"):
+        make_forecaster("lightgbm-trajectory", prefill_offset="last")
+
+
+def test_recent_prefill_offset_starts_prefill_from_later_turns_and_leaves_decode_alone():
+    data = build_dataset([_telemetry(2, 80, s, f"r{s}") for s in range(3)], horizons=[5])
+    settings = {"horizons": [5], "n_estimators": 5, "calibration_estimators": 1}
+    recent = make_forecaster("lightgbm-trajectory", prefill_offset="recent", **settings)
+    bottom_up = make_forecaster("lightgbm-trajectory", **settings)
+    for model in (recent, bottom_up):
+        model.fit(data).set_drift_check(False)
+        model.conformal_ = {}  # the point is the median: the offset plus one slow tree
+    assert recent.offset_weights_["prefill_tokens"] == [0.0]
+    assert recent.offset_weights_["decode_tokens"] == [1.0]
+    held_out = _telemetry(2, 80, 9, "held-out")
+    for model in (recent, bottom_up):
+        _feed(model, held_out, 5.0)
+    fr, fb = recent.predict(), bottom_up.predict()
+    tracker = recent.tracker_
+    later = tracker.observed_sum("cum_prefill", 5.0) - tracker.observed_sum(
+        "cum_first_prefill", 5.0
+    )
+    assert later > 0
+    offset = recent.point_candidates()["prefill_tokens"]["offset"]
+    assert offset[0] == pytest.approx(later * 5.0)
+    assert fr.point["prefill_tokens"][0] == pytest.approx(later * 5.0, rel=0.15)
+    assert fr.point["prefill_tokens"][0] != fb.point["prefill_tokens"][0]
+    for target in TARGETS[1:]:  # decode keeps the bottom-up offset: the same forecast
+        np.testing.assert_array_equal(fr.point[target], fb.point[target])
+
+
+def test_blended_prefill_offset_is_fitted_saved_and_needed_on_load(tmp_path):
+    data = build_dataset([_telemetry(2, 80, s, f"r{s}") for s in range(3)], horizons=[1, 5])
+    settings = {"horizons": [1, 5], "n_estimators": 5, "calibration_estimators": 5}
+    model = make_forecaster("lightgbm-trajectory", prefill_offset="blend", **settings).fit(data)
+    weights = model.offset_weights_
+    assert all(0.0 <= w <= 1.0 for w in weights["prefill_tokens"])
+    assert weights["prefill_tokens"] != [1.0, 1.0]  # recent demand carries weight
+    assert all(weights[t] == [1.0, 1.0] for t in TARGETS[1:])
+    model.save(tmp_path / "m")
+    loaded = load_forecaster(tmp_path / "m")
+    assert loaded.prefill_offset == "blend" and loaded.offset_weights_ == weights
+    manifest = tmp_path / "m" / "manifest.json"
+    text = json.loads(manifest.read_text())
+    text["state"]["offset_weights"] = {}
+    manifest.write_text(json.dumps(text))
+    with pytest.raises(InputError, match="prefill_offset 'blend': the model needs"):
+        load_forecaster(tmp_path / "m")
 
 
 def test_calibration_splits_the_prefill_lag_into_later_and_first_turns():
