@@ -126,8 +126,8 @@ def test_the_controller_forecasts_only_what_the_policy_reads_and_decides_the_sam
         provider = make_provider("lightgbm-trajectory")
         sim = Simulation(
             ClusterConfig(profile="h200-qwen2.5-7b-tp1", num_slots=8),
-            make_policy("predictive", min_gain=0.0, start="split"),  # it switches here
-            SyncDriver([get_scenario("swe").sample(256, seed=3, group_size=8)]),
+            make_policy("predictive", min_gain=0.0, start="split"),  # it switches at this load
+            SyncDriver([get_scenario("swe").sample(512, seed=3, group_size=8)]),
             forecaster=provider,
             keep_forecasts=keep,
         )
