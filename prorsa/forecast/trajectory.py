@@ -88,7 +88,6 @@ LAG_FEATURES = ("lag_later_prefill", "lag_decode", "lag_sequences", "lag_kv", "l
 #: What the calibration may correct, per target (``prefill_offset`` and ``decode_offset``,
 #: see the class doc).
 OFFSETS = ("bottom-up", "recent", "blend")
-DECODE_OFFSETS = OFFSETS  # the name the decode option had first
 CALIBRATION_FEATURES = (
     "live",
     "queued",
