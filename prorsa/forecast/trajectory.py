@@ -164,14 +164,18 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.folds = folds
         self.calibration_estimators = calibration_estimators
         self.max_rows = max_rows
-        for name, value in (("prefill_offset", prefill_offset), ("decode_offset", decode_offset)):
+        self.prefill_offset = prefill_offset
+        self.decode_offset = decode_offset
+        for name, value in self._offset_options().items():
             if value not in OFFSETS:
                 from prorsa.errors import ConfigError
 
                 raise ConfigError(f"unknown {name} {value!r}", hint=f"one of {OFFSETS}")
-        self.prefill_offset = prefill_offset
-        self.decode_offset = decode_offset
         self.queue_wait = queue_wait
+
+    def _offset_options(self) -> dict[str, str]:
+        """The two offset parameters by name: prefill's, then the decode targets'."""
+        return {"prefill_offset": self.prefill_offset, "decode_offset": self.decode_offset}
 
     # ------------------------------------------------------------------- fit
     def _train(
@@ -676,12 +680,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
         self.conformal_ = read_conformal(state, path, len(self.horizons_))
         self.points_ = read_points(state, source, len(self.horizons_), self.point_choices())
         self.offset_weights_ = _offset_weights(state, source, len(self.horizons_))
-        moved = [
-            f"{name} {mode!r}"
-            for name, mode in (("prefill_offset", self.prefill_offset),
-                               ("decode_offset", self.decode_offset))
-            if mode != "bottom-up"
-        ]  # fmt: skip
+        moved = [f"{n} {m!r}" for n, m in self._offset_options().items() if m != "bottom-up"]
         if not self.offset_weights_ and moved:
             raise InputError(
                 f"{' and '.join(moved)}: the model needs the fitted offset weights",
