@@ -541,7 +541,8 @@ def test_paying_regimes_over_a_whole_map_are_read_at_a_false_discovery_rate():
     assert pays_at_fdr([strong, marginal, *[failed] * 30]) == ["strong"]
     assert chance_pays(rows) == pytest.approx(0.025 * 32)  # the invalid one is not tested
     text = many_tests_markdown(rows)
-    assert "pays in 2 of 32" in text and "1 remain: strong." in text
+    assert "pays in 2 of 32" in text and "1 remains: strong." in text
+    assert "2 remain: strong, marginal." in many_tests_markdown([strong, marginal])
     assert [h["split_pays_fdr_cells"] for h in headline(rows)] == [1]
 
 

@@ -430,7 +430,8 @@ def many_tests_markdown(summaries: list[dict]) -> str:
         f"Predictive's split pays in {len(paying)} of {tested} regimes with a baseline; "
         f"if it paid in none, about {chance_pays(summaries):.1f} would look paying by "
         f"chance. At a {FDR:.0%} false discovery rate over the map (Benjamini-Hochberg on "
-        f"one-sided t-tests of the per-seed log speedups) {len(kept)} remain"
+        f"one-sided t-tests of the per-seed log speedups) {len(kept)} "
+        f"{'remains' if len(kept) == 1 else 'remain'}"
     )
     return text + (": " + ", ".join(kept) + "." if kept else ".")
 
