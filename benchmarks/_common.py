@@ -43,3 +43,41 @@ def save(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=float) + "\n")
     return path
+
+
+class CollectionTimer:
+    """Times Python's garbage collections in this process, by the phase set in
+    :attr:`phase` when each one ran (a benchmark names its phases as it goes)."""
+
+    def __init__(self, phase: str = "") -> None:
+        import gc
+
+        self.phase = phase
+        self._pauses: dict[str, list[tuple[int, float]]] = {}
+        self._began = 0.0
+        self._gc = gc
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, stage: str, info: dict) -> None:
+        import time
+
+        if stage == "start":
+            self._began = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._began
+        self._pauses.setdefault(self.phase, []).append((info["generation"], pause))
+
+    def close(self) -> None:
+        if self._callback in self._gc.callbacks:
+            self._gc.callbacks.remove(self._callback)
+
+    def summary(self, phase: str) -> dict[str, float | int]:
+        """Collections during ``phase``: how many (and how many full ones), total and
+        longest pause in ms."""
+        pauses = self._pauses.get(phase, [])
+        return {
+            "collections": len(pauses),
+            "full_collections": sum(1 for generation, _ in pauses if generation == 2),
+            "total_ms": round(1e3 * sum(p for _, p in pauses), 1),
+            "max_ms": round(1e3 * max((p for _, p in pauses), default=0.0), 1),
+        }

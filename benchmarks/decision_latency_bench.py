@@ -30,7 +30,6 @@ Goal (issue 13): p99 of the whole tick < 20 ms with lightgbm-trajectory.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -40,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import save
+from benchmarks._common import CollectionTimer, save
 
 GOAL_P99_MS = 20.0
 
@@ -124,14 +123,14 @@ def measure(
     _timed(controller.policy, "decide", parts["decide"])
     totals, sequential, live_counts, events = [], [], [], []
     ticked = len(log)  # events the controller has handed over so far
-    collections = _CollectionTimer()
+    collections = CollectionTimer("between_ticks")
     for _ in range(ticks):
         sim.advance(sim.env.now + 1.0)
         before = len(log)
         t0 = time.perf_counter()
-        collections.in_tick = True
+        collections.phase = "in_ticks"
         controller.tick()
-        collections.in_tick = False
+        collections.phase = "between_ticks"
         totals.append(time.perf_counter() - t0)
         events.append(before - ticked)
         ticked = before
@@ -162,44 +161,12 @@ def measure(
         "forecast_horizons_s": list(provider.horizons),
         # Automatic collections are held off during ticks (Controller.gc_between_ticks);
         # what they cost between ticks over the measured stretch is reported beside them.
-        "gc": collections.summary(),
+        "gc": {phase: collections.summary(phase) for phase in ("in_ticks", "between_ticks")},
     }
     if ref is not None:
         out["ingest_per_event_reference"] = _percentiles(sequential)
         out["reference_state_equal"] = _same_state(ref, model.tracker_)
     return out
-
-
-class _CollectionTimer:
-    """Times Python's garbage collections, inside and outside the measured ticks."""
-
-    def __init__(self) -> None:
-        self.in_tick = False
-        self.inside: list[float] = []
-        self.outside: list[float] = []
-        self._began = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            (self.inside if self.in_tick else self.outside).append(
-                time.perf_counter() - self._began
-            )
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def summary(self) -> dict:
-        def part(seconds: list[float]) -> dict:
-            return {
-                "collections": len(seconds),
-                "total_ms": round(1e3 * sum(seconds), 1),
-                "max_ms": round(1e3 * max(seconds, default=0.0), 1),
-            }
-
-        return {"in_ticks": part(self.inside), "between_ticks": part(self.outside)}
 
 
 def warm_compiled(model) -> bool:

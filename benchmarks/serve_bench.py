@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from benchmarks._common import save
+from benchmarks._common import CollectionTimer, save
 
 CONCURRENCY = (1, 16, 64)
 PROMPT_TOKENS = 32
@@ -249,18 +249,26 @@ def measure(
     samples: dict[str, list] = {"direct": [], **{name: [] for name in urls}}
     wall = dict.fromkeys(samples, 0.0)
     cpu = dict.fromkeys(urls, 0.0)
-    for _ in range(args.rounds):
-        d, w = asyncio.run(direct_load(client, concurrency, requests, prompt_tokens))
-        samples["direct"] += d
-        wall["direct"] += w
-        for name, url in urls.items():
-            s, w, c = served_round(url, concurrency, requests, args.http_client, prompt_tokens)
-            samples[name] += s
-            wall[name] += w
-            cpu[name] += c
+    # The servers run on threads of this process: a collection here pauses them.
+    collections = CollectionTimer()
+    try:
+        for _ in range(args.rounds):
+            collections.phase = "direct"
+            d, w = asyncio.run(direct_load(client, concurrency, requests, prompt_tokens))
+            samples["direct"] += d
+            wall["direct"] += w
+            for name, url in urls.items():
+                collections.phase = name
+                s, w, c = served_round(url, concurrency, requests, args.http_client, prompt_tokens)
+                samples[name] += s
+                wall[name] += w
+                cpu[name] += c
+    finally:
+        collections.close()
     row: dict[str, Any] = {"direct": stats(samples["direct"], wall["direct"])}
     for name in urls:
-        row[name] = stats(samples[name], wall[name], cpu[name])
+        row[name] = {**stats(samples[name], wall[name], cpu[name]),
+                     "gc": collections.summary(name)}  # fmt: skip
     direct = row["direct"]
     for name in urls:
         prefix = "" if name == "served" else f"{name}_"
@@ -293,6 +301,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help=argparse.SUPPRESS)
     parser.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp",
                         help="the load client's HTTP library")  # fmt: skip
+    parser.add_argument("--unfrozen", action="store_true",
+                        help="serve with the start-up heap left in the collector's full "
+                        "passes, to compare (writes serve-unfrozen.json)")  # fmt: skip
     args = parser.parse_args()
     if args.client:
         started = time.perf_counter()
@@ -321,7 +332,7 @@ def main() -> None:
                               max_num_seqs=64, kv_cache_gib=0.25, connector=None)  # fmt: skip
         fleet = EngineFleet.start(FleetSpec(engine, roles=["colocated"]))
         config = ServeConfig(model=str(model), engines=1, policy="colocate", port=free_port(),
-                             max_num_seqs=64)  # fmt: skip
+                             max_num_seqs=64, freeze_startup_heap=not args.unfrozen)  # fmt: skip
         floor_config = ServeConfig(model=str(model), engines=1, port=free_port())
         client = fleet.clients[0]
         try:
@@ -346,7 +357,7 @@ def main() -> None:
             fleet.shutdown()
             ray.shutdown()
     path = save(
-        "serve",
+        "serve-unfrozen" if args.unfrozen else "serve",
         {
             "setup": {
                 "engines": 1,
@@ -354,6 +365,7 @@ def main() -> None:
                 "max_tokens": MAX_TOKENS,
                 "rounds": args.rounds,
                 "http_client": args.http_client,
+                "freeze_startup_heap": config.freeze_startup_heap,
                 "load_average": os.getloadavg(),
             },
             "goal": {"concurrency": 16, "added_p50_ms": 3.0, "added_p99_ms": 20.0},

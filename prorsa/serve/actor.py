@@ -7,6 +7,7 @@ many sessions are served at once. Engines are started from inside the actor.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prorsa.runtime.ray.control_group import (
@@ -16,6 +17,7 @@ from prorsa.runtime.ray.control_group import (
     with_control_group,
 )
 from prorsa.serve.config import ServeConfig
+from prorsa.serve.gc_heap import startup_heap_frozen
 
 #: Run in their own Ray concurrency group: turns waiting at a paused service's gate hold
 #: request slots, and a ``resume`` queued behind them would never run.
@@ -33,10 +35,13 @@ class RolloutServiceActor(LoopBound):
         from prorsa.serve.service import RolloutService
 
         self.service = RolloutService(config, fleet=fleet)
+        self._heap = contextlib.ExitStack()
 
     async def start(self) -> dict[str, Any]:
         self.bind_main_loop()  # the service's gate and locks live on this loop
         await self.service.start()
+        # The actor's process serves from here on, as `prorsa serve`'s does.
+        self._heap.enter_context(startup_heap_frozen(self.service.config.freeze_startup_heap))
         return self.service.status()
 
     async def generate(
@@ -86,7 +91,10 @@ class RolloutServiceActor(LoopBound):
         return self.service.status()
 
     async def shutdown(self) -> None:
-        await self.service.shutdown()
+        try:
+            await self.service.shutdown()
+        finally:
+            self._heap.close()
 
 
 def rollout_service_actor(config: ServeConfig, *, fleet: Any = None, **ray_options: Any) -> Any:

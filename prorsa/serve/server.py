@@ -19,6 +19,7 @@ from typing import Any
 
 from prorsa.errors import ConfigError
 from prorsa.serve.config import ServeConfig
+from prorsa.serve.gc_heap import startup_heap_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ async def _serve(
                 loop.remove_signal_handler(signal.SIGTERM)
         if on_ready is not None:
             asyncio.get_running_loop().create_task(_when_started(server, on_ready, service))
-        await server.serve(sock)  # uvicorn holds SIGINT and SIGTERM from its first step
+        with startup_heap_frozen(config.freeze_startup_heap):
+            await server.serve(sock)  # uvicorn holds SIGINT and SIGTERM from its first step
     finally:
         logger.info("shutting down the rollout service")
         if in_main:
@@ -290,6 +292,7 @@ class BackgroundServer:
             await service.start()
             self.service = service
             self._server = uvicorn.Server(uvicorn_config(self.config, create_app(service)))
-            await self._server.serve(sockets=[self._socket])
+            with startup_heap_frozen(self.config.freeze_startup_heap):
+                await self._server.serve(sockets=[self._socket])
         finally:
             await service.shutdown()

@@ -8,6 +8,7 @@ and the GRPO run comes last, after the original weights are loaded again.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -72,6 +73,11 @@ def forward_logprobs(model_dir, tokens):
         x = torch.tensor([tokens])
         rows = torch.log_softmax(model(x).logits[0, :-1], -1)
     return rows.gather(1, x[0, 1:, None])[:, 0].tolist(), rows.argmax(-1).tolist()
+
+
+def test_the_start_up_heap_stays_out_of_full_collections_while_serving(server):
+    assert server.config.freeze_startup_heap
+    assert gc.get_freeze_count() > 0
 
 
 def test_logprobs_match_the_model_and_parse_as_vllm_responses(http, tiny_model_dir):
