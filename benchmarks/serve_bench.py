@@ -302,8 +302,9 @@ def main() -> None:
     parser.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp",
                         help="the load client's HTTP library")  # fmt: skip
     parser.add_argument("--unfrozen", action="store_true",
-                        help="serve with the start-up heap left in the collector's full "
-                        "passes, to compare (writes serve-unfrozen.json)")  # fmt: skip
+                        help="serve with the server's and the engine's start-up heaps left "
+                        "in the collector's full passes, to compare "
+                        "(writes serve-unfrozen.json)")  # fmt: skip
     args = parser.parse_args()
     if args.client:
         started = time.perf_counter()
@@ -329,7 +330,8 @@ def main() -> None:
         model = make_tiny_model(Path(tmp) / "model", seed=0)
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         engine = EngineConfig(model=str(model), dtype="float32", max_model_len=1024,
-                              max_num_seqs=64, kv_cache_gib=0.25, connector=None)  # fmt: skip
+                              max_num_seqs=64, kv_cache_gib=0.25, connector=None,
+                              freeze_startup_heap=not args.unfrozen)  # fmt: skip
         fleet = EngineFleet.start(FleetSpec(engine, roles=["colocated"]))
         config = ServeConfig(model=str(model), engines=1, policy="colocate", port=free_port(),
                              max_num_seqs=64, freeze_startup_heap=not args.unfrozen)  # fmt: skip

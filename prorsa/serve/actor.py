@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from prorsa.runtime.gc_heap import startup_heap_frozen
 from prorsa.runtime.ray.control_group import (
     CONTROL_CONCURRENCY,
     CONTROL_GROUP,
@@ -17,7 +18,6 @@ from prorsa.runtime.ray.control_group import (
     with_control_group,
 )
 from prorsa.serve.config import ServeConfig
-from prorsa.serve.gc_heap import startup_heap_frozen
 
 #: Run in their own Ray concurrency group: turns waiting at a paused service's gate hold
 #: request slots, and a ``resume`` queued behind them would never run.

@@ -135,8 +135,8 @@ class ServeConfig:
         default=True,
         **_help(
             "Keep the objects alive after start-up out of Python's full garbage "
-            "collections while serving (gc.freeze): those pauses stop every thread of "
-            "the process, ~300 ms each at this process's start-up heap."
+            "collections while serving (gc.freeze), here and in the engines it starts: "
+            "those pauses stop every thread of a process, ~300 ms each at a start-up heap."
         ),
     )
 

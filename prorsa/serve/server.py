@@ -18,8 +18,8 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from prorsa.errors import ConfigError
+from prorsa.runtime.gc_heap import startup_heap_frozen
 from prorsa.serve.config import ServeConfig
-from prorsa.serve.gc_heap import startup_heap_frozen
 
 logger = logging.getLogger(__name__)
 

@@ -66,6 +66,7 @@ def engine_config_for(config: ServeConfig, *, on_cpu: bool) -> Any:
         kv_wait_timeout_s=config.kv_wait_timeout_s,
         seed=config.seed,
         engine_kwargs=extra,
+        freeze_startup_heap=config.freeze_startup_heap,
     )
     if engine.resolved_connector() == "example" and not engine.kv_storage_dir:
         # Only the file-backed connector keeps KV on disk: a folder of its own otherwise

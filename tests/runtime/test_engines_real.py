@@ -315,6 +315,7 @@ def test_weight_update_changes_outputs_in_place(fleet, reference, tmp_path):
     assert restored["weight_version"] == 2 and back["weight_version"] == "2"
     assert back["output_token_ids"] == reference(prompt, 16)
     assert health["pid"] == pid and health["weight_version"] == 2  # no restart
+    assert health["gc_frozen_objects"] > 0  # its start-up heap stays out of full collections
     rpc = asyncio.run(client.collective_rpc("compute_weight_checksums"))
     assert isinstance(rpc, list) and len(rpc) == 1
 

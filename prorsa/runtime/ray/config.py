@@ -101,6 +101,13 @@ class EngineConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "Engine sampling seed."})
+    freeze_startup_heap: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the actor's start-up heap out of Python's full garbage collections "
+            "once the engine runs (prorsa.runtime.gc_heap)."
+        },
+    )
     env: dict[str, str] = field(
         default_factory=dict, metadata={"help": "Extra environment variables for the engine."}
     )

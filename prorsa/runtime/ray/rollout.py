@@ -50,6 +50,7 @@ from prorsa.runtime.cluster.startup import (
     note_start,
 )
 from prorsa.runtime.controller import ForecastSource
+from prorsa.runtime.gc_heap import startup_heap_frozen
 from prorsa.runtime.ray import cpu_profile  # noqa: F401  (registers the CPU profile)
 from prorsa.runtime.ray.actuator import AsyncioClock, RayActuator
 from prorsa.runtime.ray.agent import AgentLoop, TrajectoryOutcome
@@ -234,7 +235,9 @@ def run_rollout(
                 run_all = _run(
                     config, fleet, roles, policy, forecaster, work, out, progress, stop, shape
                 )
-                result = asyncio.run(run_all)
+                # This process routes and controls from here on (prorsa.runtime.gc_heap).
+                with startup_heap_frozen():
+                    result = asyncio.run(run_all)
             finally:
                 if owned:
                     fleet.shutdown()

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from prorsa.serve.gc_heap import startup_heap_frozen
+from prorsa.runtime.gc_heap import startup_heap_frozen
 
 
 class _Node:
