@@ -16,11 +16,19 @@ class _Node:
 
 
 @pytest.fixture(autouse=True)
-def _unfrozen():
-    if gc.get_freeze_count():
-        pytest.skip("this process froze its heap before the test")
+def _unfrozen(monkeypatch):
+    """Each test starts with nothing frozen and no server holding a freeze (one left
+    running by an earlier test of the session must not decide these)."""
+    from prorsa.runtime import gc_heap
+
+    monkeypatch.setattr(gc_heap, "_holders", 0)
+    monkeypatch.setattr(gc_heap, "_frozen_before", False)
+    frozen_by_others = gc.get_freeze_count() > 0
+    gc.unfreeze()
     yield
     gc.unfreeze()
+    if frozen_by_others:
+        gc.freeze()
 
 
 def test_objects_alive_at_start_leave_the_collector_until_the_server_stops():
