@@ -13,7 +13,7 @@ None of those objects becomes garbage while the process serves, so it moves them
 the collector's view once started (:func:`gc.freeze`; vLLM's OpenAI server and engine
 core do the same after their own start-up, but the engine actor's front end is built
 after that) and back when it stops. Full collections then walk only what serving
-allocated: 4 ms at most in the same run. Objects that become cyclic garbage while frozen
+allocated: under 6 ms in the same set-up. Objects that become cyclic garbage while frozen
 are freed at :func:`gc.unfreeze`, not before, which is why a server embedded in a
 longer-lived process gives them back when it stops (unless the process had frozen its heap
 itself before: unfreezing is all or nothing, and that freeze is not the server's to undo).
