@@ -553,7 +553,7 @@ def test_misses_against_colocation_split_into_its_layout_choice_and_the_policy()
         layout_choice,
     )
 
-    def summary(label, chosen, best, tp4, tp8, predictive):
+    def summary(label, chosen, best, tp4, tp8, predictive, selection=None):
         seeds = (9, 10, 11)
         colocate = {
             "tp4": {"objective_by_seed": dict(zip(seeds, tp4, strict=True))},
@@ -564,15 +564,23 @@ def test_misses_against_colocation_split_into_its_layout_choice_and_the_policy()
         speedup = float(np.exp(np.mean(np.log(at_best / np.array(predictive)))))
         return {
             "label": label, "valid": True,
-            "selection": {"colocate_best_layout": chosen},
+            "selection": {"colocate_best_layout": chosen, **(selection or {})},
             "colocate": colocate,
             "colocate_best": {"layout": best, **colocate[best]},
             "policies": {"predictive": {"objective_by_seed": run}},
             "speedup": {"predictive": speedup},
         }  # fmt: skip
 
-    # seed 0 chose tp4, tp8 is 4% faster on the held-out seeds; predictive = colocated tp4
-    layout = summary("layout", "tp4", "tp8", [104, 104, 104], [100, 100, 100], [104, 104, 104])
+    # seed 0 chose tp4 (3% faster there; confirmed on seeds 1 and 2, faster on one), tp8
+    # is 4% faster on the held-out seeds; predictive = colocated tp4
+    chose = {
+        "seed": 0,
+        "colocate": {"tp4": 100.0, "tp8": 103.0, "tp2": 120.0},
+        "confirmed": {"tp4": {"1": 100.0, "2": 100.0}, "tp8": {"1": 102.0, "2": 99.0}},
+    }
+    layout = summary(
+        "layout", "tp4", "tp8", [104, 104, 104], [100, 100, 100], [104, 104, 104], chose
+    )
     # the same layout both ways, the policy itself 5% slower
     policy = summary("policy", "tp8", "tp8", [110, 110, 110], [100, 100, 100], [105, 105, 105])
     fine = summary("fine", "tp8", "tp8", [110, 110, 110], [100, 100, 100], [99, 99, 99])
@@ -588,13 +596,20 @@ def test_misses_against_colocation_split_into_its_layout_choice_and_the_policy()
     assert split["colocate_chosen_vs_best"] * split["vs_colocate_chosen"] == pytest.approx(
         layout["speedup"]["predictive"]
     )
+    # every seed both layouts ran, selection and confirmation ones included
+    assert split["best_over_chosen_time_by_seed"] == pytest.approx(
+        {"0": 1.03, "1": 1.02, "2": 0.99, "9": 100 / 104, "10": 100 / 104, "11": 100 / 104}
+    )
+    assert split["seeds_chosen_not_slower"] == 2
+    assert layout_choice(policy)["best_over_chosen_time_by_seed"] == {"9": 1, "10": 1, "11": 1}
     assert layout_choice(failed) is None
     causes = colocate_misses_by_cause([layout, policy, fine, both, failed])
     assert {cause: [r["label"] for r in rows] for cause, rows in causes.items()} == {
         "layout": ["layout"], "policy": ["policy"], "both": ["both"], "unknown": ["failed"]
     }  # fmt: skip
     text = colocate_misses_markdown([layout, policy, fine])
-    assert "| layout | layout | 0.962x | 0.962x (tp4 / tp8) | 1.000x |" in text
+    assert "| layout | layout | 0.962x | 0.962x (tp4 / tp8) | on 2 of 6 seeds | 1.000x |" in text
+    assert "| policy | policy | 0.952x | 1.000x (tp8 / tp8) | on 3 of 3 seeds | 0.952x |" in text
     assert colocate_misses_markdown([fine]).endswith("in every regime.")
 
 
