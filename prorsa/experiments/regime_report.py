@@ -209,11 +209,15 @@ def colocate_misses_markdown(
                 lines.append(f"| {r['label']} | {cause} | {r['speedup']:.3f}x | - | - | - |")
                 continue
             seeds = r["best_over_chosen_time_by_seed"]
+            trades = (
+                "- (the same layout)"
+                if r["chosen_layout"] == r["best_layout"]
+                else f"on {r['seeds_chosen_not_slower']} of {len(seeds)} seeds"
+            )
             lines.append(
                 f"| {r['label']} | {cause} | {r['speedup']:.3f}x | "
                 f"{r['colocate_chosen_vs_best']:.3f}x ({r['chosen_layout']} / "
-                f"{r['best_layout']}) | on {r['seeds_chosen_not_slower']} of {len(seeds)} "
-                f"seeds | {r['vs_colocate_chosen']:.3f}x |"
+                f"{r['best_layout']}) | {trades} | {r['vs_colocate_chosen']:.3f}x |"
             )
     lines += [
         "",
