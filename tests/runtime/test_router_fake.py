@@ -347,6 +347,35 @@ def test_a_failing_load_poll_does_not_end_the_monitor():
     assert asyncio.run(run()) > 2
 
 
+def test_a_poll_cancelled_before_it_asks_leaves_no_unawaited_load_call():
+    # Found in CI: a service shut down while a poll was being sent warned "coroutine
+    # 'load' was never awaited": each engine's load() was called before its wait began.
+    import gc
+    import warnings
+
+    from prorsa.runtime.ray.monitor import LoadMonitor
+
+    class Polled(FakeEngine):
+        async def load(self):
+            return {"engine_id": self.engine_id, "running": 0, "waiting": 0}
+
+    pools = RolePools([Polled(0), Polled(1)], {0: "prefill", 1: "decode"}, {0: LIMITS, 1: LIMITS})
+
+    async def run():
+        monitor = LoadMonitor(pools, interval_s=60)
+        poll = asyncio.ensure_future(monitor.poll_once())
+        await asyncio.sleep(0)  # the poll has handed its questions over, none asked yet
+        poll.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await poll
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        asyncio.run(run())
+        gc.collect()
+    assert not [w for w in seen if "never awaited" in str(w.message)]
+
+
 def test_queued_prefill_counts_the_tokens_a_leg_computes_not_its_cached_prefix():
     # Found by review: a prefill leg counted its whole context, cached prefix included,
     # where the simulator counts what is left to compute; routing by queued tokens and

@@ -87,6 +87,11 @@ class LoadMonitor:
                 await self._task
             self._task = None
 
+    async def _ask(self, client: Any) -> Any:
+        # load() is called once this runs, not when the poll hands the question over: a
+        # poll cancelled in between (a shutdown) then leaves no coroutine never awaited.
+        return await asyncio.wait_for(client.load(), self.timeout_s)
+
     async def poll_once(self) -> None:
         """Ask every live engine once (concurrently)."""
         engines = [
@@ -95,8 +100,7 @@ class LoadMonitor:
             if e.alive and e.engine_id not in self._unsupported and hasattr(e.client, "load")
         ]
         answers = await asyncio.gather(
-            *(asyncio.wait_for(e.client.load(), self.timeout_s) for e in engines),
-            return_exceptions=True,
+            *(self._ask(e.client) for e in engines), return_exceptions=True
         )
         now = time.monotonic()
         stuck: dict[int, str] = {}
