@@ -10,13 +10,14 @@ the serving process and 383 ms in the engine actor, each one the latency tail of
 request in flight.
 
 None of those objects becomes garbage while the process serves, so it moves them out of
-the collector's view once started (:func:`gc.freeze`; vLLM's OpenAI server and engine
-core do the same after their own start-up, but the engine actor's front end is built
-after that) and back when it stops. Full collections then walk only what serving
-allocated: under 6 ms in the same set-up. Objects that become cyclic garbage while frozen
-are freed at :func:`gc.unfreeze`, not before, which is why a server embedded in a
-longer-lived process gives them back when it stops (unless the process had frozen its heap
-itself before: unfreezing is all or nothing, and that freeze is not the server's to undo).
+the collector's view once started (:func:`gc.freeze`; vLLM does the same in its OpenAI
+server and in its engine-core process, not in an ``AsyncLLM`` front end embedded in
+another process, as the engine actor's is) and back when it stops. Full collections then
+walk only what serving allocated: under 6 ms in the same set-up. Objects that become
+cyclic garbage while frozen are freed at :func:`gc.unfreeze`, not before, which is why a
+server embedded in a longer-lived process gives them back when it stops (unless the
+process had frozen its heap itself before: unfreezing is all or nothing, and that freeze
+is not the server's to undo).
 """
 
 from __future__ import annotations
