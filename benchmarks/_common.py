@@ -1,11 +1,13 @@
-"""Helpers shared by benchmark scripts: machine description and result files."""
+"""Helpers shared by benchmark scripts: machine description, result files, GC pauses."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import subprocess
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -50,17 +52,12 @@ class CollectionTimer:
     :attr:`phase` when each one ran (a benchmark names its phases as it goes)."""
 
     def __init__(self, phase: str = "") -> None:
-        import gc
-
         self.phase = phase
         self._pauses: dict[str, list[tuple[int, float]]] = {}
         self._began = 0.0
-        self._gc = gc
         gc.callbacks.append(self._callback)
 
     def _callback(self, stage: str, info: dict) -> None:
-        import time
-
         if stage == "start":
             self._began = time.perf_counter()
             return
@@ -68,8 +65,8 @@ class CollectionTimer:
         self._pauses.setdefault(self.phase, []).append((info["generation"], pause))
 
     def close(self) -> None:
-        if self._callback in self._gc.callbacks:
-            self._gc.callbacks.remove(self._callback)
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
     def summary(self, phase: str) -> dict[str, float | int]:
         """Collections during ``phase``: how many (and how many full ones), total and
