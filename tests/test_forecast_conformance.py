@@ -18,6 +18,12 @@ FAST = {
     "lightgbm-aggregate": {"n_estimators": 8},
     "lightgbm-trajectory": {"n_estimators": 8, "calibration_estimators": 8},
     "gru": {"epochs": 2, "window": 6, "hidden": 8},
+    "per-target": {
+        "member_params": {
+            "lightgbm-aggregate": {"n_estimators": 8},
+            "lightgbm-trajectory": {"n_estimators": 8, "calibration_estimators": 8},
+        }
+    },
 }
 
 

@@ -126,6 +126,10 @@ def test_ship_end_to_end_on_a_tiny_recipe(tmp_path, monkeypatch):
     )
     assert f"{metrics['heldout_wape_prefill_tokens_h5']:.3f}" in row
     assert "`lightgbm-aggregate` |" in card and "was not retrained" in card
+    # With both candidates shipped, the composite is composed from them and carded.
+    composite = load_forecaster(tmp_path / "models" / "per-target")
+    assert set(composite.member_of().values()) <= {"lightgbm-trajectory", "lightgbm-aggregate"}
+    assert "## Per target" in card
 
 
 def test_validation_seeds_count_as_seen_and_validation_cells_are_their_own():

@@ -341,3 +341,41 @@ def ship_cmd(
         f"{report.heldout_runs} held-out runs (simulator {report.simulator['commit']}; "
         f"data card: {out / 'README.md'})"
     )
+
+
+# --------------------------------------------------------------------- compose
+@app.command("compose")
+@friendly_errors
+def compose_cmd(
+    models: Path = typer.Option(Path("models"), help="folder holding the candidate models"),
+    candidates: str = typer.Option(
+        "lightgbm-trajectory,lightgbm-aggregate", "--from", help="candidate model folders"
+    ),
+    out: Path | None = typer.Option(None, help="where to save it (default: MODELS/per-target)"),
+    metric: str = typer.Option(
+        "validation_wape_{target}_h5", help="manifest metric to choose by ({target} filled in)"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the choice as JSON"),
+) -> None:
+    """Compose a per-target forecaster: each target from the candidate scoring best on it."""
+    from prorsa.forecast.per_target import compose_shipped
+
+    names = _list(candidates)
+    if len(names) < 2:
+        raise ConfigError(f"--from needs two or more candidates, got {names}")
+    path, choice = compose_shipped(models, names, metric=metric, out=out)
+    if as_json:
+        print_json({"out": str(path), "targets": choice})
+        return
+    table = Table(title=f"per-target forecaster -> {path}")
+    table.add_column("target")
+    for name in names:
+        table.add_column(name)
+    for target, entry in choice.items():
+        cells = []
+        for name in names:
+            score = entry["scores"].get(name)
+            text = "-" if score is None else f"{score:.4f}"
+            cells.append(f"[bold]{text}[/bold]" if name == entry["member"] else text)
+        table.add_row(target, *cells)
+    console.print(table)

@@ -4,7 +4,7 @@ Heavy dependencies (lightgbm, torch, mlflow) are imported where they are used, s
 this package (which registers the built-in forecasters) stays cheap.
 """
 
-from prorsa.forecast import aggregate, baselines, gru, oracle, trajectory  # noqa: F401
+from prorsa.forecast import aggregate, baselines, gru, oracle, per_target, trajectory  # noqa: F401
 from prorsa.forecast.base import FORECASTERS, Forecaster, load_forecaster
 from prorsa.forecast.dataset import ForecastDataset, build_dataset
 from prorsa.forecast.features import LifecycleFeatures

@@ -8,8 +8,9 @@ the events since the last tick and marks a control tick; ``predict(horizons)`` f
 from that tick. ``reset()`` starts a new run with the same fitted model.
 
 Saved models are folders ``models/<name>/`` with ``manifest.json`` (forecaster name,
-parameters, data hash, metrics, package versions, fitted state) and whatever files the
-forecaster's hook writes beside it.
+parameters, data hash, metrics, package versions, fitted state) and whatever the
+forecaster's hook writes beside it: files, or whole model folders of the members of a
+composite (:mod:`prorsa.forecast.per_target`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -38,7 +40,7 @@ from prorsa.forecast.features import (
     aggregate_feature_names,
     aggregate_features,
 )
-from prorsa.forecast.model_folder import MANIFEST, check_files, read_manifest
+from prorsa.forecast.model_folder import MANIFEST, check_files, entry_sha256, read_manifest
 from prorsa.forecast.tracker import LifecycleTracker
 from prorsa.forecast.types import (
     DEFAULT_HORIZONS,
@@ -48,7 +50,7 @@ from prorsa.forecast.types import (
     check_horizons,
     target_column,
 )
-from prorsa.io import atomic_write_text, file_sha256
+from prorsa.io import atomic_write_text
 from prorsa.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -162,12 +164,17 @@ class Forecaster(ABC):
     def reset(self) -> Forecaster:
         """Forget the stream (start of a new run); the fitted model is kept."""
         self._check_fitted()
-        self.tracker_ = self.make_tracker()
+        self._start_stream(self.make_tracker())
+        return self
+
+    def _start_stream(self, tracker: LifecycleTracker) -> None:
+        """Start a new run reading ``tracker`` (its own, or one a composite feeds for
+        several members: :mod:`prorsa.forecast.per_target`)."""
+        self.tracker_ = tracker
         self._ticks = 0
         self._fallback_ticks = 0
         self._drift_logged: tuple[str, ...] = ()  # the drift last logged (() once back)
         self._reset_stream()
-        return self
 
     def _reset_stream(self) -> None:  # noqa: B027  (optional hook)
         """Hook: clear per-run state kept beside the tracker."""
@@ -373,7 +380,9 @@ class Forecaster(ABC):
             (path / MANIFEST).unlink(missing_ok=True)
             files = {}
             for file in sorted(Path(staging).iterdir()):
-                files[file.name] = file_sha256(file)
+                files[file.name] = entry_sha256(file)
+                if file.is_dir() and (path / file.name).is_dir():
+                    shutil.rmtree(path / file.name)  # a member saved here before
                 os.replace(file, path / file.name)
         manifest = {
             "format": "prorsa-forecaster/1",

@@ -117,8 +117,11 @@ def check_files(manifest: dict[str, Any], path: Path) -> None:
     src = str(path / MANIFEST)
     _expect(files, dict, src, "files", "an object of file name -> SHA-256")
     for name, digest in files.items():
-        file = model_file(path, name, field=f"files.{name}")
-        if not isinstance(digest, str) or file_sha256(file) != digest:
+        if isinstance(name, str) and Path(name).name == name and (path / name).is_dir():
+            file = path / name  # a member's model folder: its manifest pins its own files
+        else:
+            file = model_file(path, name, field=f"files.{name}")
+        if not isinstance(digest, str) or entry_sha256(file) != digest:
             raise InputError(
                 f"{name} does not match the manifest's SHA-256: its save was cut short, or "
                 "it comes from another model",
@@ -126,6 +129,17 @@ def check_files(manifest: dict[str, Any], path: Path) -> None:
                 field=f"files.{name}",
                 hint=_HINT,
             )
+
+
+def entry_sha256(entry: Path) -> str:
+    """The SHA-256 a manifest records for one entry of a model folder: a file's own, or
+    for a member's model folder its manifest's (which records its files' in turn)."""
+    if entry.is_dir():
+        manifest = entry / MANIFEST
+        if not manifest.is_file():
+            raise InputError(f"no {MANIFEST} in the member folder", source=str(entry), hint=_HINT)
+        return file_sha256(manifest)
+    return file_sha256(entry)
 
 
 def state_field(state: dict, key: str, kind: type | tuple[type, ...], *, source: Path) -> Any:

@@ -477,7 +477,10 @@ def ship(
         heldout_runs = len(set(validate[0].column("run_id").to_pylist())) if validate else 0
         kept = {n: _shipped_summary(out / n) for n in SHIP_MODELS if n not in results}
         kept = {n: s for n, s in kept.items() if s is not None}
-        write_data_card(out / "README.md", data, results, heldout_runs, kept=kept)
+        composed = _compose_if_shipped(out)
+        write_data_card(
+            out / "README.md", data, results, heldout_runs, kept=kept, composed=composed
+        )
     return ShipReport(
         out=out,
         models=results,
@@ -486,6 +489,17 @@ def ship(
         data_hash=data.data_hash(),
         simulator=made_by,
     )
+
+
+def _compose_if_shipped(out: Path) -> dict | None:
+    """Compose ``out/per-target`` from the shipped candidates once all of them are in
+    ``out`` (:func:`~prorsa.forecast.per_target.compose_shipped`); its choice, or None."""
+    from prorsa.forecast.model_folder import MANIFEST
+    from prorsa.forecast.per_target import SHIPPED_CANDIDATES, compose_shipped
+
+    if not all((out / name / MANIFEST).is_file() for name in SHIPPED_CANDIDATES):
+        return None
+    return compose_shipped(out, SHIPPED_CANDIDATES)[1]
 
 
 def _shipped_summary(folder: Path) -> dict | None:
@@ -533,6 +547,7 @@ def write_data_card(
     *,
     scored_by: str | None = None,
     kept: dict | None = None,
+    composed: dict | None = None,
 ) -> None:
     """models/README.md: what the shipped models were trained on and how they score.
 
@@ -618,6 +633,7 @@ def write_data_card(
             f"by the simulator at commit `{made.get('commit', '?')}` (same recipe cells).",
         ]
     lines += _validation_fit_card(results)
+    lines += _per_target_card(composed)
     lines += [
         "",
         "See `benchmarks/results/forecast.json` for the comparison with the baselines.",
@@ -625,6 +641,34 @@ def write_data_card(
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _per_target_card(composed: dict | None) -> list[str]:
+    """The data card's section on ``per-target``: which member forecasts each target,
+    and the validation scores it was chosen by."""
+    if not composed:
+        return []
+    names = list(next(iter(composed.values()))["scores"])
+    lines = [
+        "",
+        "## Per target",
+        "",
+        "`per-target` forecasts each target with the shipped model of least validation",
+        "WAPE at 5 s on it (chosen on the validation cells above, never on held-out runs);",
+        "its folder holds a copy of each member it uses (`prorsa forecast compose` redoes",
+        "this choice):",
+        "",
+        "| target | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for target, entry in composed.items():
+        cells = []
+        for name in names:
+            score = entry["scores"].get(name)
+            text = "-" if score is None else f"{score:.3f}"
+            cells.append(f"**{text}**" if name == entry["member"] else text)
+        lines.append(f"| {target} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _validation_fit_card(results: dict) -> list[str]:
