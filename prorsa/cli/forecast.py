@@ -358,7 +358,7 @@ def compose_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the choice as JSON"),
 ) -> None:
     """Compose a per-target forecaster: each target from the candidate scoring best on it."""
-    from prorsa.forecast.per_target import compose_shipped
+    from prorsa.forecast.per_target import choice_cells, compose_shipped
 
     names = _list(candidates)
     if len(names) < 2:
@@ -372,10 +372,6 @@ def compose_cmd(
     for name in names:
         table.add_column(name)
     for target, entry in choice.items():
-        cells = []
-        for name in names:
-            score = entry["scores"].get(name)
-            text = "-" if score is None else f"{score:.4f}"
-            cells.append(f"[bold]{text}[/bold]" if name == entry["member"] else text)
+        cells = choice_cells(entry, names, digits=4, mark=lambda text: f"[bold]{text}[/bold]")
         table.add_row(target, *cells)
     console.print(table)

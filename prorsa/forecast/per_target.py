@@ -18,7 +18,7 @@ holding each member's own model folder, each pinned by its manifest's SHA-256.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from prorsa.errors import ConfigError, InputError
@@ -298,3 +298,17 @@ def compose_shipped(
         extra={**shared, "chosen_by": {"metric": metric, "targets": choice}},
     )
     return path, choice
+
+
+def choice_cells(
+    entry: Mapping, names: Sequence[str], *, digits: int, mark: Callable[[str], str]
+) -> list[str]:
+    """One target's row of a choice (:func:`compose_shipped`): each candidate's score
+    with ``digits`` decimals ("-" where it has none), the chosen one passed through
+    ``mark`` (bold in a table)."""
+    cells = []
+    for name in names:
+        score = entry["scores"].get(name)
+        text = "-" if score is None else f"{score:.{digits}f}"
+        cells.append(mark(text) if name == entry["member"] else text)
+    return cells

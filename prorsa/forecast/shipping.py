@@ -646,6 +646,8 @@ def write_data_card(
 def _per_target_card(composed: dict | None) -> list[str]:
     """The data card's section on ``per-target``: which member forecasts each target,
     and the validation scores it was chosen by."""
+    from prorsa.forecast.per_target import choice_cells
+
     if not composed:
         return []
     names = list(next(iter(composed.values()))["scores"])
@@ -662,11 +664,7 @@ def _per_target_card(composed: dict | None) -> list[str]:
         "|---|" + "---|" * len(names),
     ]
     for target, entry in composed.items():
-        cells = []
-        for name in names:
-            score = entry["scores"].get(name)
-            text = "-" if score is None else f"{score:.3f}"
-            cells.append(f"**{text}**" if name == entry["member"] else text)
+        cells = choice_cells(entry, names, digits=3, mark=lambda text: f"**{text}**")
         lines.append(f"| {target} | " + " | ".join(cells) + " |")
     return lines
 
