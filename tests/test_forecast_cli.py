@@ -210,3 +210,20 @@ def test_outputs_are_checked_before_any_work(telemetry, tmp_path):
     )
     # Refused for the output before the dataset is even read.
     assert res.exit_code == 1 and "not a directory" in res.output
+
+
+def test_compose_saves_the_choice_and_refuses_a_single_candidate(tmp_path):
+    from prorsa.forecast import TARGETS, load_forecaster
+
+    out = tmp_path / "pt"
+    result = runner.invoke(app, ["forecast", "compose", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.output)
+    assert printed["out"] == str(out) and set(printed["targets"]) == set(TARGETS)
+    model = load_forecaster(out)
+    assert model.member_of() == {t: c["member"] for t, c in printed["targets"].items()}
+
+    result = runner.invoke(
+        app, ["forecast", "compose", "--from", "lightgbm-trajectory", "--out", str(out)]
+    )
+    assert result.exit_code != 0 and "two or more candidates" in result.output
