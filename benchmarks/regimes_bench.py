@@ -31,7 +31,9 @@ parameters. It writes benchmarks/results/regimes-policies.json (goals before and
 the regimes that moved) and leaves the map's files alone, unless ``--apply`` (default
 parameters only): then the rerun policies' results replace the map's in regimes.json and
 regimes/results.json (``policies_rerun`` records the commit) and report.md and the README
-are redone, as after a policy change that leaves the simulator as it was. It warns when
+are redone, as after a policy change that leaves the simulator as it was.
+``--forecaster NAME`` with ``--rerun-policies predictive,mpc --apply`` changes the map's
+forecaster: only those two policies read it, and the plans do not. It warns when
 simulator code outside the policies changed since the map's commit (then the rerun is
 not exact).
 
@@ -300,6 +302,10 @@ def progress_printer(started: float) -> Callable[[int, int], None]:
     return progress
 
 
+#: The map's policies that read the forecaster (the oracle has its own).
+FORECASTING = frozenset({"predictive", "mpc"})
+
+
 def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
     """Rerun ``policies`` on the saved map's plans; print and save what moved (and with
     ``--apply`` write it into the map)."""
@@ -308,8 +314,13 @@ def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
 
     saved = json.loads((RESULTS / "regimes.json").read_text())
     forecaster = args.forecaster or saved.get("forecaster") or DEFAULT_FORECASTER
-    if args.apply and forecaster != saved.get("forecaster", forecaster):
-        sys.exit(f"--apply: the map ran {saved['forecaster']}, not {forecaster}")
+    forecaster_before = saved.get("forecaster", forecaster)
+    if args.apply and forecaster != forecaster_before and set(policies) < FORECASTING:
+        # Only the policies that read the forecast depend on it: all of them must rerun.
+        sys.exit(
+            f"--apply: the map ran {forecaster_before}; a map with {forecaster} reruns "
+            f"{', '.join(sorted(FORECASTING))}"
+        )
     # The full summaries (every metric of every run) where the map's results.json has
     # them for the same regimes; regimes.json's compact ones otherwise.
     full_path = OUT / "results.json"
@@ -380,7 +391,11 @@ def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
             "simulator_changed_since_map": changed,
             # the mechanism experiments are the map's run (mechanism (c) reads predictive)
             "mechanisms_rerun": False,
+            "forecaster": forecaster,
         }
+        if forecaster != forecaster_before:
+            record["forecaster_before"] = forecaster_before
+            saved["forecaster"] = forecaster
         saved.setdefault("policies_rerun", []).append(record)
         saved["regimes"] = [compact(s) for s in after]
         saved.update(derived(saved["regimes"]))
