@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import RESULTS, save
+from prorsa.experiments import DEFAULT_FORECASTER
 from prorsa.experiments.compare import CompareConfig, run_compare
 from prorsa.experiments.report import write_report
 from prorsa.runtime.cluster.config import ClusterConfig
@@ -120,7 +121,7 @@ def decision_latency(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="2 seeds, 16 engines, sync only")
-    parser.add_argument("--forecaster", default="lightgbm-trajectory")
+    parser.add_argument("--forecaster", default=DEFAULT_FORECASTER)
     parser.add_argument("--reuse", action="store_true", help="reuse blocks already saved")
     args = parser.parse_args()
     sizes = [16] if args.quick else [16, 64]

@@ -138,6 +138,6 @@ def test_compare_builds_its_cells_from_the_config_options(tmp_path, monkeypatch)
     assert predictive.work.max_in_flight == 32 and predictive.work.trajectories == 256
     assert predictive.control.interval_s == 0.5
     assert predictive.control.policy_params == {"horizon_s": 10}
-    assert predictive.control.forecaster == "lightgbm-trajectory"  # the sweeps' default
+    assert predictive.control.forecaster == "per-target"  # the sweeps' default
     assert cells["search", "colocate"].control.forecaster is None
     assert cells["search", "colocate"].control.policy_params == {}

@@ -137,7 +137,7 @@ def compare_cmd(
     """Compare allocation policies on workloads; writes results.json, report.md and plots.
 
     Workload, cluster and control-loop options are those of `prorsa simulate`; predictive
-    and mpc use lightgbm-trajectory unless --forecaster names another. Cells run as Ray
+    and mpc use per-target unless --forecaster names another. Cells run as Ray
     tasks and stream to OUT/cells.jsonl as they finish; running the same command again
     skips the finished ones."""
     from prorsa.experiments.compare import CompareConfig

@@ -54,7 +54,7 @@ def tune_cmd(
     """Tune POLICY. The study resumes when run again with the same settings; several
     workers (or several commands) may share one storage. Workload, cluster and
     control-loop options are those of `prorsa simulate` (--param: fixed parameters);
-    predictive and mpc use lightgbm-trajectory unless --forecaster names another."""
+    predictive and mpc use per-target unless --forecaster names another."""
     from prorsa.experiments.cells import Cell
     from prorsa.experiments.compare import forecaster_for
     from prorsa.io import check_output
