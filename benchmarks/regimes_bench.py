@@ -315,7 +315,7 @@ def rerun_policies_of_map(policies: list[str], params: dict, args) -> None:
     saved = json.loads((RESULTS / "regimes.json").read_text())
     forecaster = args.forecaster or saved.get("forecaster") or DEFAULT_FORECASTER
     forecaster_before = saved.get("forecaster", forecaster)
-    if args.apply and forecaster != forecaster_before and not FORECASTING <= set(policies):
+    if args.apply and forecaster != forecaster_before and not set(policies) >= FORECASTING:
         # Only the policies that read the forecast depend on it: all of them must rerun.
         sys.exit(
             f"--apply: the map ran {forecaster_before}; a map with {forecaster} reruns "
