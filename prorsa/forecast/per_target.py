@@ -98,11 +98,12 @@ class PerTargetForecaster(Forecaster):
 
     def _fit(self, data: ForecastDataset | None) -> None:
         params = dict(self.member_params or {})
+        self.member_names_ = self.member_of()  # checked once, read every tick
         self.members_ = {
             name: FORECASTERS.get(name)(
                 horizons=self.horizons, seed=self.seed, **dict(params.get(name, {}))
             ).fit(data)
-            for name in dict.fromkeys(self.member_of().values())
+            for name in dict.fromkeys(self.member_names_.values())
         }
         for member in self.members_.values():
             member.set_drift_check(False)  # the composite checks once, for every target
@@ -126,7 +127,7 @@ class PerTargetForecaster(Forecaster):
         }
         first = next(iter(by_name.values()))
         out = cls(horizons=first.horizons_, seed=first.seed, members=members, member_params=params)
-        out.member_of()
+        out.member_names_ = out.member_of()
         for model in by_name.values():
             for attr in ("horizons_", "lags_", "tasks_"):
                 if tuple(getattr(model, attr)) != tuple(getattr(first, attr)):
@@ -176,7 +177,7 @@ class PerTargetForecaster(Forecaster):
         point: Point = {}
         levels = set.intersection(*(set(f.quantiles) for f in by_name.values()))
         quantiles: Quantiles = {q: {} for q in sorted(levels)}
-        for target, name in self.member_of().items():
+        for target, name in self.member_names_.items():
             point[target] = by_name[name].point[target]
             for q in quantiles:
                 quantiles[q][target] = by_name[name].quantiles[q][target]
@@ -200,7 +201,8 @@ class PerTargetForecaster(Forecaster):
         return {"member_folders": list(self.members_)}
 
     def _set_state(self, state: dict, path: Path) -> None:
-        wanted = list(dict.fromkeys(self.member_of().values()))
+        self.member_names_ = self.member_of()
+        wanted = list(dict.fromkeys(self.member_names_.values()))
         folders = state.get("member_folders")
         if folders != wanted:
             raise InputError(
