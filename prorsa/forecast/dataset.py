@@ -31,8 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prorsa.errors import ConfigError, InputError
-from prorsa.forecast.features import LifecycleFeatures, replay
-from prorsa.forecast.targets import event_frame, run_targets, tick_times, trajectory_events
+from prorsa.forecast.features import LifecycleFeatures, replay, top_tasks
+from prorsa.forecast.run_frames import RunFrames
+from prorsa.forecast.targets import run_targets, tick_times, trajectory_events
 from prorsa.forecast.tracker import EVENT_FEATURES, START_RATE_VERSION
 from prorsa.forecast.types import DEFAULT_HORIZONS, TARGETS, check_horizons, target_column
 from prorsa.io import atomic_path
@@ -290,39 +291,45 @@ def build_dataset(
     if names and len(names) != len(tables):
         raise ConfigError(f"{len(names)} names for {len(tables)} telemetry tables")
     names = names or [f"telemetry[{i}]" for i in range(len(tables))]
-    frames, sources, partial = [], {}, {}
+    sources, partial = {}, {}
     read_from: dict[str, str] = {}  # run id -> the table it came from
+    by_table = []
     for name, table in zip(names, tables, strict=True):
         completeness = check_complete(table, allow_partial=allow_partial)
         if not completeness.complete:
             partial[name] = completeness.describe()
-        df = event_frame(table, source=name, keep_allocations=True)
-        for run_id in df["run_id"].unique():
+        runs = RunFrames(table, name)
+        for run_id in runs.run_ids:
             if run_id in sources:
                 raise InputError(
                     f"run id '{run_id}' is also in {read_from[run_id]}",
                     source=name,
                     hint="run ids must be unique across the telemetry given",
                 )
-            sources[str(run_id)] = _source_of(table)
-            read_from[str(run_id)] = name
-        frames.append(df)
-    events = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+            sources[run_id] = _source_of(table)
+            read_from[run_id] = name
+        by_table.append(runs)
     pipeline = LifecycleFeatures(horizons, max_tasks=max_tasks, tick_s=tick_s)
-    pipeline = pipeline.set_tasks(tasks) if tasks is not None else pipeline.fit(events)
+    if tasks is None:
+        pairs = pd.concat([runs.task_pairs for runs in by_table], ignore_index=True)
+        tasks = top_tasks(pairs, max_tasks)
+    pipeline = pipeline.set_tasks(tasks)
     tick_frames, snap_frames, turn_frames = [], [], []
-    runs = list(events.groupby("run_id", sort=True))
-    for done, (run_id, run) in enumerate(runs, 1):
+    # Every run in id order, each converted to pandas only while it is replayed.
+    order = sorted((run_id, i) for i, runs in enumerate(by_table) for run_id in runs.run_ids)
+    for done, (run_id, i) in enumerate(order, 1):
+        run = by_table[i].frame(run_id)
         ticks = tick_times(run, tick_s)
         if len(ticks):
             stages = trajectory_events(run)  # what targets and snapshot sizing read
             every = snapshot_stride(stages, tick_s, snapshot_every, max_snapshot_rows)
-            t, s, u = _replay_run(pipeline, str(run_id), run, stages, ticks, horizons, every)
+            t, s, u = _replay_run(pipeline, run_id, run, stages, ticks, horizons, every)
             tick_frames.append(t)
             snap_frames.append(s)
             turn_frames.append(u)
+        del run
         if progress is not None:
-            progress(done, len(runs))
+            progress(done, len(order))
     if not tick_frames:
         raise InputError(f"telemetry is shorter than one tick ({tick_s} s)")
     meta = {

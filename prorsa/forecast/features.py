@@ -151,6 +151,13 @@ def aggregate_features(tracker: LifecycleTracker) -> np.ndarray:
     return np.asarray(values, dtype=float)
 
 
+def top_tasks(events: pd.DataFrame, max_tasks: int) -> list[str]:
+    """The ``max_tasks`` tasks with the most distinct trajectories in ``events`` (a frame
+    with ``task`` and ``trajectory_id`` columns; repeated pairs count once), sorted by name."""
+    per_task = events.groupby("task")["trajectory_id"].nunique().sort_values(ascending=False)
+    return sorted(per_task.index[:max_tasks].astype(str))
+
+
 class LifecycleFeatures:
     """Feature pipeline: learns the task vocabulary, then replays telemetry into features.
 
@@ -180,10 +187,7 @@ class LifecycleFeatures:
         check_horizons(self.lags_s, name="lags_s")
         if self.tick_s <= 0:
             raise ConfigError(f"tick_s must be > 0, got {self.tick_s}")
-        df = event_frame(events)
-        per_task = df.groupby("task")["trajectory_id"].nunique().sort_values(ascending=False)
-        tasks = sorted(per_task.index[: self.max_tasks].astype(str))
-        return self.set_tasks(tasks)
+        return self.set_tasks(top_tasks(event_frame(events), self.max_tasks))
 
     def set_tasks(self, tasks: Sequence[str]) -> LifecycleFeatures:
         """Fit from a known vocabulary (e.g. a saved model's)."""

@@ -143,6 +143,44 @@ def simulate_runs(
     return tables
 
 
+def simulate_to_parquet(
+    runs: Sequence[SimRun] | SimPlan, path: str | Path, progress: Progress | None = None
+) -> int:
+    """Simulate every run, in order, into one Parquet file of their telemetry; the number
+    of events written.
+
+    Holds one run's table at a time (a recipe's telemetry is tens of millions of events).
+    The file appears only once every run is in it (a failed run leaves any earlier file
+    as it was).
+    """
+    import pyarrow.parquet as pq
+
+    from prorsa.io import atomic_path
+    from prorsa.telemetry.schema import conform
+
+    runs = runs.runs() if isinstance(runs, SimPlan) else list(runs)
+    if not runs:
+        raise InputError("no runs to simulate", source=str(path))
+    events = 0
+    with atomic_path(path) as tmp:
+        writer = None
+        try:
+            for i, run in enumerate(runs, 1):
+                table = conform(run.simulate())
+                if writer is None:
+                    # Every simulated table carries the same schema metadata (the source).
+                    writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
+                writer.write_table(table)
+                events += table.num_rows
+                del table
+                if progress is not None:
+                    progress(i, len(runs))
+        finally:
+            if writer is not None:
+                writer.close()
+    return events
+
+
 # -------------------------------------------------------------------------- train
 def train_model(
     model: str,
@@ -415,17 +453,16 @@ def ship(
 ) -> ShipReport:
     """Regenerate the shipped models (and ``out/README.md``) from the fixed recipe.
 
-    ``keep_data``: keep the training dataset, the validation telemetry (the quantiles
-    are recalibrated and the point forecast chosen on it) and the held-out telemetry
-    there; a later call with the same folder reuses them when they were made by the same
-    simulator (same sources hash), so retraining does not re-simulate. The data card's
-    held-out scores backtest every ``validate_every``-th held-out run (all cells and
-    workloads take turns; 0: none; ``benchmarks/forecast_bench.py`` scores all of them
-    against the baselines).
+    ``keep_data``: keep the training dataset and telemetry, the validation telemetry
+    (the quantiles are recalibrated and the point forecast chosen on it) and the
+    held-out telemetry there; a later call with the same folder reuses them when they
+    were made by the same simulator (same sources hash), so retraining does not
+    re-simulate. The data card's held-out scores backtest every ``validate_every``-th
+    held-out run (all cells and workloads take turns; 0: none;
+    ``benchmarks/forecast_bench.py`` scores all of them against the baselines).
     ``progress(stage, done, total)`` reports simulation, replay and backtest progress.
     """
     from prorsa.forecast.dataset import ForecastDataset, build_dataset
-    from prorsa.telemetry.reader import write_parquet
     from prorsa.workload.scenarios import datasets_dir
 
     out = Path(out)
@@ -435,6 +472,7 @@ def ship(
         work.mkdir(parents=True, exist_ok=True)
         data_path, heldout_path = work / "train.parquet", work / "heldout-telemetry.parquet"
         validation_path = work / "validation-telemetry.parquet"
+        train_path = work / "train-telemetry.parquet"
         data = None
         if data_path.exists() and heldout_path.exists() and validation_path.exists():
             data = ForecastDataset.load(data_path)
@@ -444,22 +482,28 @@ def ship(
                 data = None
         if data is None:
             traces_dir = datasets_dir() / "traces"
-            tables: dict[str, list[pa.Table]] = {}
             parts = {
-                "train": recipe_runs(traces_dir, work, TRAIN_CELLS, "train"),
-                "validation": validation_runs(),
-                "heldout": recipe_runs(traces_dir, work, HELDOUT_CELLS, "heldout"),
+                train_path: recipe_runs(traces_dir, work, TRAIN_CELLS, "train"),
+                validation_path: validation_runs(),
+                heldout_path: recipe_runs(traces_dir, work, HELDOUT_CELLS, "heldout"),
             }
-            for part, runs in parts.items():
-                tables[part] = simulate_runs(runs, _stage(progress, f"simulating ({part})"))
-            data = build_dataset(tables["train"], progress=_stage(progress, "replaying"))
+            # Each part goes to disk run by run: no part is ever whole in memory, and the
+            # training telemetry is read back as Arrow and replayed one run at a time.
+            for path, runs in parts.items():
+                stage = f"simulating ({path.name.removesuffix('-telemetry.parquet')})"
+                simulate_to_parquet(runs, path, _stage(progress, stage))
+            data = build_dataset(_read_table(train_path), progress=_stage(progress, "replaying"))
             data.meta["simulator"] = version
             data.save(data_path)
-            write_parquet(concat_tables(tables["validation"]), validation_path)
-            write_parquet(concat_tables(tables["heldout"]), heldout_path)
         made_by = data.meta.get("simulator", version)  # a kept set may predate this commit
-        heldout = _read_table(heldout_path)
-        validate = [_every_nth_run(heldout, validate_every)] if validate_every > 0 else []
+        recipe = ship_recipe(data)
+        # Each model loads the dataset itself: a copy held here too would double it.
+        del data
+        validate = (
+            [_every_nth_run(_read_table(heldout_path), validate_every)]
+            if validate_every > 0
+            else []
+        )
         validation = _read_table(validation_path)
         results = {}
         for name in models:
@@ -471,7 +515,7 @@ def ship(
                 params=SHIP_PARAMS.get(name),
                 validate=validate,
                 select_on=validation,
-                extra_manifest={"recipe": ship_recipe(data), "simulator": made_by},
+                extra_manifest={"recipe": recipe, "simulator": made_by},
                 progress=_stage(progress, f"backtesting {name}"),
             )
         heldout_runs = len(set(validate[0].column("run_id").to_pylist())) if validate else 0
@@ -479,14 +523,14 @@ def ship(
         kept = {n: s for n, s in kept.items() if s is not None}
         composed = _compose_if_shipped(out)
         write_data_card(
-            out / "README.md", data, results, heldout_runs, kept=kept, composed=composed
+            out / "README.md", recipe, results, heldout_runs, kept=kept, composed=composed
         )
     return ShipReport(
         out=out,
         models=results,
-        train_runs=len(data.runs),
+        train_runs=recipe["runs"],
         heldout_runs=heldout_runs,
-        data_hash=data.data_hash(),
+        data_hash=recipe["data_hash"],
         simulator=made_by,
     )
 
@@ -541,7 +585,7 @@ def _stage(progress: Callable[[str, int, int], None] | None, stage: str) -> Prog
 
 def write_data_card(
     path: Path,
-    data,
+    recipe: dict[str, Any],
     results: dict,
     heldout_runs: int,
     *,
@@ -551,11 +595,11 @@ def write_data_card(
 ) -> None:
     """models/README.md: what the shipped models were trained on and how they score.
 
-    ``scored_by`` replaces the sentence that says which held-out runs were backtested.
+    ``recipe`` is :func:`ship_recipe` of the training data. ``scored_by`` replaces the
+    sentence that says which held-out runs were backtested.
     ``kept``: models in the folder this run did not retrain (:func:`_shipped_summary`),
     listed with the scores, data and simulator their own manifests record.
     """
-    recipe = ship_recipe(data)
     sim = recipe["simulator"]
     lines = [
         "# Shipped forecasters (data card)",
