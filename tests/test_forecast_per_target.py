@@ -61,6 +61,35 @@ def test_each_target_is_its_members_own_forecast_from_one_shared_tracker(data):
     assert not np.array_equal(together[-1].point["prefill_tokens"], trajectory_own)
 
 
+def test_members_run_only_the_models_of_the_targets_they_serve(data, monkeypatch):
+    from prorsa.forecast import lgbm
+
+    train, events = data
+    agg, traj = _member("lightgbm-aggregate", train), _member("lightgbm-trajectory", train)
+    composite = PerTargetForecaster.from_members(
+        {t: agg if name == "lightgbm-aggregate" else traj for t, name in MIXED.items()}
+    ).set_drift_check(False)
+    name_of = {id(b): key for m in (agg, traj) for key, b in m.boosters_.items()}
+    called: set[str] = set()
+    real = lgbm.predict
+
+    def spy(booster, x, *args, **kwargs):
+        called.add(name_of.get(id(booster), "?"))
+        return real(booster, x, *args, **kwargs)
+
+    monkeypatch.setattr(lgbm, "predict", spy)
+    _stream(composite, events, ticks=3)
+    # Aggregate boosters are "<target>:<loss>", trajectory's calibration "cal:<target>:<loss>".
+    tick_models = {k for k in called if k.count(":") >= 1 and k.split(":")[-2] in TARGETS}
+    served = {(k.startswith("cal:"), k.split(":")[-2]) for k in tick_models}
+    expected = {(name == "lightgbm-trajectory", t) for t, name in MIXED.items()}
+    assert served == expected
+    # The restriction holds for the composite's calls only: the members are the caller's.
+    assert agg.targets_read is None and traj.targets_read is None
+    alone = agg.predict()
+    assert all(np.any(alone.point[t] > 0) for t in TARGETS)
+
+
 def test_the_composite_alone_checks_drift_and_falls_back_for_every_target(data):
     train, events = data
     composite = make_forecaster("per-target", horizons=HORIZONS, seed=7, **FAST["per-target"]).fit(

@@ -207,6 +207,15 @@ def read_points(
     return {t: list(points[t]) for t in TARGETS}
 
 
+def skip_target(point: Point, quantiles: Quantiles, target: str, n_horizons: int) -> None:
+    """Forecast ``target`` as 0 at every horizon and level: a target no caller reads
+    (:attr:`~prorsa.forecast.base.Forecaster.targets_read`), whose models are not run."""
+    zeros = np.zeros(n_horizons)
+    point[target] = zeros
+    for level in quantiles:
+        quantiles[level][target] = zeros
+
+
 def ordered_median(by_level: dict[float, np.ndarray]) -> np.ndarray:
     """The median as :meth:`~prorsa.forecast.base.Forecaster.predict` reports it
     (:func:`~prorsa.forecast.base.ordered_levels`), so the point chosen as "median" is
@@ -337,6 +346,9 @@ class LightGBMAggregateForecaster(Forecaster):
         point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
         for target in TARGETS:
+            if self.targets_read is not None and target not in self.targets_read:
+                skip_target(point, quantiles, target, len(horizons))
+                continue
             for key, _, alpha in LOSSES:
                 raw = lgbm.predict(self.boosters_[f"{target}:{key}"], x)
                 raw = raw + conformal_shift(

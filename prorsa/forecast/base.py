@@ -290,6 +290,12 @@ class Forecaster(ABC):
         what :func:`~prorsa.forecast.conformal.recalibrate_on_backtest` moves."""
         return getattr(self, "_raw_quantiles", {})
 
+    #: Targets the caller reads from :meth:`predict` (None: all). A composite sets it on
+    #: its members (:mod:`~prorsa.forecast.per_target`) so that each runs only the
+    #: models of the targets it serves; a model that honours it forecasts the others as
+    #: 0 (run-time setting, like the drift check: it changes nothing learned).
+    targets_read: frozenset[str] | None = None
+
     # ----------------------------------------------------------------- drift
     # Whether ``predict`` falls back to a baseline when the live features leave the
     # training range: a run-time setting, not a parameter (it changes nothing learned).

@@ -173,7 +173,17 @@ class PerTargetForecaster(Forecaster):
         features = self.current_features()
         for member in self.members_.values():
             member._features_at = ((member.tracker_, member._ticks), features)
-        by_name = {name: m.predict(horizons) for name, m in self.members_.items()}
+        served: dict[str, set[str]] = {}
+        for target, name in self.member_names_.items():
+            served.setdefault(name, set()).add(target)
+        by_name = {}
+        for name, member in self.members_.items():
+            # Only for this call: a member given to from_members is the caller's object.
+            member.targets_read = frozenset(served[name])
+            try:
+                by_name[name] = member.predict(horizons)
+            finally:
+                member.targets_read = None
         point: Point = {}
         levels = set.intersection(*(set(f.quantiles) for f in by_name.values()))
         quantiles: Quantiles = {q: {} for q in sorted(levels)}

@@ -43,6 +43,7 @@ from prorsa.forecast.aggregate import (
     pick_point,
     read_conformal,
     read_points,
+    skip_target,
     subsample,
 )
 from prorsa.forecast.base import Forecaster, Point, Quantiles, denormalise, normalise, register
@@ -615,6 +616,9 @@ class LightGBMTrajectoryForecaster(Forecaster):
             return denormalise(values, target, horizons, scale)
 
         for i, target in enumerate(TARGETS):
+            if self.targets_read is not None and target not in self.targets_read:
+                skip_target(point, quantiles, target, len(horizons))
+                continue
             for suffix, _, alpha in LOSSES:
                 raw = lgbm.predict(self.boosters_[f"cal:{target}:{suffix}"], x) + offset[:, i]
                 raw = raw + conformal_shift(
