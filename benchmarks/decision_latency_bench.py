@@ -174,8 +174,10 @@ def warm_compiled(model) -> bool:
     from prorsa.forecast import compiled_trees
     from prorsa.forecast.trajectory import TURN_MODELS
 
-    boosters = getattr(model, "boosters_", {})
-    turn = [boosters[name] for name in TURN_MODELS if name in boosters]
+    # A composite's (per-target) members are the ones holding boosters.
+    models = [model, *getattr(model, "members_", {}).values()]
+    boosters = [getattr(m, "boosters_", {}) for m in models]
+    turn = [b[name] for b in boosters for name in TURN_MODELS if name in b]
     return bool(turn) and compiled_trees.warm(turn)
 
 
