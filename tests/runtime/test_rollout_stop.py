@@ -145,6 +145,22 @@ def test_complete_rollout_is_marked_complete(tmp_path):
     assert result.metrics["run_complete"] is True and result.metrics["run_status"] == "complete"
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_driver_freezes_its_start_up_heap_only_when_configured(tmp_path, freeze):
+    import gc
+
+    seen: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append(gc.get_freeze_count())  # called on the driver while trajectories run
+
+    before = gc.get_freeze_count()
+    cfg = config(tmp_path, freeze_startup_heap=freeze)
+    run_rollout(cfg, tmp_path / "out", fleet=FakeFleet(3), progress=progress)
+    assert seen and all((n > before) == freeze for n in seen)
+    assert gc.get_freeze_count() == before  # undone when the run ends
+
+
 def test_killed_engine_is_recorded_and_left_out_of_final_roles(tmp_path):
     fleet = FakeFleet(3)
     out = tmp_path / "out"

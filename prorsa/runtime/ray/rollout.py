@@ -236,7 +236,7 @@ def run_rollout(
                     config, fleet, roles, policy, forecaster, work, out, progress, stop, shape
                 )
                 # This process routes and controls from here on (prorsa.runtime.gc_heap).
-                with startup_heap_frozen():
+                with startup_heap_frozen(config.freeze_startup_heap):
                     result = asyncio.run(run_all)
             finally:
                 if owned:
@@ -332,6 +332,7 @@ def start_fleet(config: RolloutConfig, roles: list[str], out: Path) -> tuple[Any
         connector=config.connector,  # type: ignore[arg-type]
         kv_storage_dir=str(out / "kv"),
         seed=config.work.seed,
+        freeze_startup_heap=config.freeze_startup_heap,
     )
     try:
         fleet = EngineFleet.start(FleetSpec(engine, roles=roles))

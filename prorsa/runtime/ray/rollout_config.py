@@ -104,6 +104,13 @@ class RolloutConfig:
         ),
     )
     run_id: str = field(default="rollout", **_help("telemetry run id"))
+    freeze_startup_heap: bool = field(
+        default=True,
+        **_help(
+            "keep the start-up heaps of the driver and the engine actors out of Python's full "
+            "garbage collections while trajectories run (prorsa.runtime.gc_heap)"
+        ),
+    )
 
     # ------------------------------------------------------------------ derived
     @property
