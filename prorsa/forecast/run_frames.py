@@ -51,27 +51,31 @@ class RunFrames:
     def _index_arrow(self, table: pa.Table) -> None:
         if table.num_rows == 0:
             raise InputError("telemetry is empty (no events)", source=self.name)
-        kind = table.column("kind").cast(pa.string())
-        cluster = pc.is_in(kind, value_set=_CLUSTER_KINDS)
+        # Kinds are dictionary-encoded: decide per distinct kind, then look rows up.
+        kind = table.column("kind").combine_chunks()
+        names = kind.dictionary
+        cluster = pc.is_in(names, value_set=_CLUSTER_KINDS).take(kind.indices)
         trajectory = pc.invert(cluster)
         if not pc.any(trajectory).as_py():
             raise InputError("telemetry holds no trajectory events", source=self.name)
-        kept = pc.or_(trajectory, pc.equal(kind, str(EventKind.ALLOCATION)))
+        allocation = pc.equal(names, str(EventKind.ALLOCATION)).take(kind.indices)
+        kept = pc.or_(trajectory, allocation)
         times = table.column("time").to_numpy()
         if not np.isfinite(times[kept.to_numpy(zero_copy_only=False)]).all():
             raise InputError("non-finite event time", source=self.name, field="time")
         encoded = pc.dictionary_encode(table.column("run_id")).combine_chunks()
         codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         codes[~kept.to_numpy(zero_copy_only=False)] = -1
-        names = encoded.dictionary.to_pylist()
+        run_names = encoded.dictionary.to_pylist()
         present = np.unique(codes[codes >= 0])
         # Runs in sorted id order; each run's rows in table order (a stable sort).
-        self.run_ids = sorted(str(names[c]) for c in present)
-        self._code = {str(names[c]): int(c) for c in present}
+        self.run_ids = sorted(str(run_names[c]) for c in present)
+        self._code = {str(run_names[c]): int(c) for c in present}
         self._order = np.argsort(codes, kind="stable")
         self._sorted_codes = codes[self._order]
         self._table = table
-        pairs = table.filter(trajectory).select(_TASK_PAIR).group_by(_TASK_PAIR).aggregate([])
+        # Select before filtering: a filter copies every column it is given.
+        pairs = table.select(_TASK_PAIR).filter(trajectory).group_by(_TASK_PAIR).aggregate([])
         self.task_pairs = pairs.to_pandas()
 
     def frame(self, run_id: str) -> pd.DataFrame:

@@ -298,28 +298,24 @@ def _trajectory_counts(table: pa.Table) -> tuple[int, int, int]:
     kind = table.column("kind")
     if pa.types.is_dictionary(kind.type):
         kind = kind.cast(pa.string())
-    key = _trajectory_key(table)
     on_trajectory = pc.invert(pc.is_in(kind, pa.array(sorted(CLUSTER_EVENT_KINDS))))
-    trajectories = pc.unique(pc.filter(key, on_trajectory))
     ends = pc.equal(kind, EventKind.TRAJ_END.value)
-    ended = pc.unique(pc.filter(key, ends))
-    unfinished = len(trajectories) - int(pc.sum(pc.is_in(trajectories, ended)).as_py() or 0)
+    # Grouped by (run, trajectory) as they are: joining the two ids into one string per
+    # event cost gigabytes on a recipe's tens of millions of events.
+    keys = [c for c in ("run_id", "trajectory_id") if c in table.column_names]
+    flags = pa.table(
+        {**{c: table.column(c) for c in keys}, "on_trajectory": on_trajectory, "ended": ends}
+    )
+    per_key = flags.group_by(keys).aggregate([("on_trajectory", "max"), ("ended", "max")])
+    per_key = per_key.filter(per_key.column("on_trajectory_max"))
+    ended = int(pc.sum(per_key.column("ended_max")).as_py() or 0)
     cut = 0
     if "detail" in table.column_names:
         details = pc.filter(table.column("detail"), ends).to_pylist()
         cut = sum(
             1 for text in details if _trajectory_status(text) in INCOMPLETE_TRAJECTORY_STATUSES
         )
-    return len(trajectories), unfinished, cut
-
-
-def _trajectory_key(table: pa.Table) -> pa.ChunkedArray:
-    trajectory = table.column("trajectory_id").cast(pa.string())
-    if "run_id" in table.column_names:
-        return pc.binary_join_element_wise(
-            table.column("run_id").cast(pa.string()), trajectory, "\x1f"
-        )
-    return trajectory
+    return per_key.num_rows, per_key.num_rows - ended, cut
 
 
 def _trajectory_status(detail: str | None) -> str | None:
