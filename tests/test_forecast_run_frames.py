@@ -18,6 +18,7 @@ from prorsa.forecast.targets import event_frame
 from prorsa.runtime.cluster.config import ClusterConfig
 from prorsa.runtime.cluster.control import ControlConfig
 from prorsa.telemetry import events_to_table
+from prorsa.telemetry.schema import ARROW_SCHEMA, conform
 from prorsa.workload.config import WorkloadConfig
 from tests.conftest import make_two_turn_events
 from tests.sim_helpers import random_specs, run
@@ -40,14 +41,33 @@ def runs() -> list[pa.Table]:
     return out
 
 
-def test_the_dataset_is_the_same_whatever_the_shape_of_the_telemetry(runs):
+def test_the_dataset_is_the_same_whatever_the_shape_of_the_telemetry(runs, tmp_path):
     one_per_run = build_dataset(runs, horizons=[1, 5])
     together = build_dataset([concat_tables([runs[0], runs[2]]), runs[1], runs[3]], horizons=[1, 5])
     as_pandas = build_dataset([t.to_pandas() for t in runs], horizons=[1, 5])
+    # Read back with the string ids dictionary-encoded (what shipping does for run ids).
+    # One write per run, as shipping streams them: each row group brings its dictionaries.
+    with pq.ParquetWriter(tmp_path / "all.parquet", runs[0].schema) as writer:
+        for table in runs:
+            writer.write_table(table.replace_schema_metadata(runs[0].schema.metadata))
+    encoded = pq.read_table(tmp_path / "all.parquet", read_dictionary=["run_id", "task"])
+    assert pa.types.is_dictionary(encoded.schema.field("run_id").type)
+    assert encoded.column("run_id").num_chunks > 1
+    from_parquet = build_dataset(encoded, horizons=[1, 5])
     assert one_per_run.runs == ["a", "b", "c", "d"]
-    assert one_per_run.data_hash() == together.data_hash() == as_pandas.data_hash()
-    assert one_per_run.meta["tasks"] == together.meta["tasks"] == as_pandas.meta["tasks"]
-    assert together.sources == one_per_run.sources
+    hashes = {d.data_hash() for d in (one_per_run, together, as_pandas, from_parquet)}
+    assert len(hashes) == 1
+    assert one_per_run.meta["tasks"] == together.meta["tasks"] == from_parquet.meta["tasks"]
+    assert one_per_run.meta["tasks"] == as_pandas.meta["tasks"]
+    assert together.sources == one_per_run.sources == from_parquet.sources
+
+
+def test_conform_can_keep_dictionary_encoded_strings(runs):
+    encoded = runs[0].set_column(1, "run_id", pc.dictionary_encode(runs[0].column("run_id")))
+    kept = conform(encoded, keep_dictionaries=True)
+    assert pa.types.is_dictionary(kept.schema.field("run_id").type)
+    assert kept.column("run_id").cast(pa.string()).equals(runs[0].column("run_id"))
+    assert conform(encoded).schema.equals(ARROW_SCHEMA, check_metadata=False)
 
 
 def test_a_run_frame_is_that_run_of_the_whole_tables_frame(runs):

@@ -46,7 +46,9 @@ class RunFrames:
             trajectory = frame["kind"] != EventKind.ALLOCATION
             self.task_pairs = frame.loc[trajectory, _TASK_PAIR].drop_duplicates()
             return
-        self._index_arrow(conform(table, source=name))
+        # One dictionary per column (Parquet row groups each bring their own).
+        table = conform(table, source=name, keep_dictionaries=True).unify_dictionaries()
+        self._index_arrow(table)
 
     def _index_arrow(self, table: pa.Table) -> None:
         if table.num_rows == 0:

@@ -306,7 +306,12 @@ def _trajectory_counts(table: pa.Table) -> tuple[int, int, int]:
     flags = pa.table(
         {**{c: table.column(c) for c in keys}, "on_trajectory": on_trajectory, "ended": ends}
     )
-    per_key = flags.group_by(keys).aggregate([("on_trajectory", "max"), ("ended", "max")])
+    # Chunks read from Parquet row groups carry dictionaries of their own.
+    per_key = (
+        flags.unify_dictionaries()
+        .group_by(keys)
+        .aggregate([("on_trajectory", "max"), ("ended", "max")])
+    )
     per_key = per_key.filter(per_key.column("on_trajectory_max"))
     ended = int(pc.sum(per_key.column("ended_max")).as_py() or 0)
     cut = 0

@@ -170,8 +170,15 @@ def events_to_table(events: Iterable[LifecycleEvent]) -> pa.Table:
     return rows_to_table([e.as_row() for e in events])
 
 
-def conform(table: pa.Table, *, source: str = "<table>") -> pa.Table:
-    """Cast a table with the right column names to the canonical schema and column order."""
+def conform(
+    table: pa.Table, *, source: str = "<table>", keep_dictionaries: bool = False
+) -> pa.Table:
+    """Cast a table with the right column names to the canonical schema and column order.
+
+    ``keep_dictionaries`` leaves dictionary-encoded string columns encoded (the schema
+    then differs from :data:`ARROW_SCHEMA` in those columns): a run id repeated on every
+    one of tens of millions of events stays an index per event until a run is cast.
+    """
     from prorsa.errors import InputError
 
     missing = [f for f in FIELDS if f not in table.column_names]
@@ -185,9 +192,18 @@ def conform(table: pa.Table, *, source: str = "<table>") -> pa.Table:
     table = table.select(list(FIELDS))
     if table.schema.equals(ARROW_SCHEMA, check_metadata=False):
         return table
-    arrays = []
+    arrays, fields = [], []
     for field in ARROW_SCHEMA:
         col = table.column(field.name)
+        if (
+            keep_dictionaries
+            and field.type == pa.string()
+            and pa.types.is_dictionary(col.type)
+            and pa.types.is_string(col.type.value_type)
+        ):
+            arrays.append(col)
+            fields.append(field.with_type(col.type))
+            continue
         try:
             if field.name == "kind":
                 if pa.types.is_dictionary(col.type):
@@ -200,6 +216,7 @@ def conform(table: pa.Table, *, source: str = "<table>") -> pa.Table:
                 f"cannot convert to {field.type}: {exc}", source=source, field=field.name
             ) from None
         arrays.append(col)
+        fields.append(field)
     # Keep the source's own metadata (e.g. ``prorsa.source``) on top of the schema's.
     metadata = {**(ARROW_SCHEMA.metadata or {}), **(table.schema.metadata or {})}
-    return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA.with_metadata(metadata))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=metadata))
