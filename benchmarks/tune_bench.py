@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import RESULTS, save
+from prorsa.experiments import DEFAULT_FORECASTER
 from prorsa.experiments.cells import Cell, run_cell
 from prorsa.experiments.held_out import geometric_mean
 from prorsa.experiments.regimes import DEFAULT_EVAL_SEEDS
@@ -196,8 +197,15 @@ def main() -> None:
         action="store_true",
         help="tune the map's cells where predictive misses a goal instead (tune-losing.json)",
     )
+    parser.add_argument(
+        "--forecaster",
+        default=DEFAULT_FORECASTER,
+        help="predictive's forecaster in every cell (default: the policies' default; the "
+        "map's cells file records the one its full run used)",
+    )
     args = parser.parse_args()
     cells = losing_cells() if args.losing else chosen_cells(args.max_cell_wall_s)
+    cells = [cell.changed(forecaster=args.forecaster) for cell in cells]
     first = DEFAULT_EVAL_SEEDS[0]
     if not cells:
         raise SystemExit(
@@ -235,6 +243,7 @@ def main() -> None:
         {
             "setup": {
                 "policy": "predictive",
+                "forecaster": args.forecaster,
                 "draws_start_and_split": args.draw_start,
                 "cells": "where predictive misses a goal" if args.losing else "quickest per family",
                 "trials": args.trials,
