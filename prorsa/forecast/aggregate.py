@@ -346,7 +346,7 @@ class LightGBMAggregateForecaster(Forecaster):
         point: Point = {}
         quantiles: Quantiles = {q: {} for q in QUANTILES}
         for target in TARGETS:
-            if self.targets_read is not None and target not in self.targets_read:
+            if not self._reads(target):
                 skip_target(point, quantiles, target, len(horizons))
                 continue
             for key, _, alpha in LOSSES:

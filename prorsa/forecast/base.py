@@ -296,6 +296,10 @@ class Forecaster(ABC):
     #: 0 (run-time setting, like the drift check: it changes nothing learned).
     targets_read: frozenset[str] | None = None
 
+    def _reads(self, target: str) -> bool:
+        """Whether the caller reads ``target`` (see :attr:`targets_read`)."""
+        return self.targets_read is None or target in self.targets_read
+
     # ----------------------------------------------------------------- drift
     # Whether ``predict`` falls back to a baseline when the live features leave the
     # training range: a run-time setting, not a parameter (it changes nothing learned).

@@ -61,13 +61,13 @@ class RunFrames:
         if not pc.any(trajectory).as_py():
             raise InputError("telemetry holds no trajectory events", source=self.name)
         allocation = pc.equal(names, str(EventKind.ALLOCATION)).take(kind.indices)
-        kept = pc.or_(trajectory, allocation)
+        kept = pc.or_(trajectory, allocation).to_numpy(zero_copy_only=False)
         times = table.column("time").to_numpy()
-        if not np.isfinite(times[kept.to_numpy(zero_copy_only=False)]).all():
+        if not np.isfinite(times[kept]).all():
             raise InputError("non-finite event time", source=self.name, field="time")
         encoded = pc.dictionary_encode(table.column("run_id")).combine_chunks()
         codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        codes[~kept.to_numpy(zero_copy_only=False)] = -1
+        codes[~kept] = -1
         run_names = encoded.dictionary.to_pylist()
         present = np.unique(codes[codes >= 0])
         # Runs in sorted id order; each run's rows in table order (a stable sort).

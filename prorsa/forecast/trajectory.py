@@ -616,7 +616,7 @@ class LightGBMTrajectoryForecaster(Forecaster):
             return denormalise(values, target, horizons, scale)
 
         for i, target in enumerate(TARGETS):
-            if self.targets_read is not None and target not in self.targets_read:
+            if not self._reads(target):
                 skip_target(point, quantiles, target, len(horizons))
                 continue
             for suffix, _, alpha in LOSSES:
