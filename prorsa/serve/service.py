@@ -662,6 +662,7 @@ class RolloutService(TrainerPushWindow):
             "weight_version_label": self.weight_labels.label(self.weight_version),
             "roles": {eid: role.value for eid, role in pools.roles().items()},
             "engines_per_role": pools.counts(),
+            "out_of_service": pools.out_of_service(),
             "sessions": len(self._sessions()),
             "sessions_started": self._sessions().started_total,
             "in_flight": self.gate.in_flight,

@@ -35,6 +35,9 @@ def server(ray_session, tiny_model_dir, tmp_path_factory):
     config = ServeConfig(
         model=str(tiny_model_dir), engines=3, policy="static",
         policy_params={"prefill_gpus": 1}, port=free_port(), sync_drain_timeout_s=30.0,
+        # These tests check weights and roles, not the watchdogs: on a loaded machine an
+        # engine may answer slower than the defaults allow and must not leave service.
+        engine_control_timeout_s=300.0, engine_stall_timeout_s=600.0,
     )  # fmt: skip
     background = BackgroundServer(config, fleet=fleet).start()
     yield background
@@ -208,6 +211,8 @@ def test_grpo_loop_end_to_end(http, server, tiny_model_dir, tmp_path):
     # Back to the weights the trainer starts from (a new version: versions only go up).
     restored = http.post("/update_weights", json={"weight_dir": str(tiny_model_dir)}).json()
     assert restored["version"] == 3
+    status = http.get("/prorsa/status").json()
+    assert status["out_of_service"] == {}, status  # the loop rotates all three engines
     history = asyncio.run(train(server.url, str(tiny_model_dir), tmp_path, GRPOConfig(steps=4)))
     rewards = [h["mean_reward"] for h in history]
     assert max(rewards[-2:]) > rewards[0], rewards  # learning at a fixed seed

@@ -843,6 +843,23 @@ def test_a_cancel_retires_the_live_engines_a_push_failed_on_even_if_another_died
     assert run(go()) == [0]
 
 
+def test_status_names_the_engines_out_of_service_and_why(tmp_path):
+    async def go():
+        async with fake_service(tmp_path) as (svc, fakes):
+            before = svc.status()["out_of_service"]
+            await svc.begin_weight_update()
+            fakes[1].failing_rpcs.add("update_weights")
+            with pytest.raises(RuntimeError):
+                await svc.collective_rpc("update_weights")
+            await svc.cancel_weight_update()
+            return before, svc.status()
+
+    before, status = run(go())
+    assert before == {}
+    assert list(status["out_of_service"]) == [1] and status["engines_per_role"]["dead"] == 1
+    assert "update_weights" in status["out_of_service"][1] and 1 not in status["roles"]
+
+
 def test_ended_session_ids_are_forgotten_after_an_hour():
     from prorsa.serve.sessions import ENDED_KEPT_S, Sessions
 

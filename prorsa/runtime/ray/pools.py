@@ -184,6 +184,12 @@ class RolePools:
         """Current role of every live engine (``switching`` while a switch runs)."""
         return {e.engine_id: e.role for e in self._engines.values() if e.alive}
 
+    def out_of_service(self) -> dict[int, str]:
+        """Why each engine that left service did (its ``lost_cause``), by engine id."""
+        return {
+            e.engine_id: e.lost_cause or "unknown" for e in self._engines.values() if not e.alive
+        }
+
     def counts(self) -> dict[str, int]:
         """Live engines per role, plus ``dead``."""
         out = {role.value: 0 for role in Role}
