@@ -11,6 +11,7 @@ import pytest
 from prorsa.errors import ConfigError, InputError
 from prorsa.forecast import TARGETS, build_dataset, load_forecaster, make_forecaster
 from prorsa.forecast.per_target import (
+    DEFAULT_MEMBERS,
     PerTargetForecaster,
     choose_members,
     compose_shipped,
@@ -197,3 +198,11 @@ def test_composing_the_shipped_models_follows_their_manifests(tmp_path):
     loaded = load_forecaster(path)
     assert loaded.member_of() == {t: c["member"] for t, c in choice.items()}
     assert json.loads((path / "manifest.json").read_text())["chosen_by"]["targets"] == choice
+
+
+def test_the_default_members_are_the_shipped_composites():
+    # A per-target built by name (no folder) must serve each target from the member the
+    # shipped composite chose on validation, not from an older choice.
+    shipped = json.loads((models_dir() / "per-target" / "manifest.json").read_text())
+    chosen = {t: c["member"] for t, c in shipped["chosen_by"]["targets"].items()}
+    assert chosen == DEFAULT_MEMBERS
