@@ -111,14 +111,15 @@ def find_violations(table: pa.Table, *, limit: int | None = None) -> list[tuple[
     time = _as_floats(table.column("time"))
     bad_time = ~np.isfinite(time) | (time < 0)
     problems += [(int(i), "time", "must be a finite number >= 0") for i in np.flatnonzero(bad_time)]
+    turn = _as_floats(table.column("turn"))  # kept for the order check below
     for name in (*TOKEN_FIELDS, "turn"):
-        bad = np.flatnonzero(~(_as_floats(table.column(name)) >= 0))
+        values = turn if name == "turn" else _as_floats(table.column(name))
+        bad = np.flatnonzero(~(values >= 0))
         problems += [(int(i), name, "must be a non-negative integer") for i in bad]
 
     in_trajectory = ~_mask(pc.is_in(kind, value_set=pa.array(sorted(CLUSTER_EVENT_KINDS))))
     order, group = _trajectory_order(table, in_trajectory)
     if len(order):
-        turn = _as_floats(table.column("turn"))
         problems += [
             (int(i), "time", "time goes backwards within its trajectory")
             for i in _below_running_max(time[order], group, order)
